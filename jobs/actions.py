@@ -1,0 +1,726 @@
+"""Every state change of jobs, attempts, nodes, checkpoints and model versions.
+
+One function per change; each runs in a transaction and writes an Event. Views, serializers,
+the agent endpoints and the scheduler only validate input and call these. Side effects (waking
+the scheduler, websocket pushes, queue work) go out on commit, never before.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from django.db import transaction
+from django.db.models import Max
+
+from jobs.conf import lockstep_setting
+from jobs.models import (
+    GPU,
+    Allocation,
+    Attempt,
+    Checkpoint,
+    Event,
+    Job,
+    LogChunk,
+    MetricPoint,
+    ModelVersion,
+    Node,
+)
+from jobs.notify import on_commit_send
+from jobs.scheduling.wake import wake_scheduler
+from teams.models import Team, token_digest
+
+log = logging.getLogger(__name__)
+
+STEP_METRICS = ("loss", "tokens_per_s", "step_time_s")
+
+
+class ClaimRejected(Exception):
+    """A placement could not be applied; the job stays queued."""
+
+
+def _event(kind: str, message: str, **refs) -> Event:
+    return Event.objects.create(kind=kind, message=message[:2000], **refs)
+
+
+def _push_state(job: Job) -> None:
+    on_commit_send(
+        job.id, {"type": "state", "state": job.state, "reason": job.reason, "job": job.id}
+    )
+
+
+def _wake(reason: str) -> None:
+    transaction.on_commit(lambda: wake_scheduler(reason))
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        try:
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+# --- jobs ----------------------------------------------------------------------------------
+
+
+@transaction.atomic
+def do_submit_job(*, owner, team: Team, now: datetime, **fields) -> Job:
+    job = Job.objects.create(
+        owner=owner,
+        team=team,
+        submitted_at=now,
+        state=Job.State.QUEUED,
+        reason="queued; waiting for the scheduler's next pass",
+        **fields,
+    )
+    _event(
+        "job.submitted",
+        f"{owner.username} submitted {job.name}: {job.gpus} GPUs, priority {job.priority}",
+        job=job,
+        team=team,
+        actor=owner,
+    )
+    _wake("job submitted")
+    return job
+
+
+@transaction.atomic
+def do_cancel_job(job: Job, *, actor, now: datetime, reason: str = "") -> Job:
+    job = Job.objects.select_for_update().get(pk=job.pk)
+    if job.is_terminal:
+        return job
+    why = reason or f"cancelled by {actor.username if actor else 'the system'}"
+    attempt = job.attempts.filter(ended_at__isnull=True).first()
+    if attempt is not None:
+        # Checkpoint first: the agent sends SIGTERM, the trainer saves at the next step
+        # boundary and exits; the GPUs are released when it does (or at the deadline).
+        _begin_stop(attempt, now=now, reason=why)
+    job.state = Job.State.CANCELLED
+    job.reason = why
+    job.finished_at = now
+    job.save(update_fields=["state", "reason", "finished_at"])
+    _event("job.cancelled", why, job=job, team_id=job.team_id, actor=actor)
+    _push_state(job)
+    _wake("job cancelled")
+    return job
+
+
+@transaction.atomic
+def do_set_job_priority(job: Job, *, priority: str, actor) -> Job:
+    before = job.priority
+    job.priority = priority
+    job.save(update_fields=["priority"])
+    _event(
+        "job.priority_changed",
+        f"priority {before} -> {priority}",
+        job=job,
+        team_id=job.team_id,
+        actor=actor,
+    )
+    _wake("priority changed")
+    return job
+
+
+def _begin_stop(attempt: Attempt, *, now: datetime, reason: str) -> None:
+    if attempt.state == Attempt.State.STOPPING:
+        return
+    attempt.state = Attempt.State.STOPPING
+    attempt.stop_deadline = now + timedelta(seconds=lockstep_setting("STOP_GRACE_S"))
+    attempt.end_reason = reason
+    attempt.save(update_fields=["state", "stop_deadline", "end_reason"])
+    _event(
+        "attempt.stopping",
+        f"attempt {attempt.number}: checkpoint-and-stop, deadline {attempt.stop_deadline:%H:%M:%S}",
+        job_id=attempt.job_id,
+        attempt=attempt,
+    )
+
+
+@transaction.atomic
+def do_requeue_job(job: Job, *, now: datetime) -> bool:
+    """RESTARTING -> QUEUED once the backoff has passed."""
+    updated = Job.objects.filter(
+        pk=job.pk, state=Job.State.RESTARTING, restart_after__lte=now
+    ).update(state=Job.State.QUEUED, reason="requeued after a failure; waiting to be placed")
+    if updated:
+        job.refresh_from_db()
+        _event(
+            "job.requeued",
+            f"requeued for restart {job.restart_count}",
+            job=job,
+            team_id=job.team_id,
+        )
+        _push_state(job)
+    return bool(updated)
+
+
+# --- the claim -----------------------------------------------------------------------------
+
+
+def latest_checkpoint(job_id: int) -> Checkpoint | None:
+    return Checkpoint.objects.filter(job_id=job_id).order_by("-step", "-id").first()
+
+
+def do_start_attempt(placement, *, now: datetime) -> Attempt:
+    """Claim a whole gang for a queued job, or raise ClaimRejected and change nothing.
+
+    Must run inside a transaction (the applier's savepoint). Safe against concurrent claimers:
+    the job moves QUEUED -> STARTING by a conditional update (only one claimer wins), the team
+    row is locked while its usage is re-checked, and every GPU is taken by inserting into
+    Allocation, whose partial unique index lets a GPU be held by one live allocation only; a
+    claimer that loses any GPU gets IntegrityError and its savepoint rolls the gang back.
+    """
+    assert transaction.get_connection().in_atomic_block, "claims run inside a transaction"
+    team = Team.objects.select_for_update().get(pk=placement.team_id)
+    job = Job.objects.get(pk=placement.job_id)
+    if job.state != Job.State.QUEUED:
+        raise ClaimRejected(f"job {job.id} is {job.state}, not QUEUED")
+    if len(placement.slots) != job.gpus:
+        raise ClaimRejected(f"placement has {len(placement.slots)} GPUs, job needs {job.gpus}")
+    used = Allocation.objects.filter(
+        released_at__isnull=True, attempt__job__team_id=team.id
+    ).count()
+    if used + job.gpus > team.gpu_cap:
+        raise ClaimRejected(f"team {team.name} would exceed {team.gpu_cap} GPUs")
+    node_ids = {slot.node_id for slot in placement.slots}
+    nodes = {n.id: n for n in Node.objects.filter(id__in=node_ids, state=Node.State.UP)}
+    if len(nodes) != len(node_ids):
+        raise ClaimRejected("a node of the placement is no longer up")
+    gpu_ids = [slot.gpu_id for slot in placement.slots]
+    if GPU.objects.filter(id__in=gpu_ids, node_id__in=node_ids).count() != len(set(gpu_ids)):
+        raise ClaimRejected("a GPU of the placement does not exist")
+    if not Job.objects.filter(pk=job.pk, state=Job.State.QUEUED).update(state=Job.State.STARTING):
+        raise ClaimRejected(f"job {job.id} was claimed by someone else")
+
+    checkpoint = latest_checkpoint(job.id)
+    number = (job.attempts.aggregate(n=Max("number"))["n"] or 0) + 1
+    master = nodes[placement.slots[0].node_id]
+    attempt = Attempt.objects.create(
+        job=job,
+        number=number,
+        created_at=now,
+        master_addr=master.address,
+        master_port=0,
+        resumed_from=checkpoint,
+        resumed_from_step=checkpoint.step if checkpoint else 0,
+    )
+    # A port per attempt so two rendezvous on one master node never meet.
+    attempt.master_port = lockstep_setting("MASTER_PORT_BASE") + attempt.id % 5000
+    attempt.save(update_fields=["master_port"])
+    # Sorted by GPU id so concurrent claimers lock index entries in one order (no deadlock).
+    Allocation.objects.bulk_create(
+        sorted(
+            (
+                Allocation(
+                    attempt=attempt,
+                    gpu_id=slot.gpu_id,
+                    node_id=slot.node_id,
+                    rank=slot.rank,
+                    local_rank=slot.local_rank,
+                    group_rank=slot.group_rank,
+                    claimed_at=now,
+                )
+                for slot in placement.slots
+            ),
+            key=lambda a: a.gpu_id,
+        )
+    )
+    where = ", ".join(
+        f"{nodes[nid].name}[{','.join(str(s.index) for s in placement.slots if s.node_id == nid)}]"
+        for nid in dict.fromkeys(s.node_id for s in placement.slots)
+    )
+    resume = f"resuming from step {checkpoint.step}" if checkpoint else "fresh start"
+    job.state = Job.State.STARTING
+    job.reason = f"attempt {number} starting on {where}; {resume}"
+    if job.first_started_at is None:
+        job.first_started_at = now
+    job.save(update_fields=["reason", "first_started_at"])
+    _event("attempt.started", job.reason, job=job, attempt=attempt, team=team)
+    _push_state(job)
+    return attempt
+
+
+# --- attempts ------------------------------------------------------------------------------
+
+
+def _backoff(restart_count: int) -> float:
+    base = lockstep_setting("RESTART_BACKOFF_S")
+    return min(base * (2 ** max(restart_count - 1, 0)), lockstep_setting("RESTART_BACKOFF_MAX_S"))
+
+
+def do_end_attempt(attempt: Attempt, *, state: str, reason: str, now: datetime) -> Attempt:
+    """End a live attempt, release its GPUs, and move the job on (restart, finish or fail)."""
+    with transaction.atomic():
+        attempt = Attempt.objects.select_for_update().get(pk=attempt.pk)
+        if attempt.ended_at is not None:
+            return attempt
+        was_stopping = attempt.state == Attempt.State.STOPPING
+        attempt.state = state
+        attempt.ended_at = now
+        attempt.end_reason = reason
+        attempt.save(update_fields=["state", "ended_at", "end_reason"])
+        Allocation.objects.filter(attempt=attempt, released_at__isnull=True).update(released_at=now)
+        job = Job.objects.select_for_update().get(pk=attempt.job_id)
+        _event(
+            f"attempt.{state}",
+            f"attempt {attempt.number} {state}: {reason}",
+            job=job,
+            attempt=attempt,
+            team_id=job.team_id,
+        )
+        if job.is_terminal:
+            pass  # cancelled while running: the job already says so
+        elif state == Attempt.State.SUCCEEDED:
+            job.state, job.reason, job.finished_at = Job.State.SUCCEEDED, "finished", now
+            _event(
+                "job.succeeded",
+                f"succeeded after {attempt.number} attempt(s)",
+                job=job,
+                team_id=job.team_id,
+            )
+        elif state == Attempt.State.PREEMPTED or (was_stopping and state != Attempt.State.FAILED):
+            job.state, job.reason = Job.State.QUEUED, f"requeued after preemption: {reason}"
+        elif job.restart_count < job.max_restarts:
+            job.restart_count += 1
+            delay = _backoff(job.restart_count)
+            job.state = Job.State.RESTARTING
+            job.restart_after = now + timedelta(seconds=delay)
+            checkpoint = latest_checkpoint(job.id)
+            job.reason = (
+                f"{reason}; restart {job.restart_count}/{job.max_restarts} in {delay:.0f}s from "
+                + (f"checkpoint at step {checkpoint.step}" if checkpoint else "step 0")
+            )
+            _event("job.restarting", job.reason, job=job, team_id=job.team_id)
+        else:
+            job.state, job.finished_at = Job.State.FAILED, now
+            job.reason = f"{reason}; no restarts left ({job.max_restarts} used)"
+            _event("job.failed", job.reason, job=job, team_id=job.team_id)
+        job.save(update_fields=["state", "reason", "restart_count", "restart_after", "finished_at"])
+        _push_state(job)
+        _wake("attempt ended")
+        return attempt
+
+
+@transaction.atomic
+def do_mark_attempt_running(attempt: Attempt, *, now: datetime) -> None:
+    if not Attempt.objects.filter(pk=attempt.pk, state=Attempt.State.STARTING).update(
+        state=Attempt.State.RUNNING, running_at=now
+    ):
+        return
+    job = Job.objects.get(pk=attempt.job_id)
+    if job.state == Job.State.STARTING:
+        job.state = Job.State.RUNNING
+        job.reason = f"attempt {attempt.number} running, all {job.gpus} ranks up"
+        job.save(update_fields=["state", "reason"])
+        _push_state(job)
+    _event(
+        "attempt.running",
+        f"attempt {attempt.number}: all {job.gpus} ranks up",
+        job=job,
+        attempt=attempt,
+        team_id=job.team_id,
+    )
+
+
+def _record_exits(attempt: Attempt, node: Node, exits: dict[int, int], *, now: datetime) -> None:
+    """Apply reported rank exits and end the attempt when the gang's fate is known."""
+    allocations = list(attempt.allocations.all())
+    mine = {a.rank: a for a in allocations if a.node_id == node.id}
+    for rank, code in exits.items():
+        allocation = mine.get(rank)
+        if allocation is None or allocation.exit_code is not None:
+            continue
+        allocation.exit_code, allocation.exited_at = code, now
+        allocation.save(update_fields=["exit_code", "exited_at"])
+        _event(
+            "rank.exited",
+            f"rank {rank} on {node.name} ended with {describe_exit(code)}",
+            job_id=attempt.job_id,
+            attempt=attempt,
+            node=node,
+            data={"rank": rank, "exit_code": code},
+        )
+    codes = [a.exit_code for a in allocations]
+    failed = [a for a in allocations if a.exit_code not in (None, 0)]
+    if attempt.state == Attempt.State.STOPPING:
+        if all(c is not None for c in codes):
+            job = attempt.job
+            state = (
+                Attempt.State.CANCELLED
+                if job.state == Job.State.CANCELLED
+                else Attempt.State.PREEMPTED
+            )
+            do_end_attempt(attempt, state=state, reason=attempt.end_reason or "stopped", now=now)
+    elif failed:
+        first = failed[0]
+        do_end_attempt(
+            attempt,
+            state=Attempt.State.FAILED,
+            now=now,
+            reason=f"rank {first.rank} on {first.node.name} exited with "
+            f"{describe_exit(first.exit_code)}",
+        )
+    elif all(c == 0 for c in codes):
+        do_end_attempt(attempt, state=Attempt.State.SUCCEEDED, reason="all ranks exited 0", now=now)
+
+
+# --- checkpoints, metrics, logs ------------------------------------------------------------
+
+
+def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Checkpoint | None:
+    path = str(record.get("path", ""))
+    root = Path(lockstep_setting("CHECKPOINT_ROOT")).resolve()
+    job_dir = root / f"job-{attempt.job_id}"
+    resolved = Path(path).resolve()
+    # Only paths inside the job's own checkpoint directory, and only committed saves.
+    if not resolved.is_relative_to(job_dir) or not (resolved / "COMMITTED").exists():
+        log.warning("ignoring checkpoint record outside %s or uncommitted: %s", job_dir, path)
+        return None
+    checkpoint, created = Checkpoint.objects.get_or_create(
+        job_id=attempt.job_id,
+        path=str(resolved),
+        defaults={
+            "attempt": attempt,
+            "step": int(record["step"]),
+            "bytes": int(record.get("bytes", 0)),
+            "save_s": float(record.get("save_s", 0)),
+            "created_at": now,
+        },
+    )
+    if created:
+        _event(
+            "checkpoint.committed",
+            f"checkpoint at step {checkpoint.step} ({checkpoint.bytes / 1e6:.1f} MB, "
+            f"saved in {checkpoint.save_s:.2f}s)",
+            job_id=attempt.job_id,
+            attempt=attempt,
+            data={"step": checkpoint.step},
+        )
+        on_commit_send(
+            attempt.job_id, {"type": "checkpoint", "step": checkpoint.step, "id": checkpoint.id}
+        )
+    return checkpoint
+
+
+def _ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[dict]:
+    points, pushed = [], []
+    for record in records:
+        if not isinstance(record, dict):
+            continue
+        kind = record.get("kind")
+        try:
+            rank = int(record.get("rank", 0))
+            if kind == "step":
+                step = int(record["step"])
+                when = datetime.fromtimestamp(
+                    float(record.get("time", now.timestamp())), now.tzinfo
+                )
+                for name in STEP_METRICS:
+                    if isinstance(record.get(name), int | float):
+                        value = float(record[name])
+                        points.append(
+                            MetricPoint(
+                                job_id=attempt.job_id,
+                                attempt=attempt,
+                                rank=rank,
+                                step=step,
+                                name=name,
+                                value=value,
+                                time=when,
+                            )
+                        )
+                        pushed.append(
+                            {
+                                "rank": rank,
+                                "step": step,
+                                "name": name,
+                                "value": value,
+                                "attempt": attempt.number,
+                            }
+                        )
+                attempt.last_step = max(attempt.last_step, step)
+            elif kind == "checkpoint":
+                _record_checkpoint(attempt, record, now=now)
+            elif kind == "start" and rank == 0:
+                _event(
+                    "attempt.trainer_started",
+                    f"trainer up: world size {record.get('world_size')}, resumed from step "
+                    f"{record.get('resumed_from_step', 0)}",
+                    job_id=attempt.job_id,
+                    attempt=attempt,
+                )
+            elif kind == "end" and rank == 0:
+                _event(
+                    "attempt.trainer_ended",
+                    f"trainer ended at step {record.get('step')}: {record.get('reason')}",
+                    job_id=attempt.job_id,
+                    attempt=attempt,
+                )
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("bad metric record from attempt %s: %s (%s)", attempt.id, record, exc)
+    if points:
+        MetricPoint.objects.bulk_create(points, batch_size=1000)
+        Attempt.objects.filter(pk=attempt.pk).update(last_step=attempt.last_step)
+    return pushed
+
+
+# --- nodes and agents ----------------------------------------------------------------------
+
+
+@transaction.atomic
+def do_register_node(
+    *,
+    name: str,
+    gpus: int,
+    address: str,
+    hostname: str = "",
+    rack: str = "default",
+    gpu_kind: str = "cpu",
+    boot_id: str = "",
+    now: datetime,
+) -> tuple[Node, str]:
+    """Create or re-bind a node; returns it with a fresh node token (shown once)."""
+    raw = "node_" + secrets.token_urlsafe(32)
+    node = Node.objects.select_for_update().filter(name=name).first()
+    if node is None:
+        node = Node.objects.create(
+            name=name,
+            address=address,
+            hostname=hostname,
+            rack=rack,
+            gpu_kind=gpu_kind,
+            token_digest=token_digest(raw),
+            boot_id=boot_id,
+            registered_at=now,
+            last_heartbeat_at=now,
+        )
+        _event("node.registered", f"node {name} registered with {gpus} {gpu_kind} GPUs", node=node)
+    else:
+        # A new boot means the agent restarted: any workers it had are gone (it kills them on
+        # exit, and fencing kills leftovers), so attempts placed here cannot go on.
+        if node.boot_id != boot_id:
+            for attempt in Attempt.objects.filter(
+                ended_at__isnull=True, allocations__node=node
+            ).distinct():
+                do_end_attempt(
+                    attempt,
+                    state=Attempt.State.LOST,
+                    now=now,
+                    reason=f"agent on {name} restarted; its workers are gone",
+                )
+        was_down = node.state == Node.State.DOWN
+        node.address, node.hostname, node.rack, node.gpu_kind = address, hostname, rack, gpu_kind
+        node.token_digest, node.boot_id = token_digest(raw), boot_id
+        node.registered_at = node.last_heartbeat_at = now
+        if was_down:
+            node.state, node.state_reason = Node.State.UP, ""
+        node.save()
+        _event(
+            "node.reregistered",
+            f"node {name} re-registered ({gpus} GPUs)" + ("; back up" if was_down else ""),
+            node=node,
+        )
+    existing = set(node.gpus.values_list("index", flat=True))
+    GPU.objects.bulk_create([GPU(node=node, index=i) for i in range(gpus) if i not in existing])
+    # GPUs the node no longer reports are removed only when free.
+    node.gpus.filter(index__gte=gpus).exclude(allocations__released_at__isnull=True).delete()
+    _wake("node registered")
+    return node, raw
+
+
+def launch_spec(attempt: Attempt, node: Node) -> dict:
+    job = attempt.job
+    allocations = [a for a in attempt.allocations.all() if a.node_id == node.id]
+    group_ranks = {a.group_rank for a in attempt.allocations.all()}
+    checkpoint_dir = Path(lockstep_setting("CHECKPOINT_ROOT")).resolve() / f"job-{job.id}"
+    return {
+        "job_id": job.id,
+        "attempt": attempt.number,
+        "command": list(job.command),
+        "env": dict(job.env),
+        "world_size": job.gpus,
+        "local_world_size": len(allocations),
+        "group_rank": allocations[0].group_rank if allocations else 0,
+        "group_world_size": len(group_ranks),
+        "master_addr": attempt.master_addr,
+        "master_port": attempt.master_port,
+        "run_id": f"job{job.id}-attempt{attempt.number}",
+        "restart_count": attempt.number - 1,
+        "max_restarts": job.max_restarts,
+        "checkpoint_dir": str(checkpoint_dir),
+        "resume_from": attempt.resumed_from.path if attempt.resumed_from else "",
+        "dataset": job.dataset,
+        "ranks": [
+            {"rank": a.rank, "local_rank": a.local_rank, "gpu_index": a.gpu.index}
+            for a in sorted(allocations, key=lambda a: a.rank)
+        ],
+    }
+
+
+def desired_for_node(node: Node, now: datetime) -> list[dict]:
+    desired = []
+    attempts = (
+        Attempt.objects.filter(ended_at__isnull=True, allocations__node=node)
+        .distinct()
+        .select_related("job", "resumed_from")
+        .prefetch_related("allocations__gpu")
+    )
+    for attempt in attempts:
+        if attempt.state == Attempt.State.STOPPING:
+            remaining = max((attempt.stop_deadline - now).total_seconds(), 0.0)
+            desired.append({"attempt_id": attempt.id, "action": "stop", "deadline_s": remaining})
+        else:
+            desired.append(
+                {"attempt_id": attempt.id, "action": "run", "launch": launch_spec(attempt, node)}
+            )
+    return desired
+
+
+def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
+    """Apply one agent heartbeat; returns the response (what should run on the node)."""
+    acked = []
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node.pk)
+        if node.state == Node.State.DOWN:
+            node.state, node.state_reason = Node.State.UP, ""
+            _event("node.up", f"node {node.name} is back (heartbeat resumed)", node=node)
+            _wake("node up")
+        node.last_heartbeat_at = now
+        node.telemetry = body.get("telemetry") or []
+        node.save(update_fields=["state", "state_reason", "last_heartbeat_at", "telemetry"])
+
+        for report in body.get("attempts") or []:
+            attempt_id = report.get("attempt_id")
+            attempt = (
+                Attempt.objects.select_related("job").filter(pk=attempt_id).first()
+                if isinstance(attempt_id, int)
+                else None
+            )
+            if (
+                attempt is None
+                or attempt.ended_at is not None
+                or not attempt.allocations.filter(node=node).exists()
+            ):
+                # Fencing on the portal side: reports from attempts that are no longer live
+                # (or never were on this node) change nothing.
+                acked.append(attempt_id)
+                continue
+            pushed = _ingest_records(attempt, report.get("records") or [], now=now)
+            chunks = [
+                LogChunk(
+                    attempt=attempt, rank=int(item["rank"]), text=str(item["text"]), created_at=now
+                )
+                for item in report.get("logs") or []
+                if isinstance(item, dict) and item.get("text")
+            ]
+            LogChunk.objects.bulk_create(chunks)
+            ranks = report.get("ranks") or []
+            started = [int(r["rank"]) for r in ranks if r.get("state") in ("running", "exited")]
+            if started:
+                attempt.allocations.filter(
+                    node=node, rank__in=started, started_at__isnull=True
+                ).update(started_at=now)
+                if (
+                    attempt.state == Attempt.State.STARTING
+                    and not attempt.allocations.filter(started_at__isnull=True).exists()
+                ):
+                    do_mark_attempt_running(attempt, now=now)
+                    attempt.refresh_from_db()
+            exits = {
+                int(r["rank"]): int(r["exit_code"])
+                for r in ranks
+                if r.get("state") == "exited" and r.get("exit_code") is not None
+            }
+            if exits:
+                _record_exits(attempt, node, exits, now=now)
+            if pushed:
+                on_commit_send(attempt.job_id, {"type": "metrics", "points": pushed})
+            for chunk in chunks:
+                on_commit_send(
+                    attempt.job_id,
+                    {
+                        "type": "log",
+                        "rank": chunk.rank,
+                        "attempt": attempt.number,
+                        "text": chunk.text,
+                    },
+                )
+    return {
+        "heartbeat_s": lockstep_setting("HEARTBEAT_S"),
+        "desired": desired_for_node(node, now),
+        "acked": acked,
+    }
+
+
+@transaction.atomic
+def do_mark_node_lost(node: Node, *, now: datetime, reason: str) -> None:
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    if node.state == Node.State.DOWN:
+        return
+    node.state, node.state_reason = Node.State.DOWN, reason
+    node.save(update_fields=["state", "state_reason"])
+    _event("node.down", f"node {node.name} down: {reason}", node=node)
+    for attempt in Attempt.objects.filter(ended_at__isnull=True, allocations__node=node).distinct():
+        do_end_attempt(
+            attempt, state=Attempt.State.LOST, now=now, reason=f"node {node.name} lost ({reason})"
+        )
+    _wake("node down")
+
+
+# --- model registry ------------------------------------------------------------------------
+
+
+@transaction.atomic
+def do_register_model_version(
+    *, name: str, checkpoint: Checkpoint, actor, now: datetime, notes: str = ""
+) -> ModelVersion:
+    latest = (
+        ModelVersion.objects.select_for_update().filter(name=name).aggregate(v=Max("version"))["v"]
+        or 0
+    )
+    at_step = {
+        p.name: p.value
+        for p in MetricPoint.objects.filter(job_id=checkpoint.job_id, step=checkpoint.step, rank=0)
+    }
+    version = ModelVersion.objects.create(
+        name=name,
+        version=latest + 1,
+        checkpoint=checkpoint,
+        job_id=checkpoint.job_id,
+        step=checkpoint.step,
+        created_by=actor,
+        created_at=now,
+        notes=notes,
+        metrics=at_step,
+    )
+    _event(
+        "model.registered",
+        f"{name} v{version.version} registered from job {checkpoint.job_id} step {checkpoint.step}",
+        job_id=checkpoint.job_id,
+        actor=actor,
+    )
+    import django_rq
+
+    from jobs.tasks import export_model_version
+
+    django_rq.enqueue(export_model_version, version.id)
+    return version
+
+
+@transaction.atomic
+def do_finish_model_export(version: ModelVersion, *, path: str | None, error: str = "") -> None:
+    if path:
+        version.export_state, version.export_path = ModelVersion.ExportState.READY, path
+        message = f"{version} exported to {path}"
+    else:
+        version.export_state = ModelVersion.ExportState.FAILED
+        message = f"{version} export failed: {error}"
+    version.save(update_fields=["export_state", "export_path"])
+    _event("model.exported", message, job_id=version.job_id)

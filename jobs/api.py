@@ -1,0 +1,188 @@
+"""REST API v1 for jobs, checkpoints, metrics, logs, events, model versions and nodes.
+
+Thin views: they check who may see what (teams.access), validate with serializers and call
+jobs.actions. A job the caller may not see is a 404, exactly like one that does not exist.
+"""
+
+from django.db.models import Prefetch
+from django.utils import timezone
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.response import Response
+
+from jobs import actions
+from jobs.metrics_query import metric_series
+from jobs.models import Allocation, Attempt, LogChunk, ModelVersion, Node
+from jobs.serializers import (
+    CheckpointSerializer,
+    EventSerializer,
+    JobCreateSerializer,
+    JobDetailSerializer,
+    JobPatchSerializer,
+    JobSerializer,
+    ModelVersionCreateSerializer,
+    ModelVersionSerializer,
+    NodeSerializer,
+)
+from teams.access import can_set_priority, visible_jobs
+
+
+def _int_param(request, name: str, default: int | None, *, lo: int = 0, hi: int = 10**9):
+    raw = request.query_params.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValidationError({name: [f"{name} must be an integer."]}) from None
+    if not lo <= value <= hi:
+        raise ValidationError({name: [f"{name} must be between {lo} and {hi}."]})
+    return value
+
+
+class JobViewSet(
+    mixins.CreateModelMixin,
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    viewsets.GenericViewSet,
+):
+    serializer_class = JobSerializer
+
+    def get_queryset(self):
+        jobs = visible_jobs(self.request.user).select_related("team", "owner")
+        if self.action == "list":
+            state = self.request.query_params.get("state")
+            team = self.request.query_params.get("team")
+            if state:
+                jobs = jobs.filter(state__in=state.upper().split(","))
+            if team:
+                jobs = jobs.filter(team__name=team)
+        if self.action == "retrieve":
+            jobs = jobs.prefetch_related(
+                Prefetch(
+                    "attempts",
+                    queryset=Attempt.objects.order_by("number").prefetch_related(
+                        Prefetch(
+                            "allocations", queryset=Allocation.objects.select_related("node", "gpu")
+                        )
+                    ),
+                ),
+            )
+        return jobs.order_by("-id")
+
+    def get_serializer_class(self):
+        return {
+            "create": JobCreateSerializer,
+            "retrieve": JobDetailSerializer,
+            "partial_update": JobPatchSerializer,
+        }.get(self.action, JobSerializer)
+
+    def create(self, request, *args, **kwargs):
+        serializer = JobCreateSerializer(data=request.data, context={"request": request})
+        serializer.is_valid(raise_exception=True)
+        data = dict(serializer.validated_data)
+        team = data.pop("team")
+        job = actions.do_submit_job(owner=request.user, team=team, now=timezone.now(), **data)
+        return Response(JobSerializer(job).data, status=status.HTTP_201_CREATED)
+
+    def partial_update(self, request, *args, **kwargs):
+        job = self.get_object()
+        if not can_set_priority(request.user, job.team):
+            raise PermissionDenied("Only the team's leads and cluster admins set priorities.")
+        serializer = JobPatchSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        actions.do_set_job_priority(
+            job, priority=serializer.validated_data["priority"], actor=request.user
+        )
+        job.refresh_from_db()
+        return Response(JobSerializer(job).data)
+
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        job = self.get_object()
+        job = actions.do_cancel_job(job, actor=request.user, now=timezone.now())
+        return Response(JobSerializer(job).data)
+
+    @action(detail=True, methods=["get"])
+    def checkpoints(self, request, pk=None):
+        job = self.get_object()
+        return Response(CheckpointSerializer(job.checkpoints.order_by("-step"), many=True).data)
+
+    @action(detail=True, methods=["get"])
+    def events(self, request, pk=None):
+        job = self.get_object()
+        events = job.events.select_related("node").order_by("id")
+        since = _int_param(request, "since_id", None)
+        if since is not None:
+            events = events.filter(id__gt=since)
+        return Response(EventSerializer(events[:1000], many=True).data)
+
+    @action(detail=True, methods=["get"])
+    def metrics(self, request, pk=None):
+        job = self.get_object()
+        name = request.query_params.get("name") or "loss"
+        since = _int_param(request, "since_step", None)
+        max_points = _int_param(request, "max_points", 2000, lo=2, hi=100_000)
+        rank = _int_param(request, "rank", None, hi=100_000)
+        return Response(
+            metric_series(job.id, name, since_step=since, max_points=max_points, rank=rank)
+        )
+
+    @action(detail=True, methods=["get"])
+    def logs(self, request, pk=None):
+        job = self.get_object()
+        rank = _int_param(request, "rank", 0, hi=100_000)
+        tail = _int_param(request, "tail", 200, lo=1, hi=10_000)
+        number = _int_param(request, "attempt", None, lo=1)
+        attempts = job.attempts.order_by("-number")
+        attempt = (attempts.filter(number=number) if number else attempts).first()
+        if attempt is None:
+            return Response({"attempt": None, "rank": rank, "lines": []})
+        text = "".join(
+            LogChunk.objects.filter(attempt=attempt, rank=rank)
+            .order_by("id")
+            .values_list("text", flat=True)
+        )
+        return Response(
+            {"attempt": attempt.number, "rank": rank, "lines": text.splitlines()[-tail:]}
+        )
+
+
+class ModelVersionViewSet(
+    mixins.CreateModelMixin,
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    viewsets.GenericViewSet,
+):
+    serializer_class = ModelVersionSerializer
+
+    def get_queryset(self):
+        return (
+            ModelVersion.objects.filter(job__in=visible_jobs(self.request.user))
+            .select_related("job__team", "checkpoint__attempt", "created_by")
+            .order_by("name", "-version")
+        )
+
+    def create(self, request, *args, **kwargs):
+        serializer = ModelVersionCreateSerializer(data=request.data, context={"request": request})
+        serializer.is_valid(raise_exception=True)
+        version = actions.do_register_model_version(
+            name=serializer.validated_data["name"],
+            checkpoint=serializer.validated_data["checkpoint"],
+            notes=serializer.validated_data["notes"],
+            actor=request.user,
+            now=timezone.now(),
+        )
+        return Response(ModelVersionSerializer(version).data, status=status.HTTP_201_CREATED)
+
+
+class NodeViewSet(viewsets.ReadOnlyModelViewSet):
+    serializer_class = NodeSerializer
+    queryset = Node.objects.prefetch_related("gpus").order_by("name")
+
+    def get_queryset(self):
+        # Everyone signed in sees the cluster's shape; only admins see node details change.
+        if not self.request.user.is_authenticated:
+            return Node.objects.none()
+        return super().get_queryset()

@@ -1,0 +1,291 @@
+"""Nodes, GPUs, jobs, attempts, allocations, checkpoints, metrics, model versions and events.
+
+The words are DESIGN.md's. Two invariants live in the schema itself so that no code path can
+break them: a GPU is in at most one live allocation, and a job has at most one live attempt.
+"""
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class Node(models.Model):
+    class State(models.TextChoices):
+        UP = "up"
+        CORDONED = "cordoned"
+        DRAINING = "draining"
+        DOWN = "down"
+
+    name = models.CharField(max_length=128, unique=True)
+    hostname = models.CharField(max_length=255, blank=True)
+    address = models.CharField(max_length=255, help_text="Where peers reach it (MASTER_ADDR).")
+    rack = models.CharField(max_length=64, default="default")
+    gpu_kind = models.CharField(max_length=16, default="cpu")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.UP)
+    state_reason = models.CharField(max_length=500, blank=True)
+    token_digest = models.CharField(max_length=64, blank=True)
+    boot_id = models.CharField(max_length=64, blank=True)
+    registered_at = models.DateTimeField()
+    last_heartbeat_at = models.DateTimeField()
+    telemetry = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class GPU(models.Model):
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+
+    class Meta:
+        ordering = ["node_id", "index"]
+        constraints = [models.UniqueConstraint(fields=["node", "index"], name="gpu_per_node")]
+
+    def __str__(self) -> str:
+        return f"{self.node.name}:{self.index}"
+
+
+class Priority(models.TextChoices):
+    LOW = "low"
+    NORMAL = "normal"
+    HIGH = "high"
+    URGENT = "urgent"
+
+
+PRIORITY_RANK = {Priority.LOW: 0, Priority.NORMAL: 1, Priority.HIGH: 2, Priority.URGENT: 3}
+
+
+class Job(models.Model):
+    class State(models.TextChoices):
+        QUEUED = "QUEUED"
+        STARTING = "STARTING"
+        RUNNING = "RUNNING"
+        RESTARTING = "RESTARTING"
+        PREEMPTING = "PREEMPTING"
+        SUCCEEDED = "SUCCEEDED"
+        FAILED = "FAILED"
+        CANCELLED = "CANCELLED"
+
+    TERMINAL = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
+    LIVE = (State.STARTING, State.RUNNING, State.PREEMPTING)
+
+    name = models.CharField(max_length=100)
+    team = models.ForeignKey("teams.Team", on_delete=models.PROTECT, related_name="jobs")
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT)
+    image = models.CharField(max_length=255)
+    command = models.JSONField(help_text="argv list; never passed through a shell")
+    dataset = models.CharField(max_length=1000, blank=True)
+    gpus = models.PositiveIntegerField()
+    priority = models.CharField(max_length=16, choices=Priority.choices, default=Priority.NORMAL)
+    max_restarts = models.PositiveIntegerField(default=3)
+    checkpoint_interval_s = models.PositiveIntegerField(null=True, blank=True)
+    time_limit_s = models.PositiveIntegerField(null=True, blank=True)
+    env = models.JSONField(default=dict, blank=True)
+
+    state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
+    reason = models.CharField(max_length=500, blank=True, help_text="Why it waits / how it ended")
+    restart_count = models.PositiveIntegerField(default=0)
+    restart_after = models.DateTimeField(null=True, blank=True)
+    submitted_at = models.DateTimeField()
+    first_started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["state"]), models.Index(fields=["team", "state"])]
+
+    def __str__(self) -> str:
+        return f"job {self.id} ({self.name})"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in self.TERMINAL
+
+    @property
+    def priority_rank(self) -> int:
+        return PRIORITY_RANK[self.priority]
+
+
+class Attempt(models.Model):
+    class State(models.TextChoices):
+        STARTING = "starting"
+        RUNNING = "running"
+        STOPPING = "stopping"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+        LOST = "lost"
+        PREEMPTED = "preempted"
+        CANCELLED = "cancelled"
+
+    LIVE = (State.STARTING, State.RUNNING, State.STOPPING)
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    state = models.CharField(max_length=16, choices=State.choices, default=State.STARTING)
+    master_addr = models.CharField(max_length=255)
+    master_port = models.PositiveIntegerField()
+    resumed_from = models.ForeignKey(
+        "Checkpoint", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    resumed_from_step = models.PositiveIntegerField(default=0)
+    stop_deadline = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField()
+    running_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    end_reason = models.CharField(max_length=500, blank=True)
+    last_step = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["job_id", "number"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "number"], name="attempt_number"),
+            # Invariant 3: at most one live attempt per job, whatever races elsewhere.
+            models.UniqueConstraint(
+                fields=["job"], condition=Q(ended_at__isnull=True), name="one_live_attempt"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} attempt {self.number}"
+
+    @property
+    def is_live(self) -> bool:
+        return self.ended_at is None
+
+
+class Allocation(models.Model):
+    """One GPU held by one attempt, as one rank."""
+
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="allocations")
+    gpu = models.ForeignKey(GPU, on_delete=models.PROTECT, related_name="allocations")
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="allocations")
+    rank = models.PositiveIntegerField()
+    local_rank = models.PositiveIntegerField()
+    group_rank = models.PositiveIntegerField()
+    claimed_at = models.DateTimeField()
+    started_at = models.DateTimeField(null=True, blank=True)
+    exited_at = models.DateTimeField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    released_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["attempt_id", "rank"]
+        constraints = [
+            # Invariant 1: a GPU belongs to at most one live allocation. The claim relies on
+            # this index: a concurrent claimer of the same GPU fails on insert and rolls back.
+            models.UniqueConstraint(
+                fields=["gpu"], condition=Q(released_at__isnull=True), name="gpu_held_once"
+            ),
+            models.UniqueConstraint(fields=["attempt", "rank"], name="rank_per_attempt"),
+        ]
+
+    def __str__(self) -> str:
+        return f"attempt {self.attempt_id} rank {self.rank} on GPU {self.gpu_id}"
+
+
+class Checkpoint(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="checkpoints")
+    step = models.PositiveIntegerField()
+    path = models.CharField(max_length=1000)
+    bytes = models.BigIntegerField(default=0)
+    save_s = models.FloatField(default=0.0)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["job_id", "-step"]
+        constraints = [models.UniqueConstraint(fields=["job", "path"], name="checkpoint_path")]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} step {self.step}"
+
+
+class MetricPoint(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metric_points")
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="+")
+    rank = models.PositiveIntegerField()
+    step = models.PositiveIntegerField()
+    name = models.CharField(max_length=64)
+    value = models.FloatField()
+    time = models.DateTimeField()
+
+    class Meta:
+        indexes = [models.Index(fields=["job", "name", "step"])]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} rank {self.rank} step {self.step} {self.name}={self.value}"
+
+
+class LogChunk(models.Model):
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="log_chunks")
+    rank = models.PositiveIntegerField()
+    text = models.TextField()
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["attempt", "rank"])]
+
+    def __str__(self) -> str:
+        return f"attempt {self.attempt_id} rank {self.rank} log"
+
+
+class ModelVersion(models.Model):
+    class ExportState(models.TextChoices):
+        PENDING = "pending"
+        READY = "ready"
+        FAILED = "failed"
+
+    name = models.CharField(max_length=100)
+    version = models.PositiveIntegerField()
+    checkpoint = models.ForeignKey(Checkpoint, on_delete=models.PROTECT, related_name="versions")
+    job = models.ForeignKey(Job, on_delete=models.PROTECT, related_name="model_versions")
+    step = models.PositiveIntegerField()
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT)
+    created_at = models.DateTimeField()
+    notes = models.TextField(blank=True)
+    metrics = models.JSONField(default=dict, blank=True)
+    export_state = models.CharField(
+        max_length=16, choices=ExportState.choices, default=ExportState.PENDING
+    )
+    export_path = models.CharField(max_length=1000, blank=True)
+
+    class Meta:
+        ordering = ["name", "-version"]
+        constraints = [models.UniqueConstraint(fields=["name", "version"], name="model_version")]
+
+    def __str__(self) -> str:
+        return f"{self.name} v{self.version}"
+
+
+class Event(models.Model):
+    """Append-only audit and timeline row: who or what did what, when, and why."""
+
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    kind = models.CharField(max_length=64)
+    message = models.CharField(max_length=2000)
+    job = models.ForeignKey(
+        Job, null=True, blank=True, on_delete=models.CASCADE, related_name="events"
+    )
+    attempt = models.ForeignKey(
+        Attempt, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    node = models.ForeignKey(
+        Node, null=True, blank=True, on_delete=models.CASCADE, related_name="events"
+    )
+    team = models.ForeignKey(
+        "teams.Team", null=True, blank=True, on_delete=models.CASCADE, related_name="events"
+    )
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.kind}: {self.message}"

@@ -1,0 +1,119 @@
+"""The scheduler process: housekeeping, snapshot, plan, apply; woken by events or a tick."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import redis
+from django.db import close_old_connections
+from django.utils import timezone
+
+from jobs import actions
+from jobs.conf import lockstep_setting
+from jobs.models import Attempt, Job, Node
+from jobs.scheduling.apply import ApplyResult, apply_plan
+from jobs.scheduling.policy import plan
+from jobs.scheduling.snapshot import take_snapshot
+from jobs.scheduling.wake import WAKE_CHANNEL, redis_client
+
+log = logging.getLogger("lockstep.scheduler")
+
+
+@dataclass
+class PassReport:
+    applied: int
+    rejected: int
+    queued: int
+    seconds: float
+
+
+def housekeeping(now) -> None:
+    """Time-driven transitions: lost nodes, restart backoffs, start and stop deadlines."""
+    cutoff = now - timedelta(seconds=lockstep_setting("HEARTBEAT_TIMEOUT_S"))
+    for node in Node.objects.exclude(state=Node.State.DOWN).filter(last_heartbeat_at__lt=cutoff):
+        age = (now - node.last_heartbeat_at).total_seconds()
+        actions.do_mark_node_lost(node, now=now, reason=f"no heartbeat for {age:.0f}s")
+    for job in Job.objects.filter(state=Job.State.RESTARTING, restart_after__lte=now):
+        actions.do_requeue_job(job, now=now)
+    start_cutoff = now - timedelta(seconds=lockstep_setting("START_TIMEOUT_S"))
+    for attempt in Attempt.objects.filter(
+        ended_at__isnull=True, state=Attempt.State.STARTING, created_at__lt=start_cutoff
+    ):
+        actions.do_end_attempt(
+            attempt,
+            state=Attempt.State.FAILED,
+            now=now,
+            reason="start timeout: not every rank came up",
+        )
+    for attempt in Attempt.objects.filter(
+        ended_at__isnull=True,
+        state=Attempt.State.STOPPING,
+        stop_deadline__lt=now - timedelta(seconds=10),
+    ):
+        state = (
+            Attempt.State.CANCELLED
+            if attempt.job.state == Job.State.CANCELLED
+            else Attempt.State.PREEMPTED
+        )
+        actions.do_end_attempt(
+            attempt, state=state, now=now, reason="stop deadline passed; workers killed"
+        )
+
+
+def run_pass(now=None) -> tuple[PassReport, ApplyResult]:
+    started = time.monotonic()
+    now = now or timezone.now()
+    housekeeping(now)
+    snapshot = take_snapshot(now)
+    result = apply_plan(plan(snapshot), now=now)
+    report = PassReport(
+        len(result.applied), len(result.rejected), len(snapshot.queued), time.monotonic() - started
+    )
+    return report, result
+
+
+def run_forever(*, tick_s: float | None = None, once: bool = False) -> None:
+    tick_s = tick_s or lockstep_setting("SCHEDULER_TICK_S")
+    pubsub = None
+    log.info("scheduler loop started (tick %.1fs)", tick_s)
+    while True:
+        close_old_connections()
+        try:
+            report, _ = run_pass()
+            if report.applied or report.rejected:
+                log.info(
+                    "pass: %d placed, %d rejected, %d queued, %.3fs",
+                    report.applied,
+                    report.rejected,
+                    report.queued,
+                    report.seconds,
+                )
+        except Exception:  # one bad pass must not stop the loop; the next one retries
+            log.exception("scheduler pass failed")
+        if once:
+            return
+        pubsub = _wait_for_wake(pubsub, tick_s)
+
+
+def _wait_for_wake(pubsub, tick_s: float):
+    """Block until a wake message or the tick; drain extra wakes so a burst costs one pass."""
+    try:
+        if pubsub is None:
+            pubsub = redis_client().pubsub(ignore_subscribe_messages=True)
+            pubsub.subscribe(WAKE_CHANNEL)
+        deadline = time.monotonic() + tick_s
+        while (left := deadline - time.monotonic()) > 0:
+            message = pubsub.get_message(timeout=left)
+            if message is not None:
+                time.sleep(0.05)  # coalesce a burst of wakes
+                while pubsub.get_message(timeout=0.01) is not None:
+                    pass
+                break
+        return pubsub
+    except redis.RedisError as exc:
+        log.warning("wake channel unavailable (%s); ticking only", exc)
+        time.sleep(tick_s)
+        return None

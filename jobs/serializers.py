@@ -1,0 +1,252 @@
+"""REST serializers: they validate and shape data; state changes go through jobs.actions."""
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from rest_framework import serializers
+
+from jobs import validation
+from jobs.models import Attempt, Checkpoint, Event, Job, ModelVersion, Node, Priority
+from teams.access import visible_teams
+
+
+def _django(fn):
+    """Run a jobs.validation check and turn its error into a DRF field error."""
+
+    def run(value):
+        try:
+            return fn(value)
+        except DjangoValidationError as exc:
+            raise serializers.ValidationError(exc.messages) from exc
+
+    return run
+
+
+class JobCreateSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=100)
+    team = serializers.CharField(max_length=64)
+    image = serializers.CharField(max_length=255, validators=[_django(validation.validate_image)])
+    command = serializers.JSONField(validators=[_django(validation.validate_command)])
+    dataset = serializers.CharField(
+        max_length=1000,
+        required=False,
+        allow_blank=True,
+        default="",
+        validators=[_django(validation.validate_dataset)],
+    )
+    gpus = serializers.IntegerField(min_value=1, max_value=100_000)
+    priority = serializers.ChoiceField(choices=Priority.choices, default=Priority.NORMAL)
+    max_restarts = serializers.IntegerField(min_value=0, max_value=100, default=3)
+    checkpoint_interval_s = serializers.IntegerField(min_value=10, required=False, allow_null=True)
+    time_limit_s = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+    env = serializers.JSONField(
+        required=False, default=dict, validators=[_django(validation.validate_env)]
+    )
+
+    def validate_name(self, value: str) -> str:
+        if not value.strip():
+            raise serializers.ValidationError("Name must not be blank.")
+        return value.strip()
+
+    def validate_team(self, value: str):
+        team = visible_teams(self.context["request"].user).filter(name=value).first()
+        if team is None:
+            # Same message for a team that does not exist and one the user is not in.
+            raise serializers.ValidationError(f"Unknown team {value!r}.")
+        return team
+
+    def validate(self, attrs):
+        try:
+            validation.validate_gpus(attrs["gpus"], attrs.get("team"))
+        except DjangoValidationError as exc:
+            raise serializers.ValidationError({"gpus": exc.messages}) from exc
+        return attrs
+
+
+class AttemptSerializer(serializers.ModelSerializer):
+    nodes = serializers.SerializerMethodField()
+    ended = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Attempt
+        fields = [
+            "id",
+            "number",
+            "state",
+            "nodes",
+            "resumed_from_step",
+            "created_at",
+            "running_at",
+            "ended_at",
+            "ended",
+            "last_step",
+        ]
+
+    def get_nodes(self, attempt) -> list[str]:
+        names = []
+        for allocation in attempt.allocations.all():
+            if allocation.node.name not in names:
+                names.append(allocation.node.name)
+        return names
+
+    def get_ended(self, attempt) -> dict | None:
+        if attempt.ended_at is None:
+            return None
+        return {"state": attempt.state, "reason": attempt.end_reason}
+
+
+class CheckpointSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Checkpoint
+        fields = ["id", "job", "attempt", "step", "path", "bytes", "save_s", "created_at"]
+
+
+class JobSerializer(serializers.ModelSerializer):
+    team = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    owner = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = Job
+        fields = [
+            "id",
+            "name",
+            "team",
+            "owner",
+            "image",
+            "command",
+            "dataset",
+            "gpus",
+            "priority",
+            "max_restarts",
+            "checkpoint_interval_s",
+            "time_limit_s",
+            "env",
+            "state",
+            "reason",
+            "restart_count",
+            "submitted_at",
+            "first_started_at",
+            "finished_at",
+        ]
+        read_only_fields = fields
+
+
+class JobDetailSerializer(JobSerializer):
+    attempts = AttemptSerializer(many=True, read_only=True)
+    allocation = serializers.SerializerMethodField()
+    latest_checkpoint = serializers.SerializerMethodField()
+    goodput = serializers.SerializerMethodField()
+
+    class Meta(JobSerializer.Meta):
+        fields = [
+            *JobSerializer.Meta.fields,
+            "attempts",
+            "allocation",
+            "latest_checkpoint",
+            "goodput",
+        ]
+        read_only_fields = fields
+
+    def get_allocation(self, job) -> list[dict]:
+        live = [a for a in job.attempts.all() if a.ended_at is None]
+        if not live:
+            return []
+        return [
+            {"node": a.node.name, "gpu": a.gpu.index, "rank": a.rank}
+            for a in live[0].allocations.all()
+        ]
+
+    def get_latest_checkpoint(self, job) -> dict | None:
+        checkpoint = job.checkpoints.order_by("-step", "-id").first()
+        return CheckpointSerializer(checkpoint).data if checkpoint else None
+
+    def get_goodput(self, job) -> dict:
+        from jobs.goodput import job_goodput
+
+        return job_goodput(job)
+
+
+class JobPatchSerializer(serializers.Serializer):
+    priority = serializers.ChoiceField(choices=Priority.choices)
+
+
+class EventSerializer(serializers.ModelSerializer):
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+
+    class Meta:
+        model = Event
+        fields = ["id", "created_at", "kind", "message", "attempt", "node", "data"]
+
+
+class ModelVersionSerializer(serializers.ModelSerializer):
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    lineage = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ModelVersion
+        fields = [
+            "id",
+            "name",
+            "version",
+            "checkpoint",
+            "job",
+            "step",
+            "created_by",
+            "created_at",
+            "notes",
+            "metrics",
+            "export_state",
+            "export_path",
+            "lineage",
+        ]
+
+    def get_lineage(self, version) -> dict:
+        job = version.job
+        checkpoint = version.checkpoint
+        return {
+            "job": job.id,
+            "job_name": job.name,
+            "team": job.team.name,
+            "attempt": checkpoint.attempt.number,
+            "step": checkpoint.step,
+            "dataset": job.dataset,
+            "image": job.image,
+            "command": job.command,
+        }
+
+
+class ModelVersionCreateSerializer(serializers.Serializer):
+    name = serializers.RegexField(
+        r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+        error_messages={
+            "invalid": "Model names use letters, digits, '.', '_' and '-' (at most 100)."
+        },
+    )
+    checkpoint = serializers.IntegerField()
+    notes = serializers.CharField(required=False, allow_blank=True, default="", max_length=5000)
+
+    def validate_checkpoint(self, value: int):
+        from teams.access import visible_jobs
+
+        checkpoint = Checkpoint.objects.filter(
+            pk=value, job__in=visible_jobs(self.context["request"].user)
+        ).first()
+        if checkpoint is None:
+            raise serializers.ValidationError(f"Unknown checkpoint {value}.")
+        return checkpoint
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    gpus = serializers.IntegerField(source="gpus.count", read_only=True)
+
+    class Meta:
+        model = Node
+        fields = [
+            "id",
+            "name",
+            "address",
+            "rack",
+            "gpu_kind",
+            "state",
+            "state_reason",
+            "gpus",
+            "last_heartbeat_at",
+        ]

@@ -1,0 +1,31 @@
+"""Queue work (django-rq): slow things that must not run inside a request."""
+
+import logging
+from pathlib import Path
+
+from jobs.conf import lockstep_setting
+
+log = logging.getLogger(__name__)
+
+
+def export_model_version(version_id: int) -> str | None:
+    """Consolidate the version's sharded DCP checkpoint into one torch.save file."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from jobs.actions import do_finish_model_export
+    from jobs.models import ModelVersion
+
+    version = ModelVersion.objects.select_related("checkpoint").get(pk=version_id)
+    out_dir = Path(lockstep_setting("MODEL_ROOT")).resolve() / version.name / f"v{version.version}"
+    out = out_dir / "state_dict.pt"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".pt.tmp")
+        dcp_to_torch_save(version.checkpoint.path, tmp)
+        tmp.replace(out)
+    except Exception as exc:  # record why, so the registry page can show it
+        log.exception("export of %s failed", version)
+        do_finish_model_export(version, path=None, error=str(exc))
+        return None
+    do_finish_model_export(version, path=str(out))
+    return str(out)

@@ -1,0 +1,113 @@
+"""Validation of job fields shared by the REST API and the portal's submit form."""
+
+import re
+from urllib.parse import urlparse
+
+from django.core.exceptions import ValidationError
+
+from jobs.conf import lockstep_setting
+
+# A container reference: [registry[:port]/]path[:tag][@sha256:digest], lower-case path parts.
+IMAGE_RE = re.compile(
+    r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-][a-z0-9]+)*"
+    r"(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+    r"(?:@sha256:[a-f0-9]{64})?$"
+)
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The launch contract: a job's env may not override what the agent sets for every worker.
+RESERVED_ENV = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "CUDA_VISIBLE_DEVICES",
+}
+MAX_COMMAND_ITEMS = 256
+
+
+def validate_image(value: str) -> str:
+    if not value or len(value) > 255 or not IMAGE_RE.match(value):
+        raise ValidationError(
+            "Enter a container image reference such as 'lockstep/trainer:latest' or "
+            "'registry.example.com:5000/team/image@sha256:<digest>'."
+        )
+    return value
+
+
+def validate_command(value) -> list[str]:
+    if not isinstance(value, list) or not value:
+        raise ValidationError("Command must be a non-empty list of strings (an argv list).")
+    if len(value) > MAX_COMMAND_ITEMS:
+        raise ValidationError(f"Command may have at most {MAX_COMMAND_ITEMS} items.")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise ValidationError(f"Command item {i} is {type(item).__name__}, not a string.")
+        if "\x00" in item:
+            raise ValidationError(f"Command item {i} contains a NUL byte.")
+    if not value[0].strip():
+        raise ValidationError("The program (first command item) must not be empty.")
+    return value
+
+
+def validate_dataset(value: str) -> str:
+    if not value:
+        return value
+    allowed = lockstep_setting("ALLOWED_DATASET_SCHEMES")
+    scheme = urlparse(value).scheme
+    if scheme not in allowed:
+        raise ValidationError(
+            f"Dataset must be a URI with one of the schemes {', '.join(allowed)} "
+            f"(for example synthetic://addition or file:///data/corpus.txt)."
+        )
+    if len(value) > 1000:
+        raise ValidationError("Dataset URI is longer than 1000 characters.")
+    return value
+
+
+def validate_env(value) -> dict[str, str]:
+    if value in (None, ""):
+        return {}
+    if not isinstance(value, dict):
+        raise ValidationError("Env must be an object of NAME: value strings.")
+    if len(value) > 128:
+        raise ValidationError("Env may have at most 128 variables.")
+    for name, item in value.items():
+        if not ENV_NAME_RE.match(name):
+            raise ValidationError(f"{name!r} is not a valid environment variable name.")
+        if name in RESERVED_ENV or name.startswith("LOCKSTEP_"):
+            raise ValidationError(
+                f"{name} is set by Lockstep's launch contract; do not override it."
+            )
+        if not isinstance(item, str):
+            raise ValidationError(f"Env value of {name} must be a string.")
+    return value
+
+
+def cluster_gpu_count() -> int:
+    from jobs.models import GPU
+
+    return GPU.objects.count()
+
+
+def validate_gpus(gpus: int, team) -> None:
+    """GPU count within the cluster and the team's quota plus borrow limit."""
+    if gpus < 1:
+        raise ValidationError("A job needs at least 1 GPU.")
+    total = cluster_gpu_count()
+    if gpus > total:
+        raise ValidationError(f"The cluster has {total} GPUs; this job asks for {gpus}.")
+    if team is not None and gpus > team.gpu_cap:
+        raise ValidationError(
+            f"Team {team.name} may use at most {team.gpu_cap} GPUs "
+            f"(quota {team.quota} + borrow limit {team.borrow_limit})."
+        )

@@ -1,0 +1,452 @@
+"""The node agent's main loop: register with the portal, heartbeat, and carry out the desired
+attempts each heartbeat response lists (docs/agent-protocol.md).
+
+The portal never calls the agent; everything it wants rides on heartbeat responses. Between
+beats the loop keeps polling the supervisor so exits are noticed and stop deadlines are enforced
+even while the portal is unreachable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from nodeagent.supervisor import RankWorker, WorkerSupervisor
+from nodeagent.tail import LogTail, MetricsTail
+from nodeagent.telemetry import Telemetry
+
+logger = logging.getLogger("nodeagent")
+
+REGISTER_PATH = "/api/v1/agent/register/"
+HEARTBEAT_PATH = "/api/v1/agent/heartbeat/"
+HTTP_TIMEOUT_S = 10.0
+POLL_INTERVAL_S = 0.25  # how often workers are reaped and deadlines checked between beats
+MAX_REGISTER_BACKOFF_S = 30.0
+DEFAULT_STOP_DEADLINE_S = 30.0
+
+
+class AgentFatal(Exception):
+    """The portal refused the agent in a way retrying cannot fix (a bad cluster token)."""
+
+
+class _NodeLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Prefixes every line with the node name: many agents may log to one terminal."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[{self.extra['node']}] {msg}", kwargs
+
+
+@dataclass
+class _RankTails:
+    worker: RankWorker
+    metrics: MetricsTail
+    log: LogTail
+
+
+@dataclass
+class _Tracked:
+    """What the agent remembers about an attempt besides its processes."""
+
+    tails: list[_RankTails] = field(default_factory=list)
+    # Set once a successful heartbeat carried the exit of every rank and the last of its data.
+    exit_reported: bool = False
+
+
+class Agent:
+    """One node's agent. `run()` is the whole life of the process; `register()` and
+    `heartbeat()` are single exchanges with the portal, usable on their own."""
+
+    def __init__(
+        self,
+        portal: str,
+        token: str,
+        gpus: int,
+        *,
+        name: str,
+        work_dir: str | os.PathLike[str],
+        rack: str = "default",
+        address: str = "127.0.0.1",
+        heartbeat_s: float = 2.0,
+        gpu_kind: str = "auto",
+        http_timeout_s: float = HTTP_TIMEOUT_S,
+    ) -> None:
+        if gpus < 1:
+            raise ValueError("gpus must be at least 1")
+        self.portal = portal.rstrip("/")
+        self.cluster_token = token
+        self.gpus = gpus
+        self.name = name
+        self.rack = rack
+        self.address = address
+        self.heartbeat_s = heartbeat_s
+        self.http_timeout_s = http_timeout_s
+        self.boot_id = uuid.uuid4().hex
+        self.node_id: int | None = None
+        self.node_token: str | None = None
+        self.log = _NodeLog(logger, {"node": name})
+        self.supervisor = WorkerSupervisor(work_dir, gpu_kind=gpu_kind, log=self.log)
+        self.telemetry = Telemetry(gpus, self.supervisor.gpu_kind, log=self.log)
+        self._http = requests.Session()
+        self._tracked: dict[int, _Tracked] = {}
+        # Attempt ids forgotten after their exit was recorded; an attempt runs once, so a `run`
+        # for one of these is a portal bug and must not start a second copy.
+        self._finished: set[int] = set()
+        self._stop = threading.Event()
+        self._stop_signal: int | None = None
+        self._failed_beats = 0
+        self._last_register_error = ""
+        self._backoff = 1.0
+
+    # -- portal exchanges ----------------------------------------------------------------------
+
+    def register(self) -> bool:
+        """One registration try. True on success; False if the portal is unreachable or
+        answered with a server error (retry later); raises AgentFatal when retrying is futile."""
+        body = {
+            "name": self.name,
+            "gpus": self.gpus,
+            "gpu_kind": self.supervisor.gpu_kind,
+            "hostname": socket.gethostname(),
+            "address": self.address,
+            "rack": self.rack,
+            "boot_id": self.boot_id,
+        }
+        try:
+            resp = self._http.post(
+                self.portal + REGISTER_PATH,
+                json=body,
+                headers=_bearer(self.cluster_token),
+                timeout=self.http_timeout_s,
+            )
+        except requests.RequestException as exc:
+            self._last_register_error = f"cannot reach {self.portal}: {_short(exc)}"
+            return False
+        if resp.status_code in (401, 403):
+            raise AgentFatal(
+                f"the portal at {self.portal} rejected the cluster agent token "
+                f"(HTTP {resp.status_code}); check --token / LOCKSTEP_AGENT_TOKEN"
+            )
+        if resp.status_code != 200:
+            detail = f"HTTP {resp.status_code} from {self.portal}: {resp.text[:300]!r}"
+            if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+                raise AgentFatal(f"registration refused: {detail}")
+            self._last_register_error = detail
+            return False
+        try:
+            data = resp.json()
+            self.node_id = int(data["node_id"])
+            self.node_token = str(data["node_token"])
+        except (ValueError, KeyError, TypeError) as exc:
+            self._last_register_error = f"unreadable registration response: {exc}"
+            return False
+        self._set_heartbeat_s(data.get("heartbeat_s"))
+        self.log.info(
+            "registered with %s as node %s (%d %s slot(s), boot %s)",
+            self.portal,
+            self.node_id,
+            self.gpus,
+            self.supervisor.gpu_kind,
+            self.boot_id[:8],
+        )
+        return True
+
+    def heartbeat(self) -> bool:
+        """Send one heartbeat and apply the response. True if the portal accepted it."""
+        if self.node_token is None:
+            raise RuntimeError("heartbeat before registration")
+        body, acks, exits = self._build_heartbeat()
+        try:
+            resp = self._http.post(
+                self.portal + HEARTBEAT_PATH,
+                json=body,
+                headers=_bearer(self.node_token),
+                timeout=self.http_timeout_s,
+            )
+        except requests.RequestException as exc:
+            self._beat_failed(f"cannot reach {self.portal}: {_short(exc)}")
+            return False
+        if resp.status_code == 401:
+            self.log.warning("the portal no longer knows this node's token; re-registering")
+            self.node_token = None
+            return False
+        if resp.status_code == 409:
+            alive = self.supervisor.kill_all()
+            self.log.error(
+                "the portal says this agent's boot is stale (another agent "
+                "registered as %r?); killed %d worker(s); re-registering",
+                self.name,
+                alive,
+            )
+            self.node_token = None
+            return False
+        if resp.status_code != 200:
+            self._beat_failed(f"HTTP {resp.status_code}: {resp.text[:300]!r}")
+            return False
+        try:
+            data = resp.json()
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            self._beat_failed(f"unreadable heartbeat response: {exc}")
+            return False
+        if self._failed_beats:
+            self.log.info("portal reachable again after %d failed heartbeat(s)", self._failed_beats)
+            self._failed_beats = 0
+        # Only now is the data in this beat the portal's; until here a retry re-sends it.
+        for tail, offset in acks:
+            tail.ack(offset)
+        for attempt_id in exits:
+            self._tracked[attempt_id].exit_reported = True
+        self.apply(data)
+        return True
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Register, heartbeat until asked to stop, then kill every worker. Returns the exit
+        status for the process: 0 after a stop request, 1 when the portal refused the agent."""
+        status = 0
+        self.log.info(
+            "agent starting: portal %s, %d %s slot(s), work dir %s",
+            self.portal,
+            self.gpus,
+            self.supervisor.gpu_kind,
+            self.supervisor.work_dir,
+        )
+        orphans = self.supervisor.reap_orphans()
+        if orphans:
+            self.log.warning("killed %d worker(s) left by an earlier agent process", orphans)
+        self._backoff = 1.0
+        next_exchange = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                self.supervisor.poll()
+                now = time.monotonic()
+                if now >= next_exchange:
+                    try:
+                        next_exchange = self._exchange(now)
+                    except AgentFatal:
+                        raise
+                    except Exception:
+                        # A bug or a surprising response must not take the node's workers
+                        # down with the agent; the next beat tries again.
+                        self.log.exception("unexpected error talking to the portal")
+                        next_exchange = now + self.heartbeat_s
+                wait = min(POLL_INTERVAL_S, max(0.0, next_exchange - time.monotonic()))
+                self._stop.wait(wait)
+        except AgentFatal as exc:
+            self.log.error("%s", exc)
+            status = 1
+        finally:
+            alive = self.supervisor.kill_all()
+            if self._stop_signal is not None:
+                reason = signal.Signals(self._stop_signal).name
+            else:
+                reason = "stop requested" if status == 0 else "fatal error"
+            self.log.info(
+                "agent stopping (%s): killed %d worker(s); exiting with %d", reason, alive, status
+            )
+        return status
+
+    def _exchange(self, now: float) -> float:
+        """Register or heartbeat, whichever is due; returns when the next exchange is due."""
+        if self.node_token is not None:
+            self.heartbeat()
+            return now + self.heartbeat_s
+        if self.register():
+            self._backoff = 1.0
+            return now  # heartbeat straight away: the portal is waiting to hear from us
+        self.log.warning(
+            "%s; is the portal running? retrying in %.0f s",
+            self._last_register_error,
+            self._backoff,
+        )
+        retry_at = now + self._backoff
+        self._backoff = min(MAX_REGISTER_BACKOFF_S, self._backoff * 2)
+        return retry_at
+
+    def request_stop(self, signum: int | None = None) -> None:
+        """Ask `run()` to return after its current exchange (at most one HTTP timeout)."""
+        if self._stop.is_set() and signum is not None:
+            # A second signal: the operator is impatient; the loop exits as soon as it can.
+            self.supervisor.kill_all()
+        self._stop_signal = signum
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT stop the agent, killing its workers. Main thread only."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: self.request_stop(signum))
+
+    # -- heartbeat contents and response -------------------------------------------------------
+
+    def _build_heartbeat(self) -> tuple[dict[str, Any], list[tuple[Any, int]], list[int]]:
+        """The heartbeat body, the (tail, offset) acks to apply if it is accepted, and the
+        attempts whose exit and final data it carries in full."""
+        attempts = []
+        acks: list[tuple[Any, int]] = []
+        exits = []
+        for attempt_id in self.supervisor.attempt_ids():
+            # Exit states are read before the files, so everything a dead worker wrote is in
+            # the files by the time they are read.
+            all_exited = self.supervisor.all_exited(attempt_id)
+            ranks = self.supervisor.status(attempt_id)
+            records: list[dict[str, Any]] = []
+            logs = []
+            drained = True
+            for rt in self._tracked[attempt_id].tails:
+                final = not rt.worker.alive
+                new_records, metrics_end = rt.metrics.read(final=final)
+                text, log_end = rt.log.read(final=final)
+                records.extend(new_records)
+                if text:
+                    logs.append({"rank": rt.worker.rank, "text": text})
+                acks += [(rt.metrics, metrics_end), (rt.log, log_end)]
+                drained = drained and rt.metrics.at_eof and rt.log.at_eof
+            attempts.append(
+                {"attempt_id": attempt_id, "ranks": ranks, "records": records, "logs": logs}
+            )
+            if all_exited and drained:
+                exits.append(attempt_id)
+        body = {"boot_id": self.boot_id, "telemetry": self.telemetry.read(), "attempts": attempts}
+        return body, acks, exits
+
+    def apply(self, response: dict[str, Any]) -> None:
+        """Carry out a heartbeat response: fence, stop, launch, forget."""
+        self._set_heartbeat_s(response.get("heartbeat_s"))
+        run: dict[int, Any] = {}
+        stop: dict[int, float] = {}
+        desired: set[int] = set()
+        for item in response.get("desired") or []:
+            try:
+                attempt_id = int(item["attempt_id"])
+            except (KeyError, TypeError, ValueError):
+                self.log.error("ignoring a desired entry without an attempt id: %r", item)
+                continue
+            desired.add(attempt_id)
+            action = item.get("action")
+            if action == "run":
+                run[attempt_id] = item.get("launch")
+            elif action == "stop":
+                stop[attempt_id] = _number(item.get("deadline_s"), DEFAULT_STOP_DEADLINE_S)
+            else:
+                self.log.warning(
+                    "attempt %s: unknown action %r; leaving it as it is", attempt_id, action
+                )
+
+        # Fencing (invariant 4) comes first: a worker the portal no longer wants may hold GPUs
+        # it has already handed to someone else.
+        for attempt_id in self.supervisor.attempt_ids():
+            attempt = self.supervisor.get(attempt_id)
+            if attempt_id in desired or attempt is None or attempt.all_exited or attempt.killed:
+                continue
+            self.log.warning(
+                "fencing attempt %s: not in the portal's desired set; SIGKILL to ranks %s",
+                attempt_id,
+                [w.rank for w in attempt.workers if w.alive],
+            )
+            self.supervisor.kill(attempt_id)
+
+        for attempt_id, deadline_s in stop.items():
+            if attempt_id in self.supervisor:
+                self.supervisor.stop(attempt_id, deadline_s)
+
+        for attempt_id, launch in run.items():
+            if attempt_id in self.supervisor:
+                continue
+            if attempt_id in self._finished:
+                self.log.error(
+                    "attempt %s already ran here and ended; not starting it again", attempt_id
+                )
+                continue
+            self._launch(attempt_id, launch)
+
+        acked = set()
+        for value in response.get("acked") or []:
+            try:
+                acked.add(int(value))
+            except (TypeError, ValueError):
+                continue
+        for attempt_id in self.supervisor.attempt_ids():
+            tracked = self._tracked[attempt_id]
+            if (
+                self.supervisor.all_exited(attempt_id)
+                and tracked.exit_reported
+                and (attempt_id not in run or attempt_id in acked)
+            ):
+                self.supervisor.forget(attempt_id)
+                del self._tracked[attempt_id]
+                self._finished.add(attempt_id)
+                self.log.info("attempt %s: exit recorded by the portal; forgotten", attempt_id)
+
+    def _launch(self, attempt_id: int, launch: Any) -> None:
+        try:
+            attempt = self.supervisor.launch(attempt_id, launch)
+        except (KeyError, TypeError, ValueError) as exc:
+            self.log.error(
+                "attempt %s: malformed launch (%s: %s); not started",
+                attempt_id,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        self._tracked[attempt_id] = _Tracked(
+            tails=[
+                _RankTails(
+                    worker=w,
+                    metrics=MetricsTail(w.metrics_path, w.rank, log=self.log),
+                    log=LogTail(w.log_path, w.rank, log=self.log),
+                )
+                for w in attempt.workers
+            ]
+        )
+
+    def _set_heartbeat_s(self, value: Any) -> None:
+        # Bounded so a bad response can neither spin the loop nor silence the node.
+        self.heartbeat_s = min(60.0, max(0.1, _number(value, self.heartbeat_s)))
+
+    def _beat_failed(self, why: str) -> None:
+        self._failed_beats += 1
+        if self._failed_beats == 1 or self._failed_beats % 10 == 0:
+            self.log.warning(
+                "heartbeat failed (%d in a row): %s; unsent data is kept and re-sent",
+                self._failed_beats,
+                why,
+            )
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _number(value: Any, default: float) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return default
+    return number if math.isfinite(number) else default
+
+
+def _short(exc: Exception) -> str:
+    # requests wraps urllib3 errors several layers deep; the innermost reason is the useful one.
+    reason: BaseException = exc
+    for _ in range(10):
+        if reason.__context__ is None:
+            break
+        reason = reason.__context__
+    return f"{type(reason).__name__}: {reason}"[:200]
+
+
+def default_work_dir(name: str) -> Path:
+    return Path("var") / "agents" / name

@@ -1,0 +1,450 @@
+"""Launches and supervises the worker processes of the attempts placed on this node.
+
+One process per rank, each in its own session with the launch contract of
+docs/agent-protocol.md; polled without blocking, stopped checkpoint-first (SIGTERM, then SIGKILL
+to the process group after a deadline) or killed at once (fencing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("nodeagent.supervisor")
+
+# Network settings an operator configures for the agent that workers need for NCCL/gloo.
+# Workers inherit the agent's whole environment anyway; naming them documents the contract.
+PASSTHROUGH_NETWORK_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+# Exit codes reported for ranks whose process could not be started, following the shell's
+# convention so "command not found" reads the same as it would from a terminal.
+EXIT_NOT_FOUND = 127
+EXIT_NOT_EXECUTABLE = 126
+
+WORKERS_FILE = "workers.json"
+
+
+def detect_gpu_kind(requested: str = "auto") -> str:
+    """Return "cuda" or "cpu". `auto` looks for the NVIDIA device node rather than importing
+    torch, which would cost the agent seconds and hundreds of MB just to answer a yes/no."""
+    if requested in ("cpu", "cuda"):
+        return requested
+    if requested != "auto":
+        raise ValueError(f"gpu kind must be auto, cpu or cuda, not {requested!r}")
+    return "cuda" if os.path.exists("/dev/nvidia0") else "cpu"
+
+
+def resolve_command(command: list[str]) -> list[str]:
+    """Run `python ...` commands with the agent's own interpreter.
+
+    The agent is started from the project's virtual environment; a bare `python` on PATH may be
+    the system interpreter, without torch or the trainer installed, or another Python version.
+    Using sys.executable makes `python -m trainer` import exactly what the agent can import.
+    """
+    argv = [str(part) for part in command]
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
+def build_worker_env(
+    launch: Mapping[str, Any],
+    rank: Mapping[str, Any],
+    *,
+    attempt_id: int,
+    metrics_path: Path,
+    gpu_kind: str,
+    base_env: Mapping[str, str],
+) -> dict[str, str]:
+    """The environment of one worker: the agent's, plus launch.env, plus the launch contract.
+
+    Contract variables are applied last so a user's env cannot fake another rank's identity.
+    """
+    env = dict(base_env)
+    env.update({str(k): str(v) for k, v in (launch.get("env") or {}).items()})
+    world_size = int(launch["world_size"])
+    local_world_size = int(launch["local_world_size"])
+    resume_from = launch.get("resume_from") or ""
+    contract = {
+        "RANK": rank["rank"],
+        "LOCAL_RANK": rank["local_rank"],
+        "WORLD_SIZE": world_size,
+        "LOCAL_WORLD_SIZE": local_world_size,
+        "GROUP_RANK": launch["group_rank"],
+        "GROUP_WORLD_SIZE": launch["group_world_size"],
+        "ROLE_RANK": rank["rank"],
+        "ROLE_WORLD_SIZE": world_size,
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": launch["master_addr"],
+        "MASTER_PORT": launch["master_port"],
+        "TORCHELASTIC_RUN_ID": launch["run_id"],
+        "TORCHELASTIC_RESTART_COUNT": launch.get("restart_count", 0),
+        "TORCHELASTIC_MAX_RESTARTS": launch.get("max_restarts", 0),
+        "LOCKSTEP_JOB_ID": launch["job_id"],
+        "LOCKSTEP_ATTEMPT": launch["attempt"],
+        "LOCKSTEP_ATTEMPT_ID": attempt_id,
+        "LOCKSTEP_CHECKPOINT_DIR": launch.get("checkpoint_dir") or "",
+        "LOCKSTEP_RESUME_FROM": resume_from,
+        "LOCKSTEP_DATASET": launch.get("dataset") or "",
+        "LOCKSTEP_METRICS_PATH": metrics_path,
+        "LOCKSTEP_DEVICE": gpu_kind,
+    }
+    env.update({k: str(v) for k, v in contract.items()})
+    # Several ranks on one host each spawning a thread per core oversubscribes the CPU badly;
+    # torchrun applies the same default.
+    if local_world_size > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"
+    if gpu_kind == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = str(rank["gpu_index"])
+    return env
+
+
+@dataclass
+class RankWorker:
+    """One worker process (one rank) of an attempt."""
+
+    rank: int
+    local_rank: int
+    gpu_index: int
+    log_path: Path
+    metrics_path: Path
+    popen: subprocess.Popen[bytes] | None
+    state: str = "starting"  # starting -> running -> exited
+    exit_code: int | None = None
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.state != "exited"
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "pid": self.pid,
+            "state": self.state,
+            "exit_code": self.exit_code,
+        }
+
+
+@dataclass
+class AttemptWorkers:
+    """The local workers of one attempt and how they are being brought down, if they are."""
+
+    attempt_id: int
+    launch: dict[str, Any]
+    dir: Path
+    workers: list[RankWorker] = field(default_factory=list)
+    stop_deadline: float | None = None  # clock() time after which survivors get SIGKILL
+    killed: bool = False
+
+    @property
+    def all_exited(self) -> bool:
+        return all(not w.alive for w in self.workers)
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_deadline is not None or self.killed
+
+
+class WorkerSupervisor:
+    """Owns every worker process on this node, keyed by attempt id.
+
+    Nothing here blocks: `poll()` reaps exited workers and enforces stop deadlines and is meant
+    to be called often by the agent's loop.
+    """
+
+    def __init__(
+        self,
+        work_dir: str | os.PathLike[str],
+        *,
+        gpu_kind: str = "cpu",
+        base_env: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        log: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
+    ) -> None:
+        self.work_dir = Path(work_dir).resolve()
+        self.gpu_kind = detect_gpu_kind(gpu_kind)
+        self._base_env = base_env
+        self._clock = clock
+        self._log = log or logger
+        self._attempts: dict[int, AttemptWorkers] = {}
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def attempt_ids(self) -> list[int]:
+        return sorted(self._attempts)
+
+    def get(self, attempt_id: int) -> AttemptWorkers | None:
+        return self._attempts.get(attempt_id)
+
+    def __contains__(self, attempt_id: object) -> bool:
+        return attempt_id in self._attempts
+
+    def status(self, attempt_id: int) -> list[dict[str, Any]]:
+        """Per-rank `{"rank", "pid", "state", "exit_code"}` as the heartbeat reports it."""
+        return [w.report() for w in self._attempts[attempt_id].workers]
+
+    def all_exited(self, attempt_id: int) -> bool:
+        return self._attempts[attempt_id].all_exited
+
+    def attempt_dir(self, attempt_id: int) -> Path:
+        return self.work_dir / f"attempt-{attempt_id}"
+
+    # -- launching ---------------------------------------------------------------------------
+
+    def launch(self, attempt_id: int, launch: Mapping[str, Any]) -> AttemptWorkers:
+        """Start one worker per entry of `launch["ranks"]`.
+
+        Raises KeyError/ValueError/TypeError on a malformed launch, before spawning anything.
+        A rank whose command cannot be started is reported as exited (127 or 126) with the
+        reason in its log, so the portal sees a failed gang rather than one that never starts.
+        """
+        if attempt_id in self._attempts:
+            raise ValueError(f"attempt {attempt_id} already has workers on this node")
+        command = resolve_command(list(launch["command"]))
+        if not command:
+            raise ValueError(f"attempt {attempt_id}: empty command")
+        base_env = os.environ if self._base_env is None else self._base_env
+        attempt_dir = self.attempt_dir(attempt_id)
+        # Every rank's environment is built before anything is spawned, so a malformed launch
+        # raises here instead of leaving half a gang running.
+        planned = []
+        for entry in launch["ranks"]:
+            rank = int(entry["rank"])
+            metrics_path = attempt_dir / f"rank-{rank}.metrics.jsonl"
+            env = build_worker_env(
+                launch,
+                entry,
+                attempt_id=attempt_id,
+                metrics_path=metrics_path,
+                gpu_kind=self.gpu_kind,
+                base_env=base_env,
+            )
+            planned.append(
+                RankWorker(
+                    rank=rank,
+                    local_rank=int(entry["local_rank"]),
+                    gpu_index=int(entry.get("gpu_index", entry["local_rank"])),
+                    log_path=attempt_dir / f"rank-{rank}.log",
+                    metrics_path=metrics_path,
+                    popen=None,
+                    env=env,
+                )
+            )
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        attempt = AttemptWorkers(attempt_id=attempt_id, launch=dict(launch), dir=attempt_dir)
+        self._attempts[attempt_id] = attempt
+        for worker in planned:
+            # A fresh start: tails read from offset 0, so stale bytes would be re-shipped.
+            worker.metrics_path.unlink(missing_ok=True)
+            with open(worker.log_path, "wb") as log_file:
+                try:
+                    worker.popen = subprocess.Popen(
+                        command,
+                        env=worker.env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                except OSError as exc:
+                    code = (
+                        EXIT_NOT_EXECUTABLE if isinstance(exc, PermissionError) else EXIT_NOT_FOUND
+                    )
+                    log_file.write(f"lockstep agent: cannot start {command!r}: {exc}\n".encode())
+                    worker.state, worker.exit_code = "exited", code
+                    self._log.error(
+                        "attempt %s rank %s: cannot start %r: %s",
+                        attempt_id,
+                        worker.rank,
+                        command,
+                        exc,
+                    )
+            attempt.workers.append(worker)
+        self._write_workers_file(attempt)
+        self._log.info(
+            "attempt %s: launched ranks %s (pids %s) on %s",
+            attempt_id,
+            [w.rank for w in attempt.workers],
+            [w.pid for w in attempt.workers],
+            self.gpu_kind,
+        )
+        return attempt
+
+    # -- polling -----------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Reap exited workers and SIGKILL the survivors of stops whose deadline passed."""
+        now = self._clock()
+        for attempt in list(self._attempts.values()):
+            for worker in attempt.workers:
+                if not worker.alive or worker.popen is None:
+                    continue
+                code = worker.popen.poll()
+                if code is None:
+                    worker.state = "running"
+                    continue
+                worker.state, worker.exit_code = "exited", code
+                # Leftover children of a finished worker (data loaders, a stray shell) would
+                # hold GPU memory the scheduler already considers free.
+                self._signal_group(worker, signal.SIGKILL)
+                self._log.info(
+                    "attempt %s rank %s (pid %s) exited with %s",
+                    attempt.attempt_id,
+                    worker.rank,
+                    worker.pid,
+                    code,
+                )
+            if attempt.stop_deadline is not None and now >= attempt.stop_deadline:
+                survivors = [w for w in attempt.workers if w.alive]
+                if survivors:
+                    self._log.warning(
+                        "attempt %s: stop deadline passed; SIGKILL to ranks %s",
+                        attempt.attempt_id,
+                        [w.rank for w in survivors],
+                    )
+                    for worker in survivors:
+                        self._signal_group(worker, signal.SIGKILL)
+                attempt.stop_deadline = None
+                attempt.killed = attempt.killed or bool(survivors)
+            if attempt.all_exited:
+                (attempt.dir / WORKERS_FILE).unlink(missing_ok=True)
+
+    def wait(self, attempt_id: int, timeout_s: float, interval_s: float = 0.02) -> bool:
+        """Poll until every worker of the attempt exited; False on timeout. For tests/tools."""
+        give_up = time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            if self.all_exited(attempt_id):
+                return True
+            if time.monotonic() >= give_up:
+                return False
+            time.sleep(interval_s)
+
+    # -- stopping ----------------------------------------------------------------------------
+
+    def stop(self, attempt_id: int, deadline_s: float) -> None:
+        """Checkpoint-and-stop: SIGTERM each live worker once; later polls send SIGKILL to the
+        process group of any still alive `deadline_s` seconds from now. Repeats are no-ops."""
+        attempt = self._attempts[attempt_id]
+        if attempt.stopping:
+            return
+        attempt.stop_deadline = self._clock() + max(0.0, float(deadline_s))
+        for worker in attempt.workers:
+            if worker.alive and worker.popen is not None:
+                # Only the worker itself: the trainer turns SIGTERM into "checkpoint at the next
+                # step boundary", while its helpers would simply die and break that save.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.popen.pid, signal.SIGTERM)
+        self._log.info(
+            "attempt %s: SIGTERM sent; SIGKILL in %.1f s if still running", attempt_id, deadline_s
+        )
+
+    def kill(self, attempt_id: int) -> None:
+        """SIGKILL every worker's process group now (fencing, shutdown)."""
+        attempt = self._attempts[attempt_id]
+        attempt.killed = True
+        attempt.stop_deadline = None
+        for worker in attempt.workers:
+            if worker.alive:
+                self._signal_group(worker, signal.SIGKILL)
+
+    def kill_all(self) -> int:
+        """Kill every attempt's workers; returns how many workers were still alive."""
+        alive = 0
+        for attempt_id, attempt in list(self._attempts.items()):
+            alive += sum(1 for w in attempt.workers if w.alive)
+            self.kill(attempt_id)
+        return alive
+
+    def forget(self, attempt_id: int) -> None:
+        """Drop an attempt whose workers have all exited."""
+        attempt = self._attempts[attempt_id]
+        if not attempt.all_exited:
+            raise ValueError(f"attempt {attempt_id} still has live workers")
+        del self._attempts[attempt_id]
+
+    def _signal_group(self, worker: RankWorker, sig: int) -> None:
+        if worker.popen is None:
+            return
+        # start_new_session made the worker the leader of a group whose id is its pid. Linux
+        # does not reuse a pid while it still names a live process group, so this cannot hit
+        # a stranger's group while any of the worker's processes remain.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.popen.pid, sig)
+
+    # -- orphans from an earlier agent process -----------------------------------------------
+
+    def _write_workers_file(self, attempt: AttemptWorkers) -> None:
+        entries = [
+            {"rank": w.rank, "pid": w.pid, "start_time": _process_start_time(w.pid)}
+            for w in attempt.workers
+            if w.pid is not None
+        ]
+        (attempt.dir / WORKERS_FILE).write_text(
+            json.dumps({"boot_id": _kernel_boot_id(), "workers": entries})
+        )
+
+    def reap_orphans(self) -> int:
+        """SIGKILL the process groups of workers left running by an earlier agent process on
+        this work dir (it crashed or was SIGKILLed). This agent cannot wait on or report them,
+        and its portal has already given their GPUs away, so they must not keep running.
+        Returns how many were killed."""
+        killed = 0
+        boot_id = _kernel_boot_id()
+        for path in sorted(self.work_dir.glob(f"attempt-*/{WORKERS_FILE}")):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                path.unlink(missing_ok=True)
+                continue
+            if data.get("boot_id") == boot_id:
+                for entry in data.get("workers", []):
+                    pid, start = entry.get("pid"), entry.get("start_time")
+                    # The start time tells a surviving worker from a new process given its pid;
+                    # a missing process may still have left children in its group, and Linux
+                    # keeps that group id from being reused while they live.
+                    now_start = _process_start_time(pid)
+                    if pid and (now_start is None or now_start == start):
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.killpg(pid, signal.SIGKILL)
+                            killed += 1
+                            self._log.warning(
+                                "killed orphan worker pid %s from %s", pid, path.parent.name
+                            )
+            path.unlink(missing_ok=True)
+        return killed
+
+
+def _process_start_time(pid: int | None) -> int | None:
+    """Start time of a process in clock ticks since boot (Linux /proc), None if unknown."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses; fields resume after the last ')'.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def _kernel_boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""

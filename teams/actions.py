@@ -1,0 +1,88 @@
+"""State changes for teams, memberships and tokens; each writes an Event."""
+
+import secrets
+from datetime import datetime
+
+from django.contrib.auth import get_user_model
+from django.db import transaction
+
+from jobs.models import Event
+from teams.models import ApiToken, Membership, Team, token_digest
+
+User = get_user_model()
+
+
+@transaction.atomic
+def do_create_team(
+    name: str, *, quota: int = 0, borrow_limit: int = 0, weight: float = 1.0, actor=None
+) -> Team:
+    team = Team.objects.create(name=name, quota=quota, borrow_limit=borrow_limit, weight=weight)
+    Event.objects.create(
+        team=team,
+        actor=actor,
+        kind="team.created",
+        message=f"team {name} created with quota {quota}, borrow limit {borrow_limit}",
+    )
+    return team
+
+
+@transaction.atomic
+def do_set_team_quota(
+    team: Team,
+    *,
+    quota: int,
+    borrow_limit: int | None = None,
+    weight: float | None = None,
+    actor=None,
+) -> Team:
+    before = (team.quota, team.borrow_limit, team.weight)
+    team.quota = quota
+    if borrow_limit is not None:
+        team.borrow_limit = borrow_limit
+    if weight is not None:
+        team.weight = weight
+    team.save(update_fields=["quota", "borrow_limit", "weight"])
+    Event.objects.create(
+        team=team,
+        actor=actor,
+        kind="team.quota_changed",
+        message=(
+            f"quota {before[0]} -> {team.quota}, borrow limit {before[1]} -> {team.borrow_limit},"
+            f" weight {before[2]} -> {team.weight}"
+        ),
+        data={"before": list(before), "after": [team.quota, team.borrow_limit, team.weight]},
+    )
+    from jobs.scheduling.wake import wake_scheduler
+
+    transaction.on_commit(lambda: wake_scheduler("quota changed"))
+    return team
+
+
+@transaction.atomic
+def do_add_member(team: Team, user, *, role: str = Membership.Role.MEMBER, actor=None):
+    membership, created = Membership.objects.get_or_create(
+        team=team, user=user, defaults={"role": role}
+    )
+    if created:
+        Event.objects.create(
+            team=team,
+            actor=actor,
+            kind="team.member_added",
+            message=f"{user.username} joined {team.name} as {role}",
+        )
+    return membership
+
+
+@transaction.atomic
+def do_issue_token(
+    user, *, name: str = "default", expires_at: datetime | None = None
+) -> tuple[ApiToken, str]:
+    """Create a token; the raw secret is returned once and never stored."""
+    raw = "lst_" + secrets.token_urlsafe(32)
+    token = ApiToken.objects.create(
+        user=user, name=name, digest=token_digest(raw), prefix=raw[:10], expires_at=expires_at
+    )
+    Event.objects.create(
+        actor=user, kind="token.issued", message=f"API token {name!r} issued to {user.username}"
+    )
+    return token, raw

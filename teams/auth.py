@@ -1,0 +1,42 @@
+"""Bearer-token authentication for the REST API (tokens are stored as SHA-256 digests)."""
+
+from django.utils import timezone
+from rest_framework import authentication, exceptions
+
+from teams.models import ApiToken, token_digest
+
+
+def user_for_token(raw: str):
+    """The active user behind a raw token, or None."""
+    token = (
+        ApiToken.objects.select_related("user")
+        .filter(digest=token_digest(raw), revoked_at__isnull=True)
+        .first()
+    )
+    if token is None or not token.user.is_active:
+        return None
+    if token.expires_at is not None and token.expires_at <= timezone.now():
+        return None
+    return token.user
+
+
+class BearerTokenAuthentication(authentication.BaseAuthentication):
+    keyword = "Bearer"
+
+    def authenticate(self, request):
+        header = authentication.get_authorization_header(request).decode(errors="replace")
+        parts = header.split()
+        if not parts or parts[0] != self.keyword:
+            return None
+        if len(parts) != 2:
+            raise exceptions.AuthenticationFailed("Authorization header must be 'Bearer <token>'.")
+        if parts[1].startswith("node_"):
+            # Node tokens only work on agent endpoints, which authenticate them themselves.
+            raise exceptions.AuthenticationFailed("Agent tokens are not valid here.")
+        user = user_for_token(parts[1])
+        if user is None:
+            raise exceptions.AuthenticationFailed("Invalid, expired or revoked token.")
+        return (user, None)
+
+    def authenticate_header(self, request) -> str:
+        return self.keyword

@@ -1,0 +1,65 @@
+"""Tenants: teams with quotas, their members, and the API tokens people automate with."""
+
+import hashlib
+
+from django.conf import settings
+from django.core.validators import MinValueValidator
+from django.db import models
+
+
+class Team(models.Model):
+    name = models.SlugField(max_length=64, unique=True)
+    quota = models.PositiveIntegerField(default=0, help_text="GPUs guaranteed to the team.")
+    borrow_limit = models.PositiveIntegerField(
+        default=0, help_text="Extra GPUs the team may use when others leave them idle."
+    )
+    weight = models.FloatField(default=1.0, validators=[MinValueValidator(0.0)])
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def gpu_cap(self) -> int:
+        return self.quota + self.borrow_limit
+
+
+class Membership(models.Model):
+    class Role(models.TextChoices):
+        MEMBER = "member"
+        LEAD = "lead"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "team"], name="one_membership")]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.team} ({self.role})"
+
+
+def token_digest(raw: str) -> str:
+    # Tokens are long random strings, so a fast hash is enough (no salt/KDF needed, unlike
+    # passwords); only the digest is stored.
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+class ApiToken(models.Model):
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
+    )
+    name = models.CharField(max_length=100, default="default")
+    digest = models.CharField(max_length=64, unique=True)
+    prefix = models.CharField(max_length=12, help_text="First characters, to recognise it.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}...) for {self.user}"

@@ -1,0 +1,187 @@
+"""REST API v1: submit, bad input, tenancy, tokens, and the management command."""
+
+import io
+
+import pytest
+from django.core.management import call_command
+from rest_framework.test import APIClient
+
+from jobs.models import Event, Job
+from teams.models import ApiToken, Team
+
+GOOD = {"name": "gpt-small", "team": "nlp", "image": "lockstep/trainer:latest",
+        "command": ["python", "-m", "trainer"], "dataset": "synthetic://addition", "gpus": 4}
+
+
+@pytest.fixture
+def nlp(make_team, make_user, make_nodes, token_for):
+    team = make_team("nlp", quota=8)
+    user = make_user("alice", team=team)
+    make_nodes(2, 4)  # 8 GPUs in the cluster
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token_for(user)}")
+    return team, user, client
+
+
+@pytest.mark.django_db
+def test_submit_creates_a_queued_job_with_an_event(nlp):
+    team, user, client = nlp
+    response = client.post("/api/v1/jobs/", GOOD, format="json")
+    assert response.status_code == 201, response.content
+    job = Job.objects.get(pk=response.json()["id"])
+    assert (job.state, job.team, job.owner, job.command) == (
+        "QUEUED", team, user, ["python", "-m", "trainer"])
+    assert Event.objects.filter(job=job, kind="job.submitted").count() == 1
+    listed = client.get("/api/v1/jobs/?state=queued").json()
+    assert [j["id"] for j in listed["results"]] == [job.id]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("change", "field", "message"),
+    [
+        ({"gpus": 0}, "gpus", "greater than or equal to 1"),
+        ({"gpus": 9}, "gpus", "The cluster has 8 GPUs; this job asks for 9."),
+        ({"command": "python train.py"}, "command", "non-empty list of strings"),
+        ({"command": ["python", 3]}, "command", "Command item 1 is int, not a string."),
+        ({"command": []}, "command", "non-empty list of strings"),
+        ({"team": "nope"}, "team", "Unknown team 'nope'."),
+        ({"image": "Not An Image!"}, "image", "container image reference"),
+        ({"dataset": "ftp://x/y"}, "dataset", "Dataset must be a URI"),
+        ({"env": {"RANK": "3"}}, "env", "set by Lockstep's launch contract"),
+        ({"env": {"1BAD": "x"}}, "env", "not a valid environment variable name"),
+        ({"name": ""}, "name", "may not be blank"),
+        ({"priority": "whenever"}, "priority", "not a valid choice"),
+    ],
+)
+def test_bad_input_is_a_400_with_a_message_on_the_field_and_creates_nothing(
+    nlp, change, field, message
+):
+    _, _, client = nlp
+    events_before = Event.objects.count()
+    response = client.post("/api/v1/jobs/", {**GOOD, **change}, format="json")
+    assert response.status_code == 400
+    errors = response.json()
+    assert field in errors, errors
+    assert any(message in m for m in errors[field]), errors[field]
+    assert Job.objects.count() == 0
+    assert Event.objects.count() == events_before
+
+
+@pytest.mark.django_db
+def test_several_bad_fields_are_reported_together(nlp):
+    _, _, client = nlp
+    bad = {**GOOD, "gpus": 0, "command": "rm -rf /", "team": "ghosts"}
+    errors = client.post("/api/v1/jobs/", bad, format="json").json()
+    assert {"gpus", "command", "team"} <= set(errors)
+    assert Job.objects.count() == 0
+
+
+@pytest.mark.django_db
+def test_gpus_above_the_team_cap_is_refused(nlp, make_team, make_user, token_for):
+    small = make_team("small", quota=2)
+    bob = make_user("bob", team=small)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token_for(bob)}")
+    response = client.post("/api/v1/jobs/", {**GOOD, "team": "small", "gpus": 4}, format="json")
+    assert response.status_code == 400
+    assert "Team small may use at most 2 GPUs" in response.json()["gpus"][0]
+
+
+@pytest.mark.django_db
+def test_other_teams_jobs_are_404_everywhere_and_not_listed(nlp, make_team, make_user, token_for):
+    _, _, alice = nlp
+    job_id = alice.post("/api/v1/jobs/", GOOD, format="json").json()["id"]
+    mallory = make_user("mallory", team=make_team("other", quota=4))
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token_for(mallory)}")
+    for path in ("", "metrics/", "checkpoints/", "events/", "logs/"):
+        theirs = client.get(f"/api/v1/jobs/{job_id}/{path}")
+        missing = client.get(f"/api/v1/jobs/999999/{path}")
+        assert theirs.status_code == missing.status_code == 404
+        assert theirs.json() == missing.json()
+    assert client.post(f"/api/v1/jobs/{job_id}/cancel/").status_code == 404
+    assert client.get("/api/v1/jobs/").json()["count"] == 0
+    assert Job.objects.get(pk=job_id).state == "QUEUED"
+    # Nor can mallory submit into alice's team.
+    response = client.post("/api/v1/jobs/", GOOD, format="json")
+    assert response.status_code == 400 and "Unknown team 'nlp'." in response.json()["team"]
+
+
+@pytest.mark.django_db
+def test_tokens_are_stored_hashed_and_revoked_tokens_fail(nlp, make_user, token_for):
+    user = make_user("carol")
+    raw = token_for(user)
+    stored = ApiToken.objects.get(user=user)
+    assert raw not in (stored.digest, stored.prefix) and len(stored.digest) == 64
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    assert client.get("/api/v1/jobs/").status_code == 200
+    stored.revoked_at = stored.created_at
+    stored.save()
+    assert client.get("/api/v1/jobs/").status_code == 401
+    client.credentials(HTTP_AUTHORIZATION="Bearer lst_made_up")
+    assert client.get("/api/v1/jobs/").status_code == 401
+    assert APIClient().get("/api/v1/jobs/").status_code in (401, 403)
+
+
+@pytest.mark.django_db
+def test_cancel_a_queued_job(nlp):
+    _, _, client = nlp
+    job_id = client.post("/api/v1/jobs/", GOOD, format="json").json()["id"]
+    response = client.post(f"/api/v1/jobs/{job_id}/cancel/")
+    assert response.status_code == 200 and response.json()["state"] == "CANCELLED"
+    assert Event.objects.filter(job_id=job_id, kind="job.cancelled").exists()
+
+
+@pytest.mark.django_db
+def test_only_leads_and_admins_change_priority(nlp, make_user, token_for):
+    team, _, member = nlp
+    job_id = member.post("/api/v1/jobs/", GOOD, format="json").json()["id"]
+    assert member.patch(f"/api/v1/jobs/{job_id}/", {"priority": "high"},
+                        format="json").status_code == 403
+    lead = APIClient()
+    lee = make_user("lee", team=team, role="lead")
+    lead.credentials(HTTP_AUTHORIZATION=f"Bearer {token_for(lee)}")
+    response = lead.patch(f"/api/v1/jobs/{job_id}/", {"priority": "high"}, format="json")
+    assert response.status_code == 200 and response.json()["priority"] == "high"
+
+
+@pytest.mark.django_db
+def test_issue_token_creates_user_team_membership_and_prints_the_token_last():
+    out = io.StringIO()
+    call_command("issue_token", "dana", "--team", "robotics", stdout=out)
+    raw = out.getvalue().strip().splitlines()[-1]
+    assert raw.startswith("lst_")
+    team = Team.objects.get(name="robotics")
+    assert team.memberships.get().user.username == "dana"
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    assert client.get("/api/v1/jobs/").status_code == 200
+    # Running it again adds a token, not a second user or membership.
+    call_command("issue_token", "dana", "--team", "robotics", stdout=io.StringIO())
+    assert team.memberships.count() == 1 and ApiToken.objects.count() == 2
+
+
+@pytest.mark.django_db
+def test_agent_endpoints_refuse_user_tokens_and_user_endpoints_refuse_node_tokens(
+    nlp, settings, client
+):
+    _, _, alice = nlp
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "AGENT_TOKEN": "cluster-secret"}
+    user_token = alice._credentials["HTTP_AUTHORIZATION"]
+    body = {"name": "n9", "gpus": 2, "address": "127.0.0.1", "boot_id": "b"}
+    assert client.post("/api/v1/agent/register/", body, content_type="application/json",
+                       HTTP_AUTHORIZATION=user_token).status_code == 401
+    registered = client.post("/api/v1/agent/register/", body, content_type="application/json",
+                             HTTP_AUTHORIZATION="Bearer cluster-secret")
+    assert registered.status_code == 200
+    node_token = registered.json()["node_token"]
+    beat = client.post("/api/v1/agent/heartbeat/", {"boot_id": "b", "attempts": []},
+                       content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {node_token}")
+    assert beat.status_code == 200 and beat.json()["desired"] == []
+    stale = client.post("/api/v1/agent/heartbeat/", {"boot_id": "old", "attempts": []},
+                        content_type="application/json",
+                        HTTP_AUTHORIZATION=f"Bearer {node_token}")
+    assert stale.status_code == 409
+    assert client.get("/api/v1/jobs/", HTTP_AUTHORIZATION=f"Bearer {node_token}").status_code == 401

@@ -1,0 +1,787 @@
+"""Node agent: worker supervision, file tails and the agent's side of the portal protocol.
+
+Everything here runs real processes. The agent tests talk HTTP to `PortalPeer`, a small server
+that plays the portal's side of docs/agent-protocol.md, the way a network peer would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nodeagent.agent import Agent
+from nodeagent.supervisor import WorkerSupervisor
+from nodeagent.tail import LogTail, MetricsTail
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER_TOKEN = "cluster-secret"
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def launch_spec(script: str, ranks: list[dict[str, int]], **overrides: Any) -> dict[str, Any]:
+    """A launch dict as the portal sends it, running `python -c script` on each rank."""
+    spec = {
+        "job_id": 5,
+        "attempt": 2,
+        "command": ["python", "-c", textwrap.dedent(script)],
+        "env": {"USER_VAR": "x"},
+        "world_size": 4,
+        "local_world_size": len(ranks),
+        "group_rank": 1,
+        "group_world_size": 2,
+        "master_addr": "10.0.0.7",
+        "master_port": 29517,
+        "run_id": "job5-attempt2",
+        "restart_count": 1,
+        "max_restarts": 3,
+        "checkpoint_dir": "/abs/ckpt/job-5",
+        "resume_from": "/abs/ckpt/job-5/step-000050",
+        "dataset": "synthetic://addition",
+        "ranks": ranks,
+    }
+    spec.update(overrides)
+    return spec
+
+
+def one_rank() -> list[dict[str, int]]:
+    return [{"rank": 0, "local_rank": 0, "gpu_index": 0}]
+
+
+def wait_until(condition: Callable[[], Any], timeout_s: float = 15.0, what: str = "") -> Any:
+    give_up = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > give_up:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        time.sleep(0.02)
+
+
+def process_alive(pid: int) -> bool:
+    """True unless the process is gone or a zombie (a reparented zombie may wait long for a
+    container's init to reap it, but it runs nothing and holds no GPU)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
+# Writes a file atomically so a test never reads it half-written.
+WRITE_HELPER = """
+import os
+def publish(path, text):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+"""
+
+SLEEPER = (
+    WRITE_HELPER
+    + """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+publish(os.environ["LOCKSTEP_METRICS_PATH"] + ".pids", f"{os.getpid()} {child.pid}")
+time.sleep(120)
+"""
+)
+
+
+def read_pids(metrics_path: Path) -> tuple[int, int]:
+    pids = Path(str(metrics_path) + ".pids")
+    wait_until(pids.exists, what="the worker to publish its pids")
+    worker, child = pids.read_text().split()
+    return int(worker), int(child)
+
+
+@pytest.fixture
+def clean_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+        and not k.startswith(("LOCKSTEP_", "TORCHELASTIC_"))
+    }
+    env["NCCL_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+@pytest.fixture
+def supervisor_factory(tmp_path: Path, clean_env: dict[str, str]):
+    made: list[WorkerSupervisor] = []
+
+    def make(gpu_kind: str = "cpu") -> WorkerSupervisor:
+        sup = WorkerSupervisor(tmp_path / "work", gpu_kind=gpu_kind, base_env=clean_env)
+        made.append(sup)
+        return sup
+
+    yield make
+    for sup in made:  # never leave sleepers behind, even when a test fails
+        sup.kill_all()
+
+
+# -- supervisor ------------------------------------------------------------------------------
+
+ENV_DUMPER = """
+import json, os, sys
+record = {"kind": "env", "env": dict(os.environ), "pid": os.getpid(), "sid": os.getsid(0),
+          "executable": sys.executable}
+with open(os.environ["LOCKSTEP_METRICS_PATH"], "a") as f:
+    f.write(json.dumps(record) + "\\n")
+print("hello from rank", os.environ["RANK"], flush=True)
+print("and from stderr", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("gpu_kind", ["cpu", "cuda"])
+def test_workers_get_the_launch_contract_in_their_own_sessions(supervisor_factory, gpu_kind):
+    sup = supervisor_factory(gpu_kind)
+    ranks = [
+        {"rank": 2, "local_rank": 0, "gpu_index": 0},
+        {"rank": 3, "local_rank": 1, "gpu_index": 1},
+    ]
+    spec = launch_spec(ENV_DUMPER, ranks, env={"USER_VAR": "x", "RANK": "99"})
+    attempt = sup.launch(17, spec)
+    assert sup.wait(17, timeout_s=20)
+    assert [(r["rank"], r["state"], r["exit_code"]) for r in sup.status(17)] == [
+        (2, "exited", 0),
+        (3, "exited", 0),
+    ]
+
+    attempt_dir = sup.work_dir / "attempt-17"
+    for worker, entry in zip(attempt.workers, ranks, strict=True):
+        assert worker.metrics_path == attempt_dir / f"rank-{entry['rank']}.metrics.jsonl"
+        records, _ = MetricsTail(worker.metrics_path, worker.rank).read()
+        assert len(records) == 1
+        record = records[0]
+        assert record["rank"] == entry["rank"]  # added by the tail: the script wrote none
+        assert record["sid"] == record["pid"] == worker.pid  # a session of its own
+        assert record["executable"] == sys.executable  # "python" means the agent's python
+        env = record["env"]
+        expected = {
+            "RANK": str(entry["rank"]),
+            "LOCAL_RANK": str(entry["local_rank"]),
+            "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1",
+            "GROUP_WORLD_SIZE": "2",
+            "ROLE_RANK": str(entry["rank"]),
+            "ROLE_WORLD_SIZE": "4",
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": "10.0.0.7",
+            "MASTER_PORT": "29517",
+            "TORCHELASTIC_RUN_ID": "job5-attempt2",
+            "TORCHELASTIC_RESTART_COUNT": "1",
+            "TORCHELASTIC_MAX_RESTARTS": "3",
+            "OMP_NUM_THREADS": "1",
+            "LOCKSTEP_JOB_ID": "5",
+            "LOCKSTEP_ATTEMPT": "2",
+            "LOCKSTEP_ATTEMPT_ID": "17",
+            "LOCKSTEP_CHECKPOINT_DIR": "/abs/ckpt/job-5",
+            "LOCKSTEP_RESUME_FROM": "/abs/ckpt/job-5/step-000050",
+            "LOCKSTEP_DATASET": "synthetic://addition",
+            "LOCKSTEP_METRICS_PATH": str(worker.metrics_path),
+            "LOCKSTEP_DEVICE": gpu_kind,
+            "USER_VAR": "x",
+            "NCCL_SOCKET_IFNAME": "lo",
+        }
+        assert {k: env.get(k) for k in expected} == expected
+        if gpu_kind == "cuda":
+            assert env["CUDA_VISIBLE_DEVICES"] == str(entry["gpu_index"])
+        else:
+            assert "CUDA_VISIBLE_DEVICES" not in env
+        log = worker.log_path.read_text()
+        assert worker.log_path == attempt_dir / f"rank-{entry['rank']}.log"
+        assert f"hello from rank {entry['rank']}" in log
+        assert "and from stderr" in log
+
+
+def test_single_rank_keeps_the_users_thread_count(supervisor_factory):
+    sup = supervisor_factory()
+    attempt = sup.launch(1, launch_spec(ENV_DUMPER, one_rank(), local_world_size=1))
+    assert sup.wait(1, timeout_s=20)
+    records, _ = MetricsTail(attempt.workers[0].metrics_path, 0).read()
+    assert "OMP_NUM_THREADS" not in records[0]["env"]
+
+
+def test_a_command_that_cannot_start_is_reported_as_exited_127(supervisor_factory):
+    sup = supervisor_factory()
+    spec = launch_spec("", one_rank(), command=["/nonexistent/lockstep-trainer", "--x"])
+    attempt = sup.launch(3, spec)
+    sup.poll()
+    assert sup.status(3) == [{"rank": 0, "pid": None, "state": "exited", "exit_code": 127}]
+    assert "cannot start" in attempt.workers[0].log_path.read_text()
+
+
+def test_a_malformed_launch_starts_nothing(supervisor_factory):
+    sup = supervisor_factory()
+    spec = launch_spec(SLEEPER, [{"rank": 0, "local_rank": 0}, {"local_rank": 1}])
+    with pytest.raises(KeyError):
+        sup.launch(4, spec)
+    assert sup.attempt_ids() == []
+
+
+def test_kill_takes_down_the_worker_and_its_children(supervisor_factory):
+    sup = supervisor_factory()
+    attempt = sup.launch(7, launch_spec(SLEEPER, one_rank()))
+    worker_pid, child_pid = read_pids(attempt.workers[0].metrics_path)
+    sup.poll()
+    assert sup.status(7)[0]["state"] == "running"
+    assert os.getsid(worker_pid) == worker_pid
+    assert os.getpgid(child_pid) == worker_pid  # the grandchild shares the worker's group
+
+    sup.kill(7)
+    assert sup.wait(7, timeout_s=10)
+    assert sup.status(7)[0]["exit_code"] == -signal.SIGKILL
+    wait_until(lambda: not process_alive(child_pid), what="the grandchild to die")
+
+
+TRAPS_SIGTERM = (
+    WRITE_HELPER
+    + """
+import os, signal, sys, time
+base = os.environ["LOCKSTEP_METRICS_PATH"]
+def on_term(signum, frame):
+    publish(base + ".checkpointed", "step 12")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+publish(base + ".ready", "")
+while True:
+    time.sleep(0.02)
+"""
+)
+
+IGNORES_SIGTERM = (
+    WRITE_HELPER
+    + """
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+publish(os.environ["LOCKSTEP_METRICS_PATH"] + ".ready", "")
+while True:
+    time.sleep(0.02)
+"""
+)
+
+
+def _wait_ready(attempt) -> None:
+    for worker in attempt.workers:
+        ready = Path(str(worker.metrics_path) + ".ready")
+        wait_until(ready.exists, what="the worker to install its SIGTERM handler")
+
+
+def test_stop_lets_a_worker_checkpoint_and_exit_cleanly(supervisor_factory):
+    sup = supervisor_factory()
+    attempt = sup.launch(8, launch_spec(TRAPS_SIGTERM, one_rank()))
+    _wait_ready(attempt)
+    sup.stop(8, deadline_s=20)
+    assert sup.wait(8, timeout_s=10)
+    assert sup.status(8)[0]["exit_code"] == 0
+    assert Path(str(attempt.workers[0].metrics_path) + ".checkpointed").read_text() == "step 12"
+
+
+def test_stop_sigkills_a_worker_that_ignores_sigterm_after_the_deadline(supervisor_factory):
+    sup = supervisor_factory()
+    attempt = sup.launch(9, launch_spec(IGNORES_SIGTERM, one_rank()))
+    _wait_ready(attempt)
+    started = time.monotonic()
+    sup.stop(9, deadline_s=0.5)
+    sup.stop(9, deadline_s=30)  # heartbeats repeat the stop; the first deadline holds
+    time.sleep(0.2)
+    sup.poll()
+    assert sup.status(9)[0]["state"] == "running"  # SIGTERM alone did nothing
+    assert sup.wait(9, timeout_s=10)
+    assert time.monotonic() - started >= 0.5
+    assert sup.status(9)[0]["exit_code"] == -9
+
+
+def test_a_new_supervisor_kills_workers_orphaned_by_a_dead_agent(supervisor_factory):
+    first = supervisor_factory()
+    attempt = first.launch(10, launch_spec(SLEEPER, one_rank()))
+    worker_pid, child_pid = read_pids(attempt.workers[0].metrics_path)
+    # The first agent process "dies": its workers live on in their own sessions.
+    second = supervisor_factory()
+    assert second.reap_orphans() == 1
+    assert first.wait(10, timeout_s=10)  # reaped by the parent that is still our test process
+    wait_until(lambda: not process_alive(child_pid), what="the orphan's child to die")
+    assert not process_alive(worker_pid)
+
+
+# -- tails -----------------------------------------------------------------------------------
+
+
+def test_metrics_tail_holds_a_partial_line_and_resends_until_acked(tmp_path):
+    path = tmp_path / "rank-1.metrics.jsonl"
+    tail = MetricsTail(path, rank=1)
+    assert tail.read() == ([], 0)  # no file yet
+    with open(path, "ab") as f:
+        f.write(b'{"kind": "step", "step": 1, "loss": 2.5}\n{"kind": "st')
+    records, end = tail.read()
+    assert records == [{"kind": "step", "step": 1, "loss": 2.5, "rank": 1}]
+    assert not tail.at_eof  # the half-written line is still owed
+    # The heartbeat carrying it failed: no ack, so the same record comes again, plus the rest.
+    with open(path, "ab") as f:
+        f.write(b'ep", "step": 2, "rank": 0}\n')
+    records, end = tail.read()
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[1]["rank"] == 0  # a rank the trainer wrote is kept
+    tail.ack(end)
+    assert tail.read() == ([], end)
+    assert tail.at_eof
+
+
+def test_metrics_tail_skips_bad_lines_and_a_torn_last_line_once_the_writer_exited(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'not json\n[1, 2]\n{"step": 3}\n{"step": 4, "lo')
+    tail = MetricsTail(path, rank=0)
+    records, end = tail.read()
+    assert records == [{"step": 3, "rank": 0}]
+    tail.ack(end)
+    records, end = tail.read(final=True)
+    assert records == [] and tail.at_eof
+    tail.ack(end)
+    assert end == path.stat().st_size
+
+
+def test_log_tail_ships_at_most_64k_per_read_and_resends_until_acked(tmp_path):
+    path = tmp_path / "rank-0.log"
+    path.write_bytes(b"a" * 100_000)
+    tail = LogTail(path, rank=0)
+    text, end = tail.read()
+    assert len(text) == 64 * 1024 and end == 64 * 1024 and not tail.at_eof
+    assert tail.read() == (text, end)  # not acked: the same chunk again
+    tail.ack(end)
+    text, end = tail.read()
+    assert len(text) == 100_000 - 64 * 1024 and tail.at_eof
+
+
+def test_log_tail_does_not_split_a_utf8_character(tmp_path):
+    path = tmp_path / "rank-0.log"
+    snowman = "☃".encode()
+    path.write_bytes(b"loss " + snowman[:2])
+    tail = LogTail(path, rank=0)
+    text, end = tail.read()
+    assert text == "loss " and end == 5
+    tail.ack(end)
+    with open(path, "ab") as f:
+        f.write(snowman[2:] + b"\xff\n")
+    text, end = tail.read()
+    assert text == "☃\ufffd\n"  # invalid bytes are replaced, not fatal
+
+
+# -- the agent against a portal peer ---------------------------------------------------------
+
+
+class PortalPeer:
+    """The portal's side of the agent protocol, enough to drive one agent.
+
+    Tests set `desired`; the peer records every registration and heartbeat body it receives.
+    """
+
+    def __init__(self, heartbeat_s: float = 0.1) -> None:
+        self.lock = threading.Lock()
+        self.heartbeat_s = heartbeat_s
+        self.desired: list[dict[str, Any]] = []
+        self.registrations: list[dict[str, Any]] = []
+        self.accepted: list[dict[str, Any]] = []  # heartbeat bodies answered with 200
+        self.refused: list[dict[str, Any]] = []  # heartbeat bodies answered with an error
+        self.node_token: str | None = None
+        self.boot_id: str | None = None
+        self.fail_first_beat_with_records = False
+        peer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                length = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(length) or b"{}")
+                token = self.headers.get("Authorization", "").removeprefix("Bearer ")
+                status, reply = peer.handle(self.path, token, body)
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def handle(self, path: str, token: str, body: dict[str, Any]) -> tuple[int, Any]:
+        with self.lock:
+            if path == "/api/v1/agent/register/":
+                if token != CLUSTER_TOKEN:
+                    return 401, {"detail": "bad token"}
+                self.registrations.append(body)
+                self.node_token = f"node-token-{len(self.registrations)}"
+                self.boot_id = body["boot_id"]
+                return 200, {
+                    "node_id": 3,
+                    "node_token": self.node_token,
+                    "heartbeat_s": self.heartbeat_s,
+                }
+            if path == "/api/v1/agent/heartbeat/":
+                if token != self.node_token:
+                    return 401, {"detail": "unknown node token"}
+                if body["boot_id"] != self.boot_id:
+                    return 409, {"detail": "stale boot"}
+                has_records = any(a["records"] for a in body["attempts"])
+                if self.fail_first_beat_with_records and has_records:
+                    self.fail_first_beat_with_records = False
+                    self.refused.append(body)
+                    return 503, {"detail": "database is locked"}
+                self.accepted.append(body)
+                return 200, {
+                    "heartbeat_s": self.heartbeat_s,
+                    "desired": json.loads(json.dumps(self.desired)),
+                }
+            return 404, {"detail": "not found"}
+
+    def set_desired(self, desired: list[dict[str, Any]]) -> None:
+        with self.lock:
+            self.desired = desired
+
+    def beats_since(self, index: int) -> list[dict[str, Any]]:
+        with self.lock:
+            return self.accepted[index:]
+
+    def attempt_in_beats(self, attempt_id: int, since: int = 0) -> list[dict[str, Any]]:
+        return [
+            a
+            for beat in self.beats_since(since)
+            for a in beat["attempts"]
+            if a["attempt_id"] == attempt_id
+        ]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def portal():
+    peer = PortalPeer()
+    yield peer
+    peer.close()
+
+
+@pytest.fixture
+def running_agent(portal, tmp_path, clean_env, monkeypatch):
+    for key in list(os.environ):
+        if key not in clean_env:
+            monkeypatch.delenv(key)
+    agent = Agent(
+        portal.url,
+        CLUSTER_TOKEN,
+        2,
+        name="node-t",
+        rack="r1",
+        address="127.0.0.1",
+        work_dir=tmp_path / "agent",
+        gpu_kind="cpu",
+    )
+    result: dict[str, int] = {}
+    thread = threading.Thread(target=lambda: result.update(rc=agent.run()), daemon=True)
+    thread.start()
+    yield agent
+    agent.request_stop()
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert result["rc"] == 0
+    for attempt_id in agent.supervisor.attempt_ids():  # run() left no live worker behind
+        assert agent.supervisor.wait(attempt_id, timeout_s=5)
+        assert all(r["exit_code"] is not None for r in agent.supervisor.status(attempt_id))
+
+
+def run_item(attempt_id: int, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"attempt_id": attempt_id, "action": "run", "launch": spec}
+
+
+STEPPER = """
+import json, os, time
+rank = int(os.environ["RANK"])
+with open(os.environ["LOCKSTEP_METRICS_PATH"], "a") as f:
+    f.write(json.dumps({"rank": rank, "kind": "step", "step": 1, "loss": 2.0 + rank,
+                        "tokens_per_s": 900.0, "step_time_s": 0.05, "time": time.time()}))
+    f.write("\\n")
+print(f"rank {rank} done", flush=True)
+"""
+
+
+def test_agent_runs_reports_and_forgets_an_attempt(portal, running_agent):
+    wait_until(lambda: portal.accepted, what="a first heartbeat")
+    assert portal.registrations[0] == {
+        "name": "node-t",
+        "gpus": 2,
+        "gpu_kind": "cpu",
+        "hostname": os.uname().nodename,
+        "address": "127.0.0.1",
+        "rack": "r1",
+        "boot_id": running_agent.boot_id,
+    }
+    first = portal.accepted[0]
+    assert [t["index"] for t in first["telemetry"]] == [0, 1]
+    assert all(t["kind"] == "cpu" for t in first["telemetry"])
+
+    portal.fail_first_beat_with_records = True  # the records must survive a failed heartbeat
+    ranks = [
+        {"rank": 0, "local_rank": 0, "gpu_index": 0},
+        {"rank": 1, "local_rank": 1, "gpu_index": 1},
+    ]
+    portal.set_desired(
+        [run_item(21, launch_spec(STEPPER, ranks, world_size=2, group_rank=0, group_world_size=1))]
+    )
+
+    def exited_beat():
+        reports = portal.attempt_in_beats(21)
+        done = [a for a in reports if all(r["state"] == "exited" for r in a["ranks"])]
+        return done[-1] if done else None
+
+    exited = wait_until(exited_beat, what="both ranks reported exited")
+    assert [(r["rank"], r["exit_code"]) for r in exited["ranks"]] == [(0, 0), (1, 0)]
+    assert all(isinstance(r["pid"], int) for r in exited["ranks"])
+    assert portal.refused, "the peer should have refused one heartbeat carrying records"
+
+    reports = portal.attempt_in_beats(21)
+    steps = sorted((r["rank"], r["loss"]) for a in reports for r in a["records"])
+    assert steps == [(0, 2.0), (1, 3.0)]  # each record exactly once, despite the refusal
+    logs = {}
+    for a in reports:
+        for chunk in a["logs"]:
+            logs[chunk["rank"]] = logs.get(chunk["rank"], "") + chunk["text"]
+    assert logs == {0: "rank 0 done\n", 1: "rank 1 done\n"}
+
+    # Still listed as `run`: the agent keeps reporting the exit and does not relaunch.
+    mark = len(portal.beats_since(0))
+    wait_until(lambda: len(portal.attempt_in_beats(21, since=mark)) >= 3, what="more reports")
+    assert all(
+        r["state"] == "exited" for a in portal.attempt_in_beats(21, since=mark) for r in a["ranks"]
+    )
+
+    portal.set_desired([])
+    wait_until(lambda: 21 not in running_agent.supervisor, what="the attempt to be forgotten")
+    mark = len(portal.beats_since(0))
+    wait_until(lambda: len(portal.beats_since(mark)) >= 2, what="later heartbeats")
+    assert portal.attempt_in_beats(21, since=mark + 1) == []
+
+
+def test_agent_fences_an_attempt_dropped_from_desired(portal, running_agent):
+    portal.set_desired([run_item(31, launch_spec(SLEEPER, one_rank()))])
+    wait_until(
+        lambda: any(
+            r["state"] == "running" for a in portal.attempt_in_beats(31) for r in a["ranks"]
+        ),
+        what="the sleeper reported running",
+    )
+    metrics_path = running_agent.supervisor.get(31).workers[0].metrics_path
+    worker_pid, child_pid = read_pids(metrics_path)
+
+    portal.set_desired([])  # e.g. the node was declared lost and the job placed elsewhere
+    fenced = wait_until(
+        lambda: [a for a in portal.attempt_in_beats(31) if a["ranks"][0]["state"] == "exited"],
+        what="the fenced attempt reported exited",
+    )
+    assert fenced[0]["ranks"][0]["exit_code"] == -9
+    assert not process_alive(worker_pid)
+    wait_until(lambda: not process_alive(child_pid), what="the sleeper's child to die")
+    wait_until(lambda: 31 not in running_agent.supervisor, what="the attempt to be forgotten")
+
+
+def test_agent_stop_action_sends_sigterm_and_reports_a_clean_exit(portal, running_agent):
+    portal.set_desired([run_item(41, launch_spec(TRAPS_SIGTERM, one_rank()))])
+    wait_until(lambda: 41 in running_agent.supervisor, what="the launch")
+    _wait_ready(running_agent.supervisor.get(41))
+    portal.set_desired([{"attempt_id": 41, "action": "stop", "deadline_s": 20.0}])
+    done = wait_until(
+        lambda: [a for a in portal.attempt_in_beats(41) if a["ranks"][0]["state"] == "exited"],
+        what="a clean exit",
+    )
+    assert done[0]["ranks"][0]["exit_code"] == 0
+
+
+def test_agent_reregisters_on_401_and_keeps_its_workers(portal, running_agent):
+    portal.set_desired([run_item(51, launch_spec(SLEEPER, one_rank()))])
+    wait_until(lambda: 51 in running_agent.supervisor, what="the launch")
+    worker_pid, _ = read_pids(running_agent.supervisor.get(51).workers[0].metrics_path)
+    with portal.lock:
+        portal.node_token = "rotated"
+    wait_until(lambda: len(portal.registrations) == 2, what="a re-registration")
+    mark = len(portal.beats_since(0))
+    wait_until(lambda: portal.attempt_in_beats(51, since=mark), what="heartbeats resuming")
+    assert process_alive(worker_pid)
+
+
+def test_agent_kills_everything_on_stale_boot_and_reregisters(portal, running_agent):
+    portal.set_desired([run_item(61, launch_spec(SLEEPER, one_rank()))])
+    wait_until(lambda: 61 in running_agent.supervisor, what="the launch")
+    worker_pid, child_pid = read_pids(running_agent.supervisor.get(61).workers[0].metrics_path)
+    with portal.lock:
+        portal.boot_id = "another-agent-process"
+    wait_until(lambda: len(portal.registrations) == 2, what="a re-registration")
+    killed = wait_until(
+        lambda: [a for a in portal.attempt_in_beats(61) if a["ranks"][0]["state"] == "exited"],
+        what="the killed worker reported",
+    )
+    assert killed[0]["ranks"][0]["exit_code"] == -9
+    assert not process_alive(worker_pid)
+    wait_until(lambda: not process_alive(child_pid), what="the worker's child to die")
+    assert running_agent.supervisor.get(61).workers[0].popen.pid == worker_pid  # no relaunch
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def _agent_env(clean_env: dict[str, str]) -> dict[str, str]:
+    env = dict(clean_env)
+    env["PYTHONPATH"] = str(REPO)
+    env.pop("LOCKSTEP_AGENT_TOKEN", None)
+    env.pop("LOCKSTEP_PORTAL", None)
+    return env
+
+
+def test_cli_without_a_token_exits_2_with_a_clear_message(clean_env, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "--gpus", "1"],
+        cwd=tmp_path,
+        env=_agent_env(clean_env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "LOCKSTEP_AGENT_TOKEN" in proc.stderr
+
+
+def test_cli_rejects_zero_gpus(clean_env, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "--gpus", "0", "--token", "t"],
+        cwd=tmp_path,
+        env=_agent_env(clean_env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "--gpus" in proc.stderr
+
+
+def test_cli_agent_kills_its_workers_and_exits_0_on_sigterm(portal, clean_env, tmp_path):
+    portal.set_desired([run_item(71, launch_spec(SLEEPER, one_rank()))])
+    stderr_path = tmp_path / "agent.stderr"
+    with open(stderr_path, "w") as stderr:
+        agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "nodeagent",
+                "--portal",
+                portal.url,
+                "--token",
+                CLUSTER_TOKEN,
+                "--gpus",
+                "1",
+                "--name",
+                "node-cli",
+                "--gpu-kind",
+                "cpu",
+            ],
+            cwd=tmp_path,
+            env=_agent_env(clean_env),
+            stderr=stderr,
+            stdout=subprocess.DEVNULL,
+        )
+    try:
+        metrics = tmp_path / "var/agents/node-cli/attempt-71/rank-0.metrics.jsonl"
+        worker_pid, child_pid = read_pids(metrics)
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=20) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    wait_until(lambda: not process_alive(worker_pid), what="the worker to die")
+    wait_until(lambda: not process_alive(child_pid), what="the worker's child to die")
+    log = stderr_path.read_text()
+    assert "[node-cli]" in log
+    assert "agent stopping (SIGTERM): killed 1 worker(s); exiting with 0" in log
+
+
+def test_cli_agent_waits_for_an_unreachable_portal_and_says_so(clean_env, tmp_path):
+    stderr_path = tmp_path / "agent.stderr"
+    with open(stderr_path, "w") as stderr:
+        agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "nodeagent",
+                "--portal",
+                "http://127.0.0.1:9",
+                "--token",
+                "t",
+                "--gpus",
+                "1",
+                "--name",
+                "node-x",
+                "--gpu-kind",
+                "cpu",
+            ],
+            cwd=tmp_path,
+            env=_agent_env(clean_env),
+            stderr=stderr,
+            stdout=subprocess.DEVNULL,
+        )
+    try:
+        wait_until(lambda: "retrying in" in stderr_path.read_text(), what="a retry message")
+        agent.send_signal(signal.SIGINT)
+        assert agent.wait(timeout=20) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert "cannot reach http://127.0.0.1:9" in stderr_path.read_text()
+
+
+def test_cli_agent_exits_1_when_the_portal_rejects_its_token(portal, clean_env, tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nodeagent",
+            "--portal",
+            portal.url,
+            "--token",
+            "wrong",
+            "--gpus",
+            "1",
+            "--name",
+            "node-y",
+            "--gpu-kind",
+            "cpu",
+        ],
+        cwd=tmp_path,
+        env=_agent_env(clean_env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1
+    assert "rejected the cluster agent token" in proc.stderr

@@ -1,0 +1,126 @@
+"""The pure scheduling policy, rule by rule (no database)."""
+
+from jobs.scheduling.policy import plan
+from tests.builders import job, node, snapshot, team
+
+
+def placed(p):
+    return {pl.job_id: pl for pl in p.placements}
+
+
+def test_priority_then_submit_order_decides_who_gets_scarce_gpus():
+    t = team()
+    n = node("n1", 8)
+    jobs = [job(1, 8, team_id=t.id, prio=1, submitted=0),
+            job(2, 8, team_id=t.id, prio=2, submitted=10),
+            job(3, 8, team_id=t.id, prio=2, submitted=5)]
+    p = plan(snapshot([n], jobs, [t]))
+    assert list(placed(p)) == [3]
+    assert "waiting for 8 GPUs" in p.reasons[2]
+    assert set(p.reasons) == {1, 2}
+
+
+def test_team_is_capped_at_quota_plus_borrow_limit_with_a_readable_reason():
+    t = team("vision", quota=8, borrow=4, used=8)
+    p = plan(snapshot([node("n1", 8)], [job(1, 8, team_id=t.id)], [t]))
+    assert p.placements == ()
+    assert p.reasons[1] == (
+        "team vision at its limit: 8/12 GPUs in use (quota 8 + borrow limit 4); needs 8"
+    )
+
+
+def test_quota_counts_gpus_placed_earlier_in_the_same_pass():
+    t = team(quota=8)
+    nodes = [node("n1", 8), node("n2", 8)]
+    p = plan(snapshot(nodes, [job(1, 8, team_id=t.id), job(2, 8, team_id=t.id)], [t]))
+    assert list(placed(p)) == [1]
+    assert "at its limit" in p.reasons[2]
+
+
+def test_small_job_goes_to_the_fullest_node_it_fits_on():
+    t = team()
+    nodes = [node("empty", 8), node("half", 8, busy=4), node("nearly", 8, busy=7)]
+    p = plan(snapshot(nodes, [job(1, 2, team_id=t.id)], [t]))
+    (placement,) = p.placements
+    assert {s.node_id for s in placement.slots} == {nodes[1].id}
+
+
+def test_job_that_fits_a_node_never_spans_nodes():
+    t = team()
+    nodes = [node("a", 8, busy=4), node("b", 8, busy=4)]
+    p = plan(snapshot(nodes, [job(1, 8, team_id=t.id)], [t]))
+    assert p.placements == ()
+    assert "8 GPUs on one node" in p.reasons[1]
+
+
+def test_large_job_takes_whole_nodes_in_one_rack_when_it_can():
+    t = team()
+    nodes = [node("r1a", 8, rack="r1"), node("r2a", 8, rack="r2"), node("r2b", 8, rack="r2"),
+             node("r1b", 8, rack="r1", busy=1)]
+    p = plan(snapshot(nodes, [job(1, 16, team_id=t.id)], [t]))
+    (placement,) = p.placements
+    assert set(placement.node_ids) == {nodes[1].id, nodes[2].id}
+    assert [s.rank for s in placement.slots] == list(range(16))
+    assert [s.group_rank for s in placement.slots] == [0] * 8 + [1] * 8
+    assert [s.local_rank for s in placement.slots] == list(range(8)) * 2
+
+
+def test_gang_spans_small_nodes_with_ranks_in_node_order():
+    t = team()
+    nodes = [node("local-a", 2), node("local-b", 2)]
+    p = plan(snapshot(nodes, [job(1, 4, team_id=t.id)], [t]))
+    (placement,) = p.placements
+    assert [(s.group_rank, s.local_rank, s.rank) for s in placement.slots] == [
+        (0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+
+
+def test_blocked_head_reserves_nodes_so_small_jobs_cannot_starve_it():
+    t = team()
+    nodes = [node("a", 8, busy=2), node("b", 8, busy=8), node("c", 8)]
+    jobs = [job(1, 16, team_id=t.id, submitted=0),  # needs two whole nodes: only c is idle
+            job(2, 4, team_id=t.id, submitted=1),
+            job(3, 1, team_id=t.id, submitted=2)]
+    p = plan(snapshot(nodes, jobs, [t]))
+    assert p.reservation[0] == 1
+    reserved = set(p.reservation[1])
+    assert reserved == {nodes[0].id, nodes[2].id}
+    assert "holds a reservation on a, c" in p.reasons[1]
+    # Nothing may land on the reserved nodes; b is full, so the small jobs wait too.
+    assert p.placements == ()
+    assert "reservation held by job 1" in p.reasons[2]
+
+
+def test_small_jobs_backfill_outside_the_reservation():
+    t = team()
+    nodes = [node("a", 8, busy=6), node("b", 8, busy=4)]
+    jobs = [job(1, 8, team_id=t.id, submitted=0), job(2, 2, team_id=t.id, submitted=1)]
+    p = plan(snapshot(nodes, jobs, [t]))
+    assert p.reservation == (1, (nodes[1].id,))  # b has the most free GPUs: frees up first
+    (placement,) = p.placements
+    assert placement.job_id == 2 and placement.node_ids == (nodes[0].id,)
+
+
+def test_nodes_that_are_down_or_cordoned_get_no_work_and_reasons_say_capacity():
+    t = team()
+    nodes = [node("up", 8, busy=8), node("down", 8, up=False)]
+    p = plan(snapshot(nodes, [job(1, 16, team_id=t.id)], [t]))
+    assert p.placements == ()
+    assert p.reasons[1] == "needs 16 GPUs but only 8 GPUs are on schedulable nodes"
+
+
+def test_every_job_left_queued_has_a_reason_and_plan_is_deterministic():
+    t1, t2 = team("a", quota=10), team("b", quota=3)
+    nodes = [node(f"n{i}", 8, busy=i % 8, rack=f"r{i % 3}") for i in range(20)]
+    jobs = [job(i, [1, 2, 4, 8, 16][i % 5], team_id=(t1, t2)[i % 2].id, prio=i % 3,
+                submitted=i) for i in range(60)]
+    snap = snapshot(nodes, jobs, [t1, t2])
+    first, second = plan(snap), plan(snap)
+    assert first == second
+    queued = {j.id for j in jobs} - set(placed(first))
+    assert set(first.reasons) == queued
+    assert all(first.reasons[j] for j in queued)
+    # No GPU twice and every gang whole.
+    seen = [(s.node_id, s.index) for pl in first.placements for s in pl.slots]
+    assert len(seen) == len(set(seen))
+    sizes = {j.id: j.gpus for j in jobs}
+    assert all(len(pl.slots) == sizes[pl.job_id] for pl in first.placements)
