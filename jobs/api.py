@@ -125,8 +125,11 @@ class JobViewSet(
         since = _int_param(request, "since_step", None)
         max_points = _int_param(request, "max_points", 2000, lo=2, hi=100_000)
         rank = _int_param(request, "rank", None, hi=100_000)
+        attempt = _int_param(request, "attempt", None, lo=1)
         return Response(
-            metric_series(job.id, name, since_step=since, max_points=max_points, rank=rank)
+            metric_series(
+                job.id, name, since_step=since, max_points=max_points, rank=rank, attempt=attempt
+            )
         )
 
     @action(detail=True, methods=["get"])

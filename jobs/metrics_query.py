@@ -10,6 +10,7 @@ def metric_series(
     since_step: int | None = None,
     max_points: int = 2000,
     rank: int | None = None,
+    attempt: int | None = None,
 ) -> dict:
     """Points of one metric, per rank, as {"name", "ranks": {rank: {"step": [], "value": []}}}.
 
@@ -21,6 +22,8 @@ def metric_series(
         points = points.filter(step__gt=since_step)
     if rank is not None:
         points = points.filter(rank=rank)
+    if attempt is not None:
+        points = points.filter(attempt__number=attempt)
     by_rank: dict[int, list[tuple[int, float]]] = {}
     for r, step, value in points.order_by("rank", "step", "id").values_list(
         "rank", "step", "value"

@@ -180,7 +180,9 @@ CACHES = {
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [redis_url_with_db(REDIS_URL, 2)]},
+        # redis-py 8 times reads out after 5 s by default, exactly channels-redis's blocking
+        # receive (BZPOPMIN, 5 s): a longer socket timeout keeps idle websockets from dying.
+        "CONFIG": {"hosts": [{"address": redis_url_with_db(REDIS_URL, 2), "socket_timeout": 30}]},
     }
 }
 

@@ -17,7 +17,7 @@ from jobs.models import Attempt, Job, Node
 from jobs.scheduling.apply import ApplyResult, apply_plan
 from jobs.scheduling.policy import plan
 from jobs.scheduling.snapshot import take_snapshot
-from jobs.scheduling.wake import WAKE_CHANNEL, redis_client
+from jobs.scheduling.wake import subscriber
 
 log = logging.getLogger("lockstep.scheduler")
 
@@ -102,8 +102,7 @@ def _wait_for_wake(pubsub, tick_s: float):
     """Block until a wake message or the tick; drain extra wakes so a burst costs one pass."""
     try:
         if pubsub is None:
-            pubsub = redis_client().pubsub(ignore_subscribe_messages=True)
-            pubsub.subscribe(WAKE_CHANNEL)
+            pubsub = subscriber()
         deadline = time.monotonic() + tick_s
         while (left := deadline - time.monotonic()) > 0:
             message = pubsub.get_message(timeout=left)

@@ -11,10 +11,19 @@ _client = None
 
 
 def redis_client() -> redis.Redis:
+    """A publisher: a short timeout so a slow Redis never holds up a request."""
     global _client
     if _client is None:
         _client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2)
     return _client
+
+
+def subscriber():
+    """The scheduler's wake subscription; reads wait as long as the tick, not a socket timeout."""
+    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=None)
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(WAKE_CHANNEL)
+    return pubsub
 
 
 def wake_scheduler(reason: str) -> None:

@@ -1,0 +1,184 @@
+"""A real Lockstep cluster for end-to-end tests: daphne, the scheduler, an rq worker and node
+agents as separate processes, on the test database and the suite's Redis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import requests
+from django.conf import settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ClusterDatabase:
+    """A database of the cluster's own, apart from pytest-django's: PostgreSQL when the suite
+    runs with DATABASE_URL (a fresh database on that server), else a SQLite file."""
+
+    def __init__(self, work: Path):
+        self.base = os.environ.get("DATABASE_URL", "")
+        self.name = f"lockstep_e2e_{os.getpid()}_{free_port()}"
+        if self.base.startswith("postgres"):
+            self._admin(f'CREATE DATABASE "{self.name}"')
+            self.url = urlparse(self.base)._replace(path=f"/{self.name}").geturl()
+        else:
+            self.url = f"sqlite:///{(work / 'cluster.sqlite3').resolve()}"
+
+    def _admin(self, sql: str) -> None:
+        import psycopg
+
+        with psycopg.connect(self.base.replace("postgres://", "postgresql://", 1),
+                             autocommit=True) as conn:
+            conn.execute(sql)
+
+    def drop(self) -> None:
+        if self.base.startswith("postgres"):
+            self._admin(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def worker_pids(attempt_id: int) -> dict[int, int]:
+    """rank -> pid of the live worker processes of an attempt (read from /proc environ)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"LOCKSTEP_ATTEMPT_ID={attempt_id}".encode() in env:
+            for item in env:
+                if item.startswith(b"RANK="):
+                    found[int(item[5:])] = int(proc.name)
+    return found
+
+
+class LiveCluster:
+    def __init__(self, work: Path, *, agents: int = 2, gpus_per_agent: int = 2):
+        self.work = work
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.agent_token = "test-agent-token"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.agent_names = [f"e2e-{chr(ord('a') + i)}" for i in range(agents)]
+        self.gpus_per_agent = gpus_per_agent
+        self.database = ClusterDatabase(work)
+        self.env = dict(
+            os.environ,
+            DJANGO_SETTINGS_MODULE="portal.settings",
+            DATABASE_URL=self.database.url,
+            REDIS_URL=settings.REDIS_URL,
+            LOCKSTEP_AGENT_TOKEN=self.agent_token,
+            LOCKSTEP_CHECKPOINT_ROOT=str(work / "checkpoints"),
+            LOCKSTEP_MODEL_ROOT=str(work / "models"),
+            LOCKSTEP_HEARTBEAT_S="0.5",
+            LOCKSTEP_SCHEDULER_TICK_S="1",
+            LOCKSTEP_RESTART_BACKOFF_S="1",
+            LOCKSTEP_STOP_GRACE_S="20",
+            LOCKSTEP_MASTER_PORT_BASE=str(free_port() % 20000 + 20000),
+            PYTHONUNBUFFERED="1",
+        )
+
+    def _start(self, name: str, argv: list[str]) -> None:
+        log = open(self.work / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
+        self.procs[name] = subprocess.Popen(
+            argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def manage(self, *args: str) -> str:
+        """Run a manage.py command against the cluster's database; returns its stdout."""
+        done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def token(self, *args: str) -> str:
+        return self.manage("issue_token", *args).strip().splitlines()[-1]
+
+    def start(self) -> LiveCluster:
+        py = sys.executable
+        self.manage("migrate", "--noinput", "-v", "0")
+        self._start("portal", [py, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
+                               "portal.asgi:application"])
+        self._start("scheduler", [py, "manage.py", "run_scheduler"])
+        self._start("rqworker", [py, "manage.py", "rqworker", "default"])
+        wait_for(self._portal_up, 60, "the portal to answer")
+        for name in self.agent_names:
+            self.start_agent(name)
+        return self
+
+    def start_agent(self, name: str) -> None:
+        self._start(f"agent-{name}", [
+            sys.executable, "-m", "nodeagent", "--portal", self.url, "--token", self.agent_token,
+            "--gpus", str(self.gpus_per_agent), "--name", name, "--heartbeat-s", "0.5",
+            "--work-dir", str(self.work / "agents" / name), "--gpu-kind", "cpu",
+        ])
+
+    def _portal_up(self) -> bool:
+        self.check_alive()
+        try:
+            return requests.get(self.url + "/login/", timeout=2).status_code == 200
+        except requests.ConnectionError:
+            return False
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                log = (self.work / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise AssertionError(f"{name} exited with {proc.returncode}:\n{log}")
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs.values()):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.database.drop()
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
+            for p in sorted(self.work.glob("*.log"))
+        )
+
+
+class Api:
+    def __init__(self, url: str, token: str):
+        self.url = url
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {token}"
+
+    def get(self, path: str, **kwargs):
+        return self.session.get(self.url + path, timeout=15, **kwargs)
+
+    def post(self, path: str, json=None):
+        return self.session.post(self.url + path, json=json, timeout=15)

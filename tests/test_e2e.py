@@ -1,0 +1,172 @@
+"""End to end, with real processes and sockets: the portal (daphne) on a live port, the
+scheduler, an rq worker and two node agents with 2 CPU "GPUs" each. A 4-GPU job submitted over
+REST trains across both agents; a worker is SIGKILLed; the job restarts from its checkpoint and
+succeeds; its checkpoint becomes a model version. Websocket clients see its metrics live, and
+another team's user sees nothing."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from tests.live import Api, LiveCluster, wait_for, worker_pids
+
+pytestmark = pytest.mark.e2e
+
+TRAIN = ["python", "-m", "trainer", "--steps", "240", "--checkpoint-every", "20",
+         "--log-every", "20"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    live = LiveCluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        live.start()
+        live.alice = Api(live.url, live.token("alice", "--team", "e2e", "--quota", "4"))
+        live.mallory = Api(live.url, live.token("mallory", "--team", "rivals", "--quota", "4"))
+        wait_for(lambda: sum(n["gpus"] for n in live.alice.get("/api/v1/nodes/").json()
+                             ["results"]) == 4, 60, "both agents to register")
+        yield live
+    finally:
+        live.stop()
+
+
+@pytest.fixture(scope="module")
+def job(cluster):
+    response = cluster.alice.post("/api/v1/jobs/", {
+        "name": "e2e-addition", "team": "e2e", "image": "lockstep/trainer:latest",
+        "command": TRAIN, "dataset": "synthetic://addition", "gpus": 4, "max_restarts": 2,
+    })
+    assert response.status_code == 201, response.text
+    job_id = response.json()["id"]
+
+    def running():
+        cluster.check_alive()
+        return cluster.alice.get(f"/api/v1/jobs/{job_id}/").json()["state"] == "RUNNING"
+
+    wait_for(running, 120, "the job to run")
+    return job_id
+
+
+def _ws(cluster, job_id, api: Api):
+    url = cluster.url.replace("http", "ws") + f"/ws/jobs/{job_id}/"
+    return connect(url, additional_headers={"Authorization": api.session.headers["Authorization"]},
+                   open_timeout=10)
+
+
+def test_gang_spans_both_agents_with_the_launch_contract(cluster, job):
+    detail = cluster.alice.get(f"/api/v1/jobs/{job}/").json()
+    (attempt,) = detail["attempts"]
+    assert sorted(attempt["nodes"]) == ["e2e-a", "e2e-b"]
+    assert attempt["resumed_from_step"] == 0
+    assert sorted(a["rank"] for a in detail["allocation"]) == [0, 1, 2, 3]
+    pids = wait_for(lambda: len(worker_pids(attempt["id"])) == 4 and worker_pids(attempt["id"]),
+                    30, "four worker processes")
+    for rank, pid in pids.items():
+        env = dict(item.split("=", 1) for item in
+                   Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        assert env["WORLD_SIZE"] == "4" and env["RANK"] == str(rank)
+        assert env["LOCAL_WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == str(rank % 2)
+        assert env["GROUP_RANK"] == str(rank // 2)
+        assert env["LOCKSTEP_JOB_ID"] == str(job) and env["LOCKSTEP_ATTEMPT"] == "1"
+        assert env["TORCHELASTIC_RUN_ID"] == f"job{job}-attempt1"
+        assert env["LOCKSTEP_CHECKPOINT_DIR"].endswith(f"job-{job}")
+        assert os.getsid(pid) == pid, "each worker runs in its own session"
+
+
+def test_websocket_client_receives_metrics_while_the_job_trains(cluster, job):
+    with _ws(cluster, job, cluster.alice) as ws:
+        first = json.loads(ws.recv(timeout=10))
+        assert first["type"] == "state" and first["job"] == job
+        deadline = time.monotonic() + 30
+        metrics = []
+        while time.monotonic() < deadline and len(metrics) < 3:
+            message = json.loads(ws.recv(timeout=10))
+            if message["type"] == "metrics":
+                metrics.append(message)
+    assert len(metrics) == 3
+    names = {p["name"] for m in metrics for p in m["points"]}
+    assert {"loss", "tokens_per_s", "step_time_s"} <= names
+    steps = [p["step"] for m in metrics for p in m["points"] if p["rank"] == 0]
+    assert steps == sorted(steps) and steps[-1] > steps[0]
+
+
+def test_another_teams_user_gets_404_for_the_job_its_metrics_and_its_websocket(cluster, job):
+    for path in (f"/api/v1/jobs/{job}/", f"/api/v1/jobs/{job}/metrics/?name=loss"):
+        assert cluster.mallory.get(path).status_code == 404
+    for api, job_id in ((cluster.mallory, job), (cluster.alice, 10**9)):
+        with _ws(cluster, job_id, api) as ws, pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=10)
+        assert closed.value.rcvd.code == 4404
+
+
+def test_sigkilled_worker_restarts_from_checkpoint_succeeds_and_registers(cluster, job):
+    api = cluster.alice
+    checkpoint = wait_for(lambda: api.get(f"/api/v1/jobs/{job}/checkpoints/").json(), 120,
+                          "a committed checkpoint")[0]
+    assert checkpoint["step"] > 0
+    attempt_id = api.get(f"/api/v1/jobs/{job}/").json()["attempts"][0]["id"]
+    victim = worker_pids(attempt_id)[3]
+    os.kill(victim, signal.SIGKILL)
+
+    def restarted():
+        cluster.check_alive()
+        attempts = api.get(f"/api/v1/jobs/{job}/").json()["attempts"]
+        return len(attempts) == 2 and attempts[1]["state"] == "running" and attempts
+
+    attempts = wait_for(restarted, 120, "the second attempt to run")
+    assert attempts[0]["state"] == "failed"
+    assert "rank 3" in attempts[0]["ended"]["reason"]
+    assert "signal 9" in attempts[0]["ended"]["reason"]
+    resumed = attempts[1]["resumed_from_step"]
+    assert resumed >= checkpoint["step"] > 0
+
+    def finished():
+        cluster.check_alive()
+        state = api.get(f"/api/v1/jobs/{job}/").json()["state"]
+        assert state not in ("FAILED", "CANCELLED"), cluster.logs()
+        return state == "SUCCEEDED"
+
+    wait_for(finished, 300, "the job to succeed")
+    second = api.get(f"/api/v1/jobs/{job}/metrics/?name=loss&rank=0&attempt=2"
+                     "&max_points=100000").json()
+    steps = second["ranks"]["0"]["step"]
+    assert steps[0] == resumed + 1, "steps continue from the checkpoint, not from 0"
+    assert steps[-1] == 240 and steps == sorted(set(steps))
+    kinds = [e["kind"] for e in api.get(f"/api/v1/jobs/{job}/events/").json()]
+    for kind in ("job.submitted", "attempt.started", "attempt.running", "rank.exited",
+                 "attempt.failed", "job.restarting", "job.requeued", "checkpoint.committed",
+                 "attempt.succeeded", "job.succeeded"):
+        assert kind in kinds, kind
+
+    latest = api.get(f"/api/v1/jobs/{job}/").json()["latest_checkpoint"]
+    assert latest["step"] == 240
+    response = api.post("/api/v1/models/", {"name": "adder", "checkpoint": latest["id"],
+                                           "notes": "e2e"})
+    assert response.status_code == 201, response.text
+    version = response.json()
+    assert (version["version"], version["step"], version["lineage"]["job"]) == (1, 240, job)
+    assert cluster.mallory.post("/api/v1/models/", {"name": "stolen", "checkpoint": latest["id"]
+                                                    }).status_code == 400
+    exported = wait_for(
+        lambda: (v := api.get(f"/api/v1/models/{version['id']}/").json())["export_state"]
+        != "pending" and v, 120, "the export")
+    assert exported["export_state"] == "ready", exported
+    import torch
+
+    state = torch.load(exported["export_path"], weights_only=False)
+    keys = list(_keys(state))
+    assert any("weight" in key for key in keys), keys[:20]
+
+
+def _keys(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _keys(value, f"{prefix}{key}.")
+    else:
+        yield prefix

@@ -1,0 +1,115 @@
+"""One entry point for 1 or N processes: the torchrun variables decide (as in nanoGPT).
+
+With WORLD_SIZE > 1 the process joins a process group (NCCL on CUDA, gloo on CPU) through
+MASTER_ADDR/MASTER_PORT and the model is wrapped in DDP; otherwise nothing distributed is set up.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+DEFAULT_PG_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Who this process is among the ranks of the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if not self.distributed:
+            return
+        if self.device.type == "cuda":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if flag is True on any rank (a collective: all ranks must call)."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def broadcast_object(self, obj: object) -> object:
+        """Rank 0's obj, on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        return box[0]
+
+
+def _pick_device(local_rank: int) -> torch.device:
+    wanted = os.environ.get("LOCKSTEP_DEVICE", "").strip().lower()
+    if wanted == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    # torchrun shows every GPU to every rank (use cuda:LOCAL_RANK); the Lockstep agent sets
+    # CUDA_VISIBLE_DEVICES to the rank's own GPU, so there is only cuda:0 to use.
+    count = torch.cuda.device_count()
+    return torch.device("cuda", local_rank if local_rank < count else local_rank % count)
+
+
+def init_distributed() -> DistInfo:
+    """Read the torchrun variables, pick the device, and join the process group if N > 1."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device = _pick_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        timeout_s = float(os.environ.get("LOCKSTEP_PG_TIMEOUT_S") or DEFAULT_PG_TIMEOUT_S)
+        # An explicit timeout: the defaults (10 min NCCL, 30 min gloo) hide a lost peer for
+        # far longer than the platform's hang detection is meant to take.
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistInfo(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        device=device,
+    )
+
+
+def apply_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
+    """Wrap the model in DDP when there is more than one rank; otherwise return it unchanged."""
+    if not info.distributed:
+        return model
+    if info.device.type == "cuda":
+        return DDP(model, device_ids=[info.device.index])
+    return DDP(model)
+
+
+def close_distributed(info: DistInfo) -> None:
+    if info.distributed and dist.is_initialized():
+        dist.destroy_process_group()
