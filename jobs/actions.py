@@ -15,6 +15,7 @@ from pathlib import Path
 
 from django.db import transaction
 from django.db.models import Max
+from django.template.defaultfilters import filesizeformat
 
 from jobs.conf import lockstep_setting
 from jobs.models import (
@@ -397,7 +398,7 @@ def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Chec
     if created:
         _event(
             "checkpoint.committed",
-            f"checkpoint at step {checkpoint.step} ({checkpoint.bytes / 1e6:.1f} MB, "
+            f"checkpoint at step {checkpoint.step} ({filesizeformat(checkpoint.bytes)}, "
             f"saved in {checkpoint.save_s:.2f}s)",
             job_id=attempt.job_id,
             attempt=attempt,

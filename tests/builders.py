@@ -22,13 +22,19 @@ def node(name: str, gpus: int = 8, *, busy: int | set = 0, rack: str = "r1", up:
 
 
 def team(name: str = "t", quota: int = 1000, *, borrow: int = 0, used: int = 0, team_id=None):
-    return TeamView(id=team_id or next(_ids), name=name, quota=quota, borrow_limit=borrow,
-                    used=used)
+    return TeamView(
+        id=team_id or next(_ids), name=name, quota=quota, borrow_limit=borrow, used=used
+    )
 
 
 def job(job_id: int, gpus: int, *, team_id: int, prio: int = 1, submitted: int = 0):
-    return JobView(id=job_id, team_id=team_id, gpus=gpus, priority=prio,
-                   submitted_at=T0 + timedelta(seconds=submitted))
+    return JobView(
+        id=job_id,
+        team_id=team_id,
+        gpus=gpus,
+        priority=prio,
+        submitted_at=T0 + timedelta(seconds=submitted),
+    )
 
 
 def snapshot(nodes, jobs, teams) -> Snapshot:

@@ -11,8 +11,9 @@ from teams.actions import do_add_member, do_create_team, do_issue_token
 @pytest.fixture
 def make_user():
     def make(username: str, *, team=None, role: str = "member", staff: bool = False):
-        user = get_user_model().objects.create_user(username=username, password="pw-" + username,
-                                                    is_staff=staff)
+        user = get_user_model().objects.create_user(
+            username=username, password="pw-" + username, is_staff=staff
+        )
         if team is not None:
             do_add_member(team, user, role=role)
         return user
@@ -32,8 +33,13 @@ def make_team():
 def make_nodes():
     def make(count: int, gpus: int, prefix: str = "node"):
         return [
-            actions.do_register_node(name=f"{prefix}-{i}", gpus=gpus, address="127.0.0.1",
-                                     boot_id=f"boot-{i}", now=timezone.now())[0]
+            actions.do_register_node(
+                name=f"{prefix}-{i}",
+                gpus=gpus,
+                address="127.0.0.1",
+                boot_id=f"boot-{i}",
+                now=timezone.now(),
+            )[0]
             for i in range(count)
         ]
 

@@ -40,8 +40,9 @@ class ClusterDatabase:
     def _admin(self, sql: str) -> None:
         import psycopg
 
-        with psycopg.connect(self.base.replace("postgres://", "postgresql://", 1),
-                             autocommit=True) as conn:
+        with psycopg.connect(
+            self.base.replace("postgres://", "postgresql://", 1), autocommit=True
+        ) as conn:
             conn.execute(sql)
 
     def drop(self) -> None:
@@ -106,14 +107,24 @@ class LiveCluster:
     def _start(self, name: str, argv: list[str]) -> None:
         log = open(self.work / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
         self.procs[name] = subprocess.Popen(
-            argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            argv,
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
     def manage(self, *args: str) -> str:
         """Run a manage.py command against the cluster's database; returns its stdout."""
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env,
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout
 
@@ -123,8 +134,19 @@ class LiveCluster:
     def start(self) -> LiveCluster:
         py = sys.executable
         self.manage("migrate", "--noinput", "-v", "0")
-        self._start("portal", [py, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
-                               "portal.asgi:application"])
+        self._start(
+            "portal",
+            [
+                py,
+                "-m",
+                "daphne",
+                "-b",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "portal.asgi:application",
+            ],
+        )
         self._start("scheduler", [py, "manage.py", "run_scheduler"])
         self._start("rqworker", [py, "manage.py", "rqworker", "default"])
         wait_for(self._portal_up, 60, "the portal to answer")
@@ -133,11 +155,28 @@ class LiveCluster:
         return self
 
     def start_agent(self, name: str) -> None:
-        self._start(f"agent-{name}", [
-            sys.executable, "-m", "nodeagent", "--portal", self.url, "--token", self.agent_token,
-            "--gpus", str(self.gpus_per_agent), "--name", name, "--heartbeat-s", "0.5",
-            "--work-dir", str(self.work / "agents" / name), "--gpu-kind", "cpu",
-        ])
+        self._start(
+            f"agent-{name}",
+            [
+                sys.executable,
+                "-m",
+                "nodeagent",
+                "--portal",
+                self.url,
+                "--token",
+                self.agent_token,
+                "--gpus",
+                str(self.gpus_per_agent),
+                "--name",
+                name,
+                "--heartbeat-s",
+                "0.5",
+                "--work-dir",
+                str(self.work / "agents" / name),
+                "--gpu-kind",
+                "cpu",
+            ],
+        )
 
     def _portal_up(self) -> bool:
         self.check_alive()

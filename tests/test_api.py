@@ -9,8 +9,14 @@ from rest_framework.test import APIClient
 from jobs.models import Event, Job
 from teams.models import ApiToken, Team
 
-GOOD = {"name": "gpt-small", "team": "nlp", "image": "lockstep/trainer:latest",
-        "command": ["python", "-m", "trainer"], "dataset": "synthetic://addition", "gpus": 4}
+GOOD = {
+    "name": "gpt-small",
+    "team": "nlp",
+    "image": "lockstep/trainer:latest",
+    "command": ["python", "-m", "trainer"],
+    "dataset": "synthetic://addition",
+    "gpus": 4,
+}
 
 
 @pytest.fixture
@@ -30,7 +36,11 @@ def test_submit_creates_a_queued_job_with_an_event(nlp):
     assert response.status_code == 201, response.content
     job = Job.objects.get(pk=response.json()["id"])
     assert (job.state, job.team, job.owner, job.command) == (
-        "QUEUED", team, user, ["python", "-m", "trainer"])
+        "QUEUED",
+        team,
+        user,
+        ["python", "-m", "trainer"],
+    )
     assert Event.objects.filter(job=job, kind="job.submitted").count() == 1
     listed = client.get("/api/v1/jobs/?state=queued").json()
     assert [j["id"] for j in listed["results"]] == [job.id]
@@ -138,8 +148,10 @@ def test_cancel_a_queued_job(nlp):
 def test_only_leads_and_admins_change_priority(nlp, make_user, token_for):
     team, _, member = nlp
     job_id = member.post("/api/v1/jobs/", GOOD, format="json").json()["id"]
-    assert member.patch(f"/api/v1/jobs/{job_id}/", {"priority": "high"},
-                        format="json").status_code == 403
+    assert (
+        member.patch(f"/api/v1/jobs/{job_id}/", {"priority": "high"}, format="json").status_code
+        == 403
+    )
     lead = APIClient()
     lee = make_user("lee", team=team, role="lead")
     lead.credentials(HTTP_AUTHORIZATION=f"Bearer {token_for(lee)}")
@@ -171,17 +183,35 @@ def test_agent_endpoints_refuse_user_tokens_and_user_endpoints_refuse_node_token
     settings.LOCKSTEP = {**settings.LOCKSTEP, "AGENT_TOKEN": "cluster-secret"}
     user_token = alice._credentials["HTTP_AUTHORIZATION"]
     body = {"name": "n9", "gpus": 2, "address": "127.0.0.1", "boot_id": "b"}
-    assert client.post("/api/v1/agent/register/", body, content_type="application/json",
-                       HTTP_AUTHORIZATION=user_token).status_code == 401
-    registered = client.post("/api/v1/agent/register/", body, content_type="application/json",
-                             HTTP_AUTHORIZATION="Bearer cluster-secret")
+    assert (
+        client.post(
+            "/api/v1/agent/register/",
+            body,
+            content_type="application/json",
+            HTTP_AUTHORIZATION=user_token,
+        ).status_code
+        == 401
+    )
+    registered = client.post(
+        "/api/v1/agent/register/",
+        body,
+        content_type="application/json",
+        HTTP_AUTHORIZATION="Bearer cluster-secret",
+    )
     assert registered.status_code == 200
     node_token = registered.json()["node_token"]
-    beat = client.post("/api/v1/agent/heartbeat/", {"boot_id": "b", "attempts": []},
-                       content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {node_token}")
+    beat = client.post(
+        "/api/v1/agent/heartbeat/",
+        {"boot_id": "b", "attempts": []},
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {node_token}",
+    )
     assert beat.status_code == 200 and beat.json()["desired"] == []
-    stale = client.post("/api/v1/agent/heartbeat/", {"boot_id": "old", "attempts": []},
-                        content_type="application/json",
-                        HTTP_AUTHORIZATION=f"Bearer {node_token}")
+    stale = client.post(
+        "/api/v1/agent/heartbeat/",
+        {"boot_id": "old", "attempts": []},
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {node_token}",
+    )
     assert stale.status_code == 409
     assert client.get("/api/v1/jobs/", HTTP_AUTHORIZATION=f"Bearer {node_token}").status_code == 401

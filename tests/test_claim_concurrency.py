@@ -28,19 +28,31 @@ def _random_placement(job: Job, gpus: list[GPU], rng: random.Random) -> Placemen
     slots = []
     for rank, gpu in enumerate(chosen):
         group.setdefault(gpu.node_id, len(group))
-        slots.append(Slot(node_id=gpu.node_id, gpu_id=gpu.id, index=gpu.index, rank=rank,
-                          local_rank=rank, group_rank=group[gpu.node_id]))
+        slots.append(
+            Slot(
+                node_id=gpu.node_id,
+                gpu_id=gpu.id,
+                index=gpu.index,
+                rank=rank,
+                local_rank=rank,
+                group_rank=group[gpu.node_id],
+            )
+        )
     return Placement(job_id=job.id, team_id=job.team_id, slots=tuple(slots))
 
 
 def _check_invariants() -> None:
     doubled = (
         Allocation.objects.filter(released_at__isnull=True)
-        .values("gpu_id").annotate(n=Count("id")).filter(n__gt=1)
+        .values("gpu_id")
+        .annotate(n=Count("id"))
+        .filter(n__gt=1)
     )
     assert list(doubled) == [], "a GPU is held by two live allocations"
-    for attempt in Attempt.objects.filter(ended_at__isnull=True).select_related("job").annotate(
-        held=Count("allocations", filter=Q(allocations__released_at__isnull=True))
+    for attempt in (
+        Attempt.objects.filter(ended_at__isnull=True)
+        .select_related("job")
+        .annotate(held=Count("allocations", filter=Q(allocations__released_at__isnull=True)))
     ):
         assert attempt.held == attempt.job.gpus, f"partial gang: {attempt} holds {attempt.held}"
     live_per_job = Counter(
@@ -59,15 +71,20 @@ def test_concurrent_claimers_never_share_a_gpu_nor_split_a_gang(make_team, make_
     totals = Counter()
     for round_no in range(ROUNDS):
         jobs = [
-            actions.do_submit_job(owner=owner, team=team, now=timezone.now(),
-                                  name=f"r{round_no}-{i}", image="x", command=["true"],
-                                  gpus=rng.choice([2, 3, 4, 6, 8]))
+            actions.do_submit_job(
+                owner=owner,
+                team=team,
+                now=timezone.now(),
+                name=f"r{round_no}-{i}",
+                image="x",
+                command=["true"],
+                gpus=rng.choice([2, 3, 4, 6, 8]),
+            )
             for i in range(12)
         ]
         # Each claimer proposes its own gangs over the same 16 GPUs, overlapping heavily.
         plans = [
-            Plan(placements=tuple(_random_placement(j, gpus, rng)
-                                  for j in rng.sample(jobs, 6)))
+            Plan(placements=tuple(_random_placement(j, gpus, rng) for j in rng.sample(jobs, 6)))
             for _ in range(CLAIMERS)
         ]
         barrier = threading.Barrier(CLAIMERS)
@@ -99,8 +116,9 @@ def test_concurrent_claimers_never_share_a_gpu_nor_split_a_gang(make_team, make_
         winners = Counter(job_id for r in results for job_id in r.applied)
         assert max(winners.values()) == 1
         for attempt in Attempt.objects.filter(ended_at__isnull=True):
-            actions.do_end_attempt(attempt, state=Attempt.State.SUCCEEDED, reason="round over",
-                                   now=timezone.now())
+            actions.do_end_attempt(
+                attempt, state=Attempt.State.SUCCEEDED, reason="round over", now=timezone.now()
+            )
         assert not Allocation.objects.filter(released_at__isnull=True).exists()
     # The race was real: many proposals lost to a concurrent claimer.
     assert totals["rejected"] > ROUNDS

@@ -18,8 +18,17 @@ from tests.live import Api, LiveCluster, wait_for, worker_pids
 
 pytestmark = pytest.mark.e2e
 
-TRAIN = ["python", "-m", "trainer", "--steps", "240", "--checkpoint-every", "20",
-         "--log-every", "20"]
+TRAIN = [
+    "python",
+    "-m",
+    "trainer",
+    "--steps",
+    "240",
+    "--checkpoint-every",
+    "20",
+    "--log-every",
+    "20",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +38,11 @@ def cluster(tmp_path_factory):
         live.start()
         live.alice = Api(live.url, live.token("alice", "--team", "e2e", "--quota", "4"))
         live.mallory = Api(live.url, live.token("mallory", "--team", "rivals", "--quota", "4"))
-        wait_for(lambda: sum(n["gpus"] for n in live.alice.get("/api/v1/nodes/").json()
-                             ["results"]) == 4, 60, "both agents to register")
+        wait_for(
+            lambda: sum(n["gpus"] for n in live.alice.get("/api/v1/nodes/").json()["results"]) == 4,
+            60,
+            "both agents to register",
+        )
         yield live
     finally:
         live.stop()
@@ -38,10 +50,18 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def job(cluster):
-    response = cluster.alice.post("/api/v1/jobs/", {
-        "name": "e2e-addition", "team": "e2e", "image": "lockstep/trainer:latest",
-        "command": TRAIN, "dataset": "synthetic://addition", "gpus": 4, "max_restarts": 2,
-    })
+    response = cluster.alice.post(
+        "/api/v1/jobs/",
+        {
+            "name": "e2e-addition",
+            "team": "e2e",
+            "image": "lockstep/trainer:latest",
+            "command": TRAIN,
+            "dataset": "synthetic://addition",
+            "gpus": 4,
+            "max_restarts": 2,
+        },
+    )
     assert response.status_code == 201, response.text
     job_id = response.json()["id"]
 
@@ -55,8 +75,11 @@ def job(cluster):
 
 def _ws(cluster, job_id, api: Api):
     url = cluster.url.replace("http", "ws") + f"/ws/jobs/{job_id}/"
-    return connect(url, additional_headers={"Authorization": api.session.headers["Authorization"]},
-                   open_timeout=10)
+    return connect(
+        url,
+        additional_headers={"Authorization": api.session.headers["Authorization"]},
+        open_timeout=10,
+    )
 
 
 def test_gang_spans_both_agents_with_the_launch_contract(cluster, job):
@@ -65,11 +88,17 @@ def test_gang_spans_both_agents_with_the_launch_contract(cluster, job):
     assert sorted(attempt["nodes"]) == ["e2e-a", "e2e-b"]
     assert attempt["resumed_from_step"] == 0
     assert sorted(a["rank"] for a in detail["allocation"]) == [0, 1, 2, 3]
-    pids = wait_for(lambda: len(worker_pids(attempt["id"])) == 4 and worker_pids(attempt["id"]),
-                    30, "four worker processes")
+    pids = wait_for(
+        lambda: len(worker_pids(attempt["id"])) == 4 and worker_pids(attempt["id"]),
+        30,
+        "four worker processes",
+    )
     for rank, pid in pids.items():
-        env = dict(item.split("=", 1) for item in
-                   Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        env = dict(
+            item.split("=", 1)
+            for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
+            if "=" in item
+        )
         assert env["WORLD_SIZE"] == "4" and env["RANK"] == str(rank)
         assert env["LOCAL_WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == str(rank % 2)
         assert env["GROUP_RANK"] == str(rank // 2)
@@ -107,8 +136,9 @@ def test_another_teams_user_gets_404_for_the_job_its_metrics_and_its_websocket(c
 
 def test_sigkilled_worker_restarts_from_checkpoint_succeeds_and_registers(cluster, job):
     api = cluster.alice
-    checkpoint = wait_for(lambda: api.get(f"/api/v1/jobs/{job}/checkpoints/").json(), 120,
-                          "a committed checkpoint")[0]
+    checkpoint = wait_for(
+        lambda: api.get(f"/api/v1/jobs/{job}/checkpoints/").json(), 120, "a committed checkpoint"
+    )[0]
     assert checkpoint["step"] > 0
     attempt_id = api.get(f"/api/v1/jobs/{job}/").json()["attempts"][0]["id"]
     victim = worker_pids(attempt_id)[3]
@@ -133,29 +163,49 @@ def test_sigkilled_worker_restarts_from_checkpoint_succeeds_and_registers(cluste
         return state == "SUCCEEDED"
 
     wait_for(finished, 300, "the job to succeed")
-    second = api.get(f"/api/v1/jobs/{job}/metrics/?name=loss&rank=0&attempt=2"
-                     "&max_points=100000").json()
+    second = api.get(
+        f"/api/v1/jobs/{job}/metrics/?name=loss&rank=0&attempt=2&max_points=100000"
+    ).json()
     steps = second["ranks"]["0"]["step"]
     assert steps[0] == resumed + 1, "steps continue from the checkpoint, not from 0"
     assert steps[-1] == 240 and steps == sorted(set(steps))
     kinds = [e["kind"] for e in api.get(f"/api/v1/jobs/{job}/events/").json()]
-    for kind in ("job.submitted", "attempt.started", "attempt.running", "rank.exited",
-                 "attempt.failed", "job.restarting", "job.requeued", "checkpoint.committed",
-                 "attempt.succeeded", "job.succeeded"):
+    for kind in (
+        "job.submitted",
+        "attempt.started",
+        "attempt.running",
+        "rank.exited",
+        "attempt.failed",
+        "job.restarting",
+        "job.requeued",
+        "checkpoint.committed",
+        "attempt.succeeded",
+        "job.succeeded",
+    ):
         assert kind in kinds, kind
 
     latest = api.get(f"/api/v1/jobs/{job}/").json()["latest_checkpoint"]
     assert latest["step"] == 240
-    response = api.post("/api/v1/models/", {"name": "adder", "checkpoint": latest["id"],
-                                           "notes": "e2e"})
+    response = api.post(
+        "/api/v1/models/", {"name": "adder", "checkpoint": latest["id"], "notes": "e2e"}
+    )
     assert response.status_code == 201, response.text
     version = response.json()
     assert (version["version"], version["step"], version["lineage"]["job"]) == (1, 240, job)
-    assert cluster.mallory.post("/api/v1/models/", {"name": "stolen", "checkpoint": latest["id"]
-                                                    }).status_code == 400
+    assert (
+        cluster.mallory.post(
+            "/api/v1/models/", {"name": "stolen", "checkpoint": latest["id"]}
+        ).status_code
+        == 400
+    )
     exported = wait_for(
-        lambda: (v := api.get(f"/api/v1/models/{version['id']}/").json())["export_state"]
-        != "pending" and v, 120, "the export")
+        lambda: (
+            (v := api.get(f"/api/v1/models/{version['id']}/").json())["export_state"] != "pending"
+            and v
+        ),
+        120,
+        "the export",
+    )
     assert exported["export_state"] == "ready", exported
     import torch
 

@@ -11,9 +11,11 @@ def placed(p):
 def test_priority_then_submit_order_decides_who_gets_scarce_gpus():
     t = team()
     n = node("n1", 8)
-    jobs = [job(1, 8, team_id=t.id, prio=1, submitted=0),
-            job(2, 8, team_id=t.id, prio=2, submitted=10),
-            job(3, 8, team_id=t.id, prio=2, submitted=5)]
+    jobs = [
+        job(1, 8, team_id=t.id, prio=1, submitted=0),
+        job(2, 8, team_id=t.id, prio=2, submitted=10),
+        job(3, 8, team_id=t.id, prio=2, submitted=5),
+    ]
     p = plan(snapshot([n], jobs, [t]))
     assert list(placed(p)) == [3]
     assert "waiting for 8 GPUs" in p.reasons[2]
@@ -55,8 +57,12 @@ def test_job_that_fits_a_node_never_spans_nodes():
 
 def test_large_job_takes_whole_nodes_in_one_rack_when_it_can():
     t = team()
-    nodes = [node("r1a", 8, rack="r1"), node("r2a", 8, rack="r2"), node("r2b", 8, rack="r2"),
-             node("r1b", 8, rack="r1", busy=1)]
+    nodes = [
+        node("r1a", 8, rack="r1"),
+        node("r2a", 8, rack="r2"),
+        node("r2b", 8, rack="r2"),
+        node("r1b", 8, rack="r1", busy=1),
+    ]
     p = plan(snapshot(nodes, [job(1, 16, team_id=t.id)], [t]))
     (placement,) = p.placements
     assert set(placement.node_ids) == {nodes[1].id, nodes[2].id}
@@ -71,15 +77,21 @@ def test_gang_spans_small_nodes_with_ranks_in_node_order():
     p = plan(snapshot(nodes, [job(1, 4, team_id=t.id)], [t]))
     (placement,) = p.placements
     assert [(s.group_rank, s.local_rank, s.rank) for s in placement.slots] == [
-        (0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+        (0, 0, 0),
+        (0, 1, 1),
+        (1, 0, 2),
+        (1, 1, 3),
+    ]
 
 
 def test_blocked_head_reserves_nodes_so_small_jobs_cannot_starve_it():
     t = team()
     nodes = [node("a", 8, busy=2), node("b", 8, busy=8), node("c", 8)]
-    jobs = [job(1, 16, team_id=t.id, submitted=0),  # needs two whole nodes: only c is idle
-            job(2, 4, team_id=t.id, submitted=1),
-            job(3, 1, team_id=t.id, submitted=2)]
+    jobs = [
+        job(1, 16, team_id=t.id, submitted=0),  # needs two whole nodes: only c is idle
+        job(2, 4, team_id=t.id, submitted=1),
+        job(3, 1, team_id=t.id, submitted=2),
+    ]
     p = plan(snapshot(nodes, jobs, [t]))
     assert p.reservation[0] == 1
     reserved = set(p.reservation[1])
@@ -111,8 +123,10 @@ def test_nodes_that_are_down_or_cordoned_get_no_work_and_reasons_say_capacity():
 def test_every_job_left_queued_has_a_reason_and_plan_is_deterministic():
     t1, t2 = team("a", quota=10), team("b", quota=3)
     nodes = [node(f"n{i}", 8, busy=i % 8, rack=f"r{i % 3}") for i in range(20)]
-    jobs = [job(i, [1, 2, 4, 8, 16][i % 5], team_id=(t1, t2)[i % 2].id, prio=i % 3,
-                submitted=i) for i in range(60)]
+    jobs = [
+        job(i, [1, 2, 4, 8, 16][i % 5], team_id=(t1, t2)[i % 2].id, prio=i % 3, submitted=i)
+        for i in range(60)
+    ]
     snap = snapshot(nodes, jobs, [t1, t2])
     first, second = plan(snap), plan(snap)
     assert first == second

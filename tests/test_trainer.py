@@ -78,14 +78,15 @@ def trainer_env(
 
 
 def start(args: list[str], env: dict[str, str], cwd: Path, name: str) -> subprocess.Popen:
-    log = open(cwd / f"{name}.log", "wb")  # noqa: SIM115 (the child keeps writing to it)
-    return subprocess.Popen(
-        [sys.executable, "-m", "trainer", *TINY, *args],
-        env=env,
-        cwd=cwd,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    # The child gets its own copy of the file descriptor; ours can close at once.
+    with open(cwd / f"{name}.log", "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainer", *TINY, *args],
+            env=env,
+            cwd=cwd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def run(args: list[str], env: dict[str, str], cwd: Path, name: str = "run") -> str:

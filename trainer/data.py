@@ -117,6 +117,8 @@ class TextFileDataset:
     def __post_init__(self) -> None:
         if not self.path.is_file():
             raise FileNotFoundError(f"dataset file not found: {self.path}")
+        if self.path.stat().st_size < 2:
+            raise ValueError(f"dataset file {self.path} is too small to train on")
         # A read-only memory map: a large file costs no RAM up front, and every rank shares the
         # page cache.
         self.data = np.memmap(self.path, dtype=np.uint8, mode="r")

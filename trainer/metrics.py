@@ -46,7 +46,7 @@ class MetricsWriter:
             step_time_s=step_time_s,
         )
 
-    def checkpoint(self, *, step: int, path: str, bytes: int, save_s: float) -> None:  # noqa: A002
+    def checkpoint(self, *, step: int, path: str, bytes: int, save_s: float) -> None:
         self.write("checkpoint", step=step, path=path, bytes=bytes, save_s=save_s)
 
     def end(self, *, step: int, reason: str) -> None:

@@ -76,12 +76,17 @@ def build_optimizer(model: torch.nn.Module, optim: OptimArgs) -> torch.optim.Opt
 
 def train(cfg: JobConfig) -> int:
     """Run the job described by cfg; returns the process exit code."""
+    if cfg.train.deterministic:
+        # cuBLAS is only deterministic with a fixed workspace, which must be chosen before
+        # its first use; torch raises without it once deterministic algorithms are on.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     info = init_distributed()
+    # After the rendezvous: a stop requested while ranks are still gathering has nothing to
+    # checkpoint, so the default action (terminate) is right until then.
     stop = StopFlag()
     stop.install()
     configure_threads(info)
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True)
     tag = f"[rank {info.rank}] " if info.distributed else ""
 
     dataset = build_dataset(cfg.train.dataset)

@@ -1,0 +1,153 @@
+"""The portal as a user sees it, in headless Chromium (Playwright driving Debian's chromium):
+log in, submit a job in the form, watch points appear in the live chart."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.live import LiveCluster
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SCREENSHOTS = Path(os.environ.get("LOCKSTEP_SCREENSHOT_DIR", "var/screenshots"))
+
+if not Path(CHROMIUM).exists():
+    pytest.skip(
+        "Debian's chromium is not installed (apt-get install chromium); .ci/run installs it",
+        allow_module_level=True,
+    )
+
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    live = LiveCluster(tmp_path_factory.mktemp("browser"), agents=1, gpus_per_agent=2)
+    try:
+        live.start()
+        live.demo = json.loads(live.manage("seed_demo").strip().splitlines()[-1])
+        yield live
+    finally:
+        live.stop()
+
+
+@pytest.fixture(scope="module")
+def page(cluster):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--no-first-run",
+            ],
+        )
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.set_default_timeout(20_000)
+        yield page
+        browser.close()
+
+
+def _shot(page, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+
+def test_log_in_submit_in_the_form_and_watch_the_live_chart(cluster, page):
+    page.goto(cluster.url + "/")
+    assert "/login/" in page.url
+    page.fill("#id_username", "alice")
+    page.fill("#id_password", "wrong")
+    page.click("main button[type=submit]")
+    assert page.locator(".errorlist").first.is_visible()
+    page.fill("#id_username", "alice")
+    page.fill("#id_password", cluster.demo["alice_password"])
+    page.click("main button[type=submit]")
+    page.wait_for_url(cluster.url + "/")
+    assert page.locator("h1").inner_text() == "My teams' jobs"
+
+    page.click("text=Submit a job")
+    page.fill("#id_name", "browser-run")
+    page.fill("#id_command", "python -m trainer --steps 400 --checkpoint-every 50")
+    page.fill("#id_gpus", "0")
+    page.click("main button[type=submit]")
+    # The error is shown next to the GPUs field and nothing was submitted.
+    error = page.locator("#id_gpus ~ .errorlist")
+    assert "greater than or equal to 1" in error.inner_text()
+    page.fill("#id_gpus", "2")
+    page.click("main button[type=submit]")
+    page.wait_for_url("**/jobs/*/")
+    assert "browser-run" in page.locator("h1").inner_text()
+
+    # Points arrive over the websocket and are drawn with Plotly.extendTraces.
+    page.wait_for_function(
+        "() => { const d = document.getElementById('loss-chart').data;"
+        " return d && d.length > 0 && d[0].x.length >= 10; }",
+        timeout=120_000,
+    )
+    page.wait_for_function("() => Number(document.getElementById('live-count').textContent) > 0")
+    assert page.locator("#job-state").inner_text() == "RUNNING"
+    losses = page.evaluate("() => document.getElementById('loss-chart').data[0].y")
+    assert all(isinstance(v, float | int) for v in losses)
+    # The chart keeps growing while we watch: it is live, not a snapshot.
+    seen = len(losses)
+    page.wait_for_function(
+        f"() => document.getElementById('loss-chart').data[0].x.length > {seen + 5}",
+        timeout=60_000,
+    )
+    page.wait_for_timeout(3000)
+    _shot(page, "job-page")
+
+    page.goto(cluster.url + "/cluster/")
+    assert page.locator("#nodes .gpu.busy").count() == 2
+    _shot(page, "cluster")
+    page.goto(cluster.url + "/")
+    assert "RUNNING" in page.locator("#jobs").inner_text()
+    _shot(page, "home")
+
+
+def test_job_page_works_at_phone_width(cluster, page):
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.goto(cluster.url + "/")
+    page.click("#jobs a >> nth=0")
+    page.wait_for_function(
+        "() => { const d = document.getElementById('loss-chart').data;"
+        " return d && d.length > 0 && d[0].x.length > 0; }",
+        timeout=60_000,
+    )
+    width = page.evaluate(
+        "() => document.getElementById('loss-chart').getBoundingClientRect().width"
+    )
+    assert 300 <= width <= 390
+    _shot(page, "job-page-phone")
+    page.set_viewport_size({"width": 1280, "height": 900})
+
+
+def test_admin_sets_a_team_quota_in_the_console(cluster, page):
+    page.context.clear_cookies()
+    page.goto(cluster.url + "/login/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", cluster.demo["admin_password"])
+    page.click("main button[type=submit]")
+    page.goto(cluster.url + "/console/teams/")
+    row = page.locator("#quotas tr", has_text="demo")
+    row.locator("input[name=quota]").fill("-3")
+    row.locator("button").click()
+    assert "greater than or equal to 0" in page.locator("#quotas").inner_text()
+    row = page.locator("#quotas tr", has_text="demo")
+    row.locator("input[name=quota]").fill("6")
+    row.locator("button").click()
+    assert "Team demo: quota 6." in page.locator(".messages").inner_text()
+    assert (
+        page.locator("#quotas tr", has_text="demo").locator("input[name=quota]").input_value()
+        == "6"
+    )
+    _shot(page, "team-quotas")
