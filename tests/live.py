@@ -97,6 +97,7 @@ class LiveCluster:
             LOCKSTEP_CHECKPOINT_ROOT=str(work / "checkpoints"),
             LOCKSTEP_MODEL_ROOT=str(work / "models"),
             LOCKSTEP_HEARTBEAT_S="0.5",
+            LOCKSTEP_HEARTBEAT_TIMEOUT_S="6",
             LOCKSTEP_SCHEDULER_TICK_S="1",
             LOCKSTEP_RESTART_BACKOFF_S="1",
             LOCKSTEP_STOP_GRACE_S="20",

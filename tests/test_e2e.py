@@ -220,3 +220,58 @@ def _keys(tree, prefix=""):
             yield from _keys(value, f"{prefix}{key}.")
     else:
         yield prefix
+
+
+def test_lost_node_ends_the_attempt_fences_its_workers_and_the_job_resumes(cluster):
+    """Freeze one agent past the heartbeat timeout: its node is declared down, the attempt ends
+    as lost, the surviving agent kills its ranks; when the frozen agent wakes it kills its stale
+    workers (fencing), and the job restarts on both nodes from its latest checkpoint."""
+    api = cluster.alice
+    response = api.post(
+        "/api/v1/jobs/",
+        {
+            "name": "e2e-node-loss",
+            "team": "e2e",
+            "image": "lockstep/trainer:latest",
+            "command": TRAIN,
+            "dataset": "synthetic://addition",
+            "gpus": 4,
+            "max_restarts": 2,
+        },
+    )
+    job = response.json()["id"]
+    checkpoint = wait_for(
+        lambda: api.get(f"/api/v1/jobs/{job}/checkpoints/").json(), 180, "a committed checkpoint"
+    )[0]
+    first = api.get(f"/api/v1/jobs/{job}/").json()["attempts"][0]
+    agent = cluster.procs["agent-e2e-b"]
+    os.kill(agent.pid, signal.SIGSTOP)
+    try:
+        ended = wait_for(
+            lambda: (
+                (a := api.get(f"/api/v1/jobs/{job}/").json()["attempts"][0])["state"] == "lost"
+                and a
+            ),
+            60,
+            "the attempt to be declared lost",
+        )
+        assert "node e2e-b lost" in ended["ended"]["reason"]
+        nodes = {n["name"]: n["state"] for n in api.get("/api/v1/nodes/").json()["results"]}
+        assert nodes["e2e-b"] == "down"
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    wait_for(lambda: not worker_pids(first["id"]), 60, "every stale worker to be fenced")
+
+    def resumed():
+        cluster.check_alive()
+        attempts = api.get(f"/api/v1/jobs/{job}/").json()["attempts"]
+        return len(attempts) == 2 and attempts[1]["state"] == "running" and attempts[1]
+
+    second = wait_for(resumed, 120, "the restart on both nodes")
+    assert sorted(second["nodes"]) == ["e2e-a", "e2e-b"]
+    assert second["resumed_from_step"] >= checkpoint["step"] > 0
+    wait_for(
+        lambda: api.get(f"/api/v1/jobs/{job}/").json()["state"] == "SUCCEEDED",
+        300,
+        "the job to succeed",
+    )

@@ -114,7 +114,10 @@ def _env(name: str, default: str) -> str:
 def parse_args(argv: list[str] | None = None) -> JobConfig:
     """Build the JobConfig from flags; paths and the dataset default to the LOCKSTEP_* env."""
     m, o, t = ModelArgs(), OptimArgs(), TrainArgs()
-    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description="Train a small GPT under the Lockstep launch contract (or torchrun, or alone).",
+    )
     p.add_argument("--steps", type=int, default=t.steps, help="total optimizer steps")
     p.add_argument("--batch-size", type=int, default=t.batch_size, help="sequences per rank")
     p.add_argument("--lr", type=float, default=o.lr, help="peak learning rate")
