@@ -114,6 +114,27 @@ def do_cancel_job(job: Job, *, actor, now: datetime, reason: str = "") -> Job:
 
 
 @transaction.atomic
+def do_enforce_time_limit(job: Job, *, now: datetime) -> bool:
+    """A job past its time limit is stopped checkpoint-first and ends FAILED, like Slurm's
+    TIMEOUT; the limit counts wall time since the job first started."""
+    job = Job.objects.select_for_update().get(pk=job.pk)
+    if job.is_terminal or not job.time_limit_s or job.first_started_at is None:
+        return False
+    if (now - job.first_started_at).total_seconds() < job.time_limit_s:
+        return False
+    why = f"time limit of {job.time_limit_s}s reached"
+    attempt = job.attempts.filter(ended_at__isnull=True).first()
+    if attempt is not None:
+        _begin_stop(attempt, now=now, reason=why)
+    job.state, job.reason, job.finished_at = Job.State.FAILED, why, now
+    job.save(update_fields=["state", "reason", "finished_at"])
+    _event("job.time_limit", why, job=job, team_id=job.team_id)
+    _push_state(job)
+    _wake("time limit")
+    return True
+
+
+@transaction.atomic
 def do_set_job_priority(job: Job, *, priority: str, actor) -> Job:
     before = job.priority
     job.priority = priority
@@ -330,6 +351,11 @@ def do_mark_attempt_running(attempt: Attempt, *, now: datetime) -> None:
     )
 
 
+def stopped_state(job: Job) -> str:
+    """How a checkpoint-and-stop ends: the job was ended (cancel, time limit) or preempted."""
+    return Attempt.State.CANCELLED if job.is_terminal else Attempt.State.PREEMPTED
+
+
 def _record_exits(attempt: Attempt, node: Node, exits: dict[int, int], *, now: datetime) -> None:
     """Apply reported rank exits and end the attempt when the gang's fate is known."""
     allocations = list(attempt.allocations.all())
@@ -352,13 +378,12 @@ def _record_exits(attempt: Attempt, node: Node, exits: dict[int, int], *, now: d
     failed = [a for a in allocations if a.exit_code not in (None, 0)]
     if attempt.state == Attempt.State.STOPPING:
         if all(c is not None for c in codes):
-            job = attempt.job
-            state = (
-                Attempt.State.CANCELLED
-                if job.state == Job.State.CANCELLED
-                else Attempt.State.PREEMPTED
+            do_end_attempt(
+                attempt,
+                state=stopped_state(attempt.job),
+                reason=attempt.end_reason or "stopped",
+                now=now,
             )
-            do_end_attempt(attempt, state=state, reason=attempt.end_reason or "stopped", now=now)
     elif failed:
         first = failed[0]
         do_end_attempt(
@@ -545,7 +570,16 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
         "job_id": job.id,
         "attempt": attempt.number,
         "command": list(job.command),
-        "env": dict(job.env),
+        # The job's checkpoint interval rides in the env the trainer reads (users may not set
+        # LOCKSTEP_* themselves, so this cannot be overridden by job.env).
+        "env": {
+            **job.env,
+            **(
+                {"LOCKSTEP_CHECKPOINT_INTERVAL_S": str(job.checkpoint_interval_s)}
+                if job.checkpoint_interval_s
+                else {}
+            ),
+        },
         "world_size": job.gpus,
         "local_world_size": len(allocations),
         "group_rank": allocations[0].group_rank if allocations else 0,

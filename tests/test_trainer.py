@@ -355,3 +355,25 @@ def test_text_file_dataset_trains_on_local_bytes(tmp_path):
     data = build_dataset(str(text))
     x, y = data.batch(seed=0, step=1, rank=0, world_size=1, batch_size=2, block_size=8)
     assert data.vocab_size == 256 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_time_based_checkpoints_are_taken_at_the_same_step_on_every_rank(tmp_path):
+    """--checkpoint-interval-s (the job's checkpoint_interval_s): rank 0's clock decides."""
+    port, ckpt = free_port(), tmp_path / "ckpt"
+    args = ["--steps", "60", "--checkpoint-every", "0", "--checkpoint-interval-s", "0.3"]
+    procs = [
+        start(
+            args,
+            trainer_env(tmp_path, rank=r, world_size=2, port=port, ckpt=ckpt),
+            tmp_path,
+            f"rank{r}",
+        )
+        for r in range(2)
+    ]
+    for r, p in enumerate(procs):
+        assert p.wait(timeout=120) == 0, (tmp_path / f"rank{r}.log").read_text()
+    saved = [c["step"] for c in records(tmp_path / "rank-0.metrics.jsonl", "checkpoint")]
+    # Saves in between (not only the final one at step 60), each committed by both ranks.
+    assert len(saved) >= 2 and saved[-1] == 60, saved
+    for step in saved:
+        assert read_marker(ckpt / f"step-{step:06d}")["world_size"] == 2

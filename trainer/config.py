@@ -67,6 +67,9 @@ class TrainArgs:
     """Print a progress line to stdout every this many steps (metric records go every step)."""
     checkpoint_every: int = 50
     """Save a checkpoint every this many steps (0 = only at the end or on preemption)."""
+    checkpoint_interval_s: float = 0.0
+    """Also save when this many seconds passed since the last save (0 = off); rank 0's clock
+    decides so every rank saves at the same step."""
     checkpoint_dir: str = "checkpoints"
     """Where step-NNNNNN/ checkpoint directories are written."""
     resume_from: str = ""
@@ -100,6 +103,8 @@ class JobConfig:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.train.checkpoint_every < 0:
             raise ValueError("--checkpoint-every must be >= 0")
+        if self.train.checkpoint_interval_s < 0:
+            raise ValueError("--checkpoint-interval-s must be >= 0")
         if self.optim.lr <= 0:
             raise ValueError("--lr must be > 0")
         if self.model.n_embd % self.model.n_head:
@@ -127,6 +132,12 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     p.add_argument("--n-embd", type=int, default=m.n_embd)
     p.add_argument("--block-size", type=int, default=m.block_size)
     p.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every, help="steps")
+    p.add_argument(
+        "--checkpoint-interval-s",
+        type=float,
+        default=float(_env("LOCKSTEP_CHECKPOINT_INTERVAL_S", "0")),
+        help="also save every this many seconds (default: $LOCKSTEP_CHECKPOINT_INTERVAL_S or off)",
+    )
     p.add_argument("--seed", type=int, default=t.seed)
     p.add_argument(
         "--dataset",
@@ -148,6 +159,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             dataset=a.dataset,
             log_every=a.log_every,
             checkpoint_every=a.checkpoint_every,
+            checkpoint_interval_s=a.checkpoint_interval_s,
             checkpoint_dir=_env("LOCKSTEP_CHECKPOINT_DIR", t.checkpoint_dir),
             resume_from=os.environ.get("LOCKSTEP_RESUME_FROM", ""),
             metrics_path=os.environ.get("LOCKSTEP_METRICS_PATH", ""),

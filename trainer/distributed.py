@@ -46,11 +46,15 @@ class DistInfo:
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if flag is True on any rank (a collective: all ranks must call)."""
+        return self.any_rank_each(flag)[0]
+
+    def any_rank_each(self, *flags: bool) -> tuple[bool, ...]:
+        """Several any_rank votes in one collective (one all-reduce per step, not one per flag)."""
         if not self.distributed:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+            return tuple(flags)
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return tuple(bool(v) for v in t.tolist())
 
     def broadcast_object(self, obj: object) -> object:
         """Rank 0's obj, on every rank."""

@@ -121,9 +121,17 @@ def train(cfg: JobConfig) -> int:
     B, T = cfg.train.batch_size, cfg.model.block_size
     step = start_step
     preempted = False
+    interval = cfg.train.checkpoint_interval_s
+    last_save = time.monotonic()
+    time_due = False
     while step < cfg.train.steps:
-        # Cheap collective every step: all ranks stop after the same step or none does.
-        if info.any_rank(stop.requested):
+        # Cheap collective every step: all ranks stop (or save on rank 0's clock) after the same
+        # step or none does.
+        stop_now, time_due = info.any_rank_each(
+            stop.requested,
+            info.is_main and interval > 0 and time.monotonic() - last_save >= interval,
+        )
+        if stop_now:
             preempted = True
             break
         started = time.perf_counter()
@@ -140,9 +148,10 @@ def train(cfg: JobConfig) -> int:
                 f"{step_time * 1000:.1f} ms/step {B * T / step_time:,.0f} tok/s",
                 flush=True,
             )
-        if ckpt.due(step):
+        if ckpt.due(step) or time_due:
             path = ckpt.save(step)
             saved_step = step
+            last_save = time.monotonic()
             if info.is_main:
                 print(f"{tag}checkpoint committed: {path}", flush=True)
 

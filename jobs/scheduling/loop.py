@@ -38,6 +38,10 @@ def housekeeping(now) -> None:
         actions.do_mark_node_lost(node, now=now, reason=f"no heartbeat for {age:.0f}s")
     for job in Job.objects.filter(state=Job.State.RESTARTING, restart_after__lte=now):
         actions.do_requeue_job(job, now=now)
+    for job in Job.objects.filter(
+        time_limit_s__isnull=False, first_started_at__isnull=False
+    ).exclude(state__in=Job.TERMINAL):
+        actions.do_enforce_time_limit(job, now=now)
     start_cutoff = now - timedelta(seconds=lockstep_setting("START_TIMEOUT_S"))
     for attempt in Attempt.objects.filter(
         ended_at__isnull=True, state=Attempt.State.STARTING, created_at__lt=start_cutoff
@@ -53,13 +57,11 @@ def housekeeping(now) -> None:
         state=Attempt.State.STOPPING,
         stop_deadline__lt=now - timedelta(seconds=10),
     ):
-        state = (
-            Attempt.State.CANCELLED
-            if attempt.job.state == Job.State.CANCELLED
-            else Attempt.State.PREEMPTED
-        )
         actions.do_end_attempt(
-            attempt, state=state, now=now, reason="stop deadline passed; workers killed"
+            attempt,
+            state=actions.stopped_state(attempt.job),
+            now=now,
+            reason="stop deadline passed; workers killed",
         )
 
 

@@ -1,0 +1,228 @@
+"""The job lifecycle through the real actions and scheduler pass, on the test database:
+placement, heartbeats, failure and restart from the latest checkpoint, max restarts, lost
+nodes, time limits, and the portal ignoring reports from attempts that are no longer live."""
+
+import json
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from jobs import actions
+from jobs.models import Allocation, Attempt, Event, Job
+from jobs.scheduling.loop import run_pass
+
+
+@pytest.fixture
+def setup(make_team, make_user, make_nodes, settings, tmp_path):
+    settings.LOCKSTEP = {
+        **settings.LOCKSTEP,
+        "CHECKPOINT_ROOT": str(tmp_path / "ckpt"),
+        "RESTART_BACKOFF_S": 10.0,
+    }
+    team = make_team("lab", quota=8)
+    user = make_user("ann", team=team)
+    nodes = make_nodes(2, 2)
+    return team, user, nodes, tmp_path / "ckpt"
+
+
+def submit(team, user, gpus=4, **fields):
+    return actions.do_submit_job(
+        owner=user,
+        team=team,
+        now=timezone.now(),
+        name="j",
+        image="lockstep/trainer:latest",
+        command=["python", "-m", "trainer"],
+        gpus=gpus,
+        **fields,
+    )
+
+
+def beat(node, attempt, ranks, *, records=(), now=None):
+    """One heartbeat from `node` reporting `ranks` = {rank: exit_code or None (running)}."""
+    body = {
+        "boot_id": node.boot_id,
+        "attempts": [
+            {
+                "attempt_id": attempt.id,
+                "ranks": [
+                    {
+                        "rank": r,
+                        "pid": 100 + r,
+                        "state": "running" if c is None else "exited",
+                        "exit_code": c,
+                    }
+                    for r, c in ranks.items()
+                ],
+                "records": list(records),
+                "logs": [],
+            }
+        ],
+    }
+    return actions.do_heartbeat(node, body, now=now or timezone.now())
+
+
+def commit_checkpoint(root, job, step):
+    path = root / f"job-{job.id}" / f"step-{step:06d}"
+    path.mkdir(parents=True)
+    (path / "COMMITTED").write_text(json.dumps({"step": step}))
+    return {
+        "kind": "checkpoint",
+        "rank": 0,
+        "step": step,
+        "path": str(path),
+        "bytes": 10,
+        "save_s": 0.1,
+    }
+
+
+def live_attempt(job):
+    return Attempt.objects.get(job=job, ended_at__isnull=True)
+
+
+@pytest.mark.django_db
+def test_a_failed_rank_restarts_the_job_from_its_latest_checkpoint(setup):
+    team, user, (a, b), root = setup
+    job = submit(team, user, max_restarts=2)
+    run_pass()
+    attempt = live_attempt(job)
+    response = beat(a, attempt, {0: None, 1: None})
+    (desired,) = response["desired"]
+    launch = desired["launch"]
+    assert (launch["world_size"], launch["local_world_size"], launch["group_rank"]) == (4, 2, 0)
+    assert launch["resume_from"] == "" and [r["rank"] for r in launch["ranks"]] == [0, 1]
+    beat(b, attempt, {2: None, 3: None})
+    assert Job.objects.get(pk=job.pk).state == "RUNNING"
+
+    ckpt = commit_checkpoint(root, job, 30)
+    step = {
+        "kind": "step",
+        "rank": 0,
+        "step": 31,
+        "loss": 1.5,
+        "tokens_per_s": 10.0,
+        "step_time_s": 0.1,
+    }
+    beat(a, attempt, {0: None, 1: None}, records=[ckpt, step])
+    beat(b, attempt, {2: -9, 3: None})
+    attempt.refresh_from_db()
+    job.refresh_from_db()
+    assert attempt.state == "failed" and attempt.end_reason == (
+        "rank 2 on node-1 exited with signal 9 (SIGKILL)"
+    )
+    assert job.state == "RESTARTING" and job.restart_count == 1
+    assert "restart 1/2 in 10s from checkpoint at step 30" in job.reason
+    assert not Allocation.objects.filter(released_at__isnull=True).exists()
+    # The other node's agent is no longer asked to run it: it fences its ranks.
+    assert beat(a, attempt, {0: None, 1: None})["desired"] == []
+
+    run_pass()  # backoff not over: stays RESTARTING
+    assert Job.objects.get(pk=job.pk).state == "RESTARTING"
+    run_pass(now=timezone.now() + timedelta(seconds=11))
+    second = live_attempt(job)
+    assert (second.number, second.resumed_from_step) == (2, 30)
+    launch = actions.launch_spec(second, a)
+    assert launch["resume_from"].endswith("step-000030") and launch["restart_count"] == 1
+
+
+@pytest.mark.django_db
+def test_no_restarts_left_ends_the_job_failed_with_the_cause(setup):
+    team, user, (a, b), _ = setup
+    job = submit(team, user, max_restarts=0)
+    run_pass()
+    attempt = live_attempt(job)
+    beat(a, attempt, {0: 1, 1: None})
+    job.refresh_from_db()
+    assert job.state == "FAILED"
+    assert job.reason == "rank 0 on node-0 exited with exit code 1; no restarts left (0 used)"
+    assert Event.objects.filter(job=job, kind="job.failed").exists()
+
+
+@pytest.mark.django_db
+def test_all_ranks_exiting_zero_succeeds_and_frees_the_gpus(setup):
+    team, user, (a, b), _ = setup
+    job = submit(team, user)
+    run_pass()
+    attempt = live_attempt(job)
+    beat(a, attempt, {0: 0, 1: 0})
+    assert Job.objects.get(pk=job.pk).state != "SUCCEEDED"  # rank 2 and 3 still run
+    beat(b, attempt, {2: 0, 3: 0})
+    assert Job.objects.get(pk=job.pk).state == "SUCCEEDED"
+    assert not Allocation.objects.filter(released_at__isnull=True).exists()
+
+
+@pytest.mark.django_db
+def test_reports_from_an_attempt_that_is_no_longer_live_change_nothing(setup):
+    team, user, (a, b), root = setup
+    job = submit(team, user)
+    run_pass()
+    old = live_attempt(job)
+    actions.do_mark_node_lost(b, now=timezone.now(), reason="test")
+    old.refresh_from_db()
+    assert old.state == "lost"
+    records = [
+        commit_checkpoint(root, job, 50),
+        {"kind": "step", "rank": 0, "step": 51, "loss": 1.0},
+    ]
+    response = beat(a, old, {0: 1, 1: None}, records=records)
+    assert old.id in response["acked"] and response["desired"] == []
+    assert not job.checkpoints.exists() and not job.metric_points.exists()
+    old.refresh_from_db()
+    assert old.allocations.filter(exit_code__isnull=False).count() == 0
+
+
+@pytest.mark.django_db
+def test_a_node_silent_past_the_timeout_is_marked_down_and_its_attempt_lost(setup, settings):
+    team, user, (a, b), _ = setup
+    job = submit(team, user)
+    run_pass()
+    later = timezone.now() + timedelta(seconds=settings.LOCKSTEP["HEARTBEAT_TIMEOUT_S"] + 1)
+    beat(a, live_attempt(job), {0: None, 1: None}, now=later)
+    run_pass(now=later)
+    b.refresh_from_db()
+    assert b.state == "down" and "no heartbeat" in b.state_reason
+    job.refresh_from_db()
+    assert job.state == "RESTARTING" and "node node-1 lost" in job.reason
+    # It cannot be placed while node-1 is down; the reason says so.
+    actions.do_heartbeat(a, {"boot_id": a.boot_id}, now=later + timedelta(seconds=60))
+    run_pass(now=later + timedelta(seconds=60))
+    job.refresh_from_db()
+    assert job.state == "QUEUED"
+    assert job.reason == "needs 4 GPUs but only 2 GPUs are on schedulable nodes"
+
+
+@pytest.mark.django_db
+def test_time_limit_stops_the_job_checkpoint_first_and_fails_it(setup):
+    team, user, (a, b), _ = setup
+    job = submit(team, user, time_limit_s=60, checkpoint_interval_s=30)
+    run_pass()
+    attempt = live_attempt(job)
+    assert actions.launch_spec(attempt, a)["env"] == {"LOCKSTEP_CHECKPOINT_INTERVAL_S": "30"}
+    later = timezone.now() + timedelta(seconds=61)
+    for node in (a, b):  # both agents alive at that time
+        actions.do_heartbeat(node, {"boot_id": node.boot_id}, now=later)
+    run_pass(now=later)
+    job.refresh_from_db()
+    attempt.refresh_from_db()
+    assert job.state == "FAILED" and job.reason == "time limit of 60s reached"
+    assert attempt.state == "stopping"
+    (desired,) = beat(a, attempt, {0: None, 1: None})["desired"]
+    assert desired["action"] == "stop"
+    beat(a, attempt, {0: 0, 1: 0})
+    beat(b, attempt, {2: 0, 3: -15})
+    attempt.refresh_from_db()
+    assert attempt.state == "cancelled"
+    assert not Allocation.objects.filter(released_at__isnull=True).exists()
+
+
+@pytest.mark.django_db
+def test_scheduler_pass_writes_wait_reasons_for_jobs_left_queued(setup):
+    team, user, _, _ = setup
+    first = submit(team, user, gpus=4)
+    second = submit(team, user, gpus=2)
+    report, result = run_pass()
+    assert list(result.applied) == [first.id]
+    second.refresh_from_db()
+    assert second.state == "QUEUED"
+    assert second.reason.startswith("waiting for 2 GPUs on one node; 0 free now")
