@@ -36,7 +36,7 @@ from teams.models import Team, token_digest
 
 log = logging.getLogger(__name__)
 
-STEP_METRICS = ("loss", "tokens_per_s", "step_time_s")
+STEP_METRICS = ("loss", "tokens_per_s", "step_time_s", "compute_s")
 
 
 class ClaimRejected(Exception):
@@ -187,7 +187,11 @@ def do_requeue_job(job: Job, *, now: datetime) -> bool:
 
 
 def latest_checkpoint(job_id: int) -> Checkpoint | None:
-    return Checkpoint.objects.filter(job_id=job_id).order_by("-step", "-id").first()
+    return (
+        Checkpoint.objects.filter(job_id=job_id, deleted_at__isnull=True)
+        .order_by("-step", "-id")
+        .first()
+    )
 
 
 def do_start_attempt(placement, *, now: datetime) -> Attempt:
@@ -233,9 +237,12 @@ def do_start_attempt(placement, *, now: datetime) -> Attempt:
         resumed_from=checkpoint,
         resumed_from_step=checkpoint.step if checkpoint else 0,
     )
+    from jobs.checkpoint_policy import checkpoint_advice
+
+    attempt.checkpoint_interval_s = checkpoint_advice(job)["interval_s"]
     # A port per attempt so two rendezvous on one master node never meet.
     attempt.master_port = lockstep_setting("MASTER_PORT_BASE") + attempt.id % 5000
-    attempt.save(update_fields=["master_port"])
+    attempt.save(update_fields=["master_port", "checkpoint_interval_s"])
     # Sorted by GPU id so concurrent claimers lock index entries in one order (no deadlock).
     Allocation.objects.bulk_create(
         sorted(
@@ -277,17 +284,44 @@ def _backoff(restart_count: int) -> float:
     return min(base * (2 ** max(restart_count - 1, 0)), lockstep_setting("RESTART_BACKOFF_MAX_S"))
 
 
-def do_end_attempt(attempt: Attempt, *, state: str, reason: str, now: datetime) -> Attempt:
-    """End a live attempt, release its GPUs, and move the job on (restart, finish or fail)."""
+def _early_failures(job: Job, limit: int) -> list[Attempt]:
+    """The job's latest ended attempts if the last `limit` all failed before their first step."""
+    recent = list(job.attempts.filter(ended_at__isnull=False).order_by("-number")[:limit])
+    if len(recent) < limit or any(
+        a.state != Attempt.State.FAILED or a.first_step_at is not None for a in recent
+    ):
+        return []
+    return recent
+
+
+def do_end_attempt(
+    attempt: Attempt,
+    *,
+    state: str,
+    reason: str,
+    now: datetime,
+    failed_at: datetime | None = None,
+    blame_node: Node | None = None,
+    data: dict | None = None,
+) -> Attempt:
+    """End a live attempt, release its GPUs, and move the job on (restart, finish or fail).
+
+    `failed_at` is when the failure happened (for a hang: the last progress; for a lost node:
+    its last heartbeat), so time to detect = now - failed_at. `blame_node` is the node the
+    failure is attributed to: it gets a strike, unless the attempt never made a step (then the
+    job's own code is the likelier cause).
+    """
     with transaction.atomic():
         attempt = Attempt.objects.select_for_update().get(pk=attempt.pk)
         if attempt.ended_at is not None:
             return attempt
         was_stopping = attempt.state == Attempt.State.STOPPING
+        failure = state in (Attempt.State.FAILED, Attempt.State.LOST)
         attempt.state = state
         attempt.ended_at = now
         attempt.end_reason = reason
-        attempt.save(update_fields=["state", "ended_at", "end_reason"])
+        attempt.failed_at = (failed_at or now) if failure else None
+        attempt.save(update_fields=["state", "ended_at", "end_reason", "failed_at"])
         Allocation.objects.filter(attempt=attempt, released_at__isnull=True).update(released_at=now)
         job = Job.objects.select_for_update().get(pk=attempt.job_id)
         _event(
@@ -295,7 +329,24 @@ def do_end_attempt(attempt: Attempt, *, state: str, reason: str, now: datetime) 
             f"attempt {attempt.number} {state}: {reason}",
             job=job,
             attempt=attempt,
+            node=blame_node,
             team_id=job.team_id,
+            data={
+                **(data or {}),
+                "detect_s": round((now - attempt.failed_at).total_seconds(), 3)
+                if attempt.failed_at
+                else None,
+                "last_step": attempt.last_step,
+            },
+        )
+        if blame_node is not None and (
+            attempt.first_step_at is not None or state == Attempt.State.LOST
+        ):
+            _strike(blame_node, f"job {job.id} attempt {attempt.number}: {reason}", now=now)
+        early = (
+            _early_failures(job, lockstep_setting("EARLY_FAILURES_USER_ERROR"))
+            if state == Attempt.State.FAILED
+            else []
         )
         if job.is_terminal:
             pass  # cancelled while running: the job already says so
@@ -309,6 +360,21 @@ def do_end_attempt(attempt: Attempt, *, state: str, reason: str, now: datetime) 
             )
         elif state == Attempt.State.PREEMPTED or (was_stopping and state != Attempt.State.FAILED):
             job.state, job.reason = Job.State.QUEUED, f"requeued after preemption: {reason}"
+        elif early:
+            # Several attempts in a row died before their first step: the job's command,
+            # image or data is the likelier cause than the hardware; stop burning restarts.
+            job.state, job.finished_at = Job.State.FAILED, now
+            job.reason = (
+                f"user error: the last {len(early)} attempts failed before their first step; "
+                f"last: {reason}"
+            )
+            _event(
+                "job.failed",
+                job.reason,
+                job=job,
+                team_id=job.team_id,
+                data={"class": "user_error"},
+            )
         elif job.restart_count < job.max_restarts:
             job.restart_count += 1
             delay = _backoff(job.restart_count)
@@ -390,6 +456,7 @@ def _record_exits(attempt: Attempt, node: Node, exits: dict[int, int], *, now: d
             attempt,
             state=Attempt.State.FAILED,
             now=now,
+            blame_node=first.node,
             reason=f"rank {first.rank} on {first.node.name} exited with "
             f"{describe_exit(first.exit_code)}",
         )
@@ -414,6 +481,7 @@ def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Chec
         path=str(resolved),
         defaults={
             "attempt": attempt,
+            "preemption": attempt.state == Attempt.State.STOPPING,
             "step": int(record["step"]),
             "bytes": int(record.get("bytes", 0)),
             "save_s": float(record.get("save_s", 0)),
@@ -432,6 +500,11 @@ def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Chec
         on_commit_send(
             attempt.job_id, {"type": "checkpoint", "step": checkpoint.step, "id": checkpoint.id}
         )
+        import django_rq
+
+        from jobs.tasks import prune_checkpoints
+
+        django_rq.enqueue(prune_checkpoints, attempt.job_id)
     return checkpoint
 
 
@@ -493,7 +566,14 @@ def _ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[d
             log.warning("bad metric record from attempt %s: %s (%s)", attempt.id, record, exc)
     if points:
         MetricPoint.objects.bulk_create(points, batch_size=1000)
-        Attempt.objects.filter(pk=attempt.pk).update(last_step=attempt.last_step)
+        # Progress is what the hang detector watches: the portal's clock, not the workers'.
+        attempt.last_progress_at = now
+        attempt.first_step_at = attempt.first_step_at or now
+        Attempt.objects.filter(pk=attempt.pk).update(
+            last_step=attempt.last_step,
+            last_progress_at=now,
+            first_step_at=attempt.first_step_at,
+        )
     return pushed
 
 
@@ -575,8 +655,8 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
         "env": {
             **job.env,
             **(
-                {"LOCKSTEP_CHECKPOINT_INTERVAL_S": str(job.checkpoint_interval_s)}
-                if job.checkpoint_interval_s
+                {"LOCKSTEP_CHECKPOINT_INTERVAL_S": str(attempt.checkpoint_interval_s)}
+                if attempt.checkpoint_interval_s
                 else {}
             ),
         },
@@ -608,7 +688,9 @@ def desired_for_node(node: Node, now: datetime) -> list[dict]:
         .prefetch_related("allocations__gpu")
     )
     for attempt in attempts:
-        if attempt.state == Attempt.State.STOPPING:
+        if attempt.dump_requested_at is not None and attempt.state != Attempt.State.STOPPING:
+            desired.append({"attempt_id": attempt.id, "action": "dump"})
+        elif attempt.state == Attempt.State.STOPPING:
             remaining = max((attempt.stop_deadline - now).total_seconds(), 0.0)
             desired.append({"attempt_id": attempt.id, "action": "stop", "deadline_s": remaining})
         else:
@@ -704,9 +786,155 @@ def do_mark_node_lost(node: Node, *, now: datetime, reason: str) -> None:
     _event("node.down", f"node {node.name} down: {reason}", node=node)
     for attempt in Attempt.objects.filter(ended_at__isnull=True, allocations__node=node).distinct():
         do_end_attempt(
-            attempt, state=Attempt.State.LOST, now=now, reason=f"node {node.name} lost ({reason})"
+            attempt,
+            state=Attempt.State.LOST,
+            now=now,
+            reason=f"node {node.name} lost ({reason})",
+            failed_at=node.last_heartbeat_at,
+            blame_node=node,
         )
     _wake("node down")
+
+
+def _strike(node: Node, reason: str, *, now: datetime) -> None:
+    """Attribute a failure to a node; enough strikes in the window cordon it for admins."""
+    _event("node.strike", f"strike on {node.name}: {reason}", node=node)
+    window = now - timedelta(seconds=lockstep_setting("STRIKE_WINDOW_S"))
+    strikes = Event.objects.filter(node=node, kind="node.strike", created_at__gte=window).count()
+    limit = lockstep_setting("STRIKES_TO_CORDON")
+    if strikes >= limit and node.state == Node.State.UP:
+        hours = lockstep_setting("STRIKE_WINDOW_S") / 3600
+        node.state = Node.State.CORDONED
+        node.state_reason = f"{strikes} failures in {hours:.0f}h; an admin should check it"
+        node.save(update_fields=["state", "state_reason"])
+        _event(
+            "node.cordoned",
+            f"node {node.name} cordoned automatically: {node.state_reason}",
+            node=node,
+            data={"strikes": strikes, "automatic": True},
+        )
+
+
+@transaction.atomic
+def do_cordon_node(node: Node, *, actor, reason: str, drain: bool = False, now: datetime) -> Node:
+    """No new work on the node; with `drain`, its attempts also checkpoint, stop and requeue."""
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    node.state = Node.State.DRAINING if drain else Node.State.CORDONED
+    node.state_reason = reason
+    node.save(update_fields=["state", "state_reason"])
+    _event(
+        f"node.{node.state}",
+        f"node {node.name} {node.state} by {actor}: {reason}",
+        node=node,
+        actor=actor,
+    )
+    if drain:
+        for attempt in Attempt.objects.filter(
+            ended_at__isnull=True, allocations__node=node
+        ).distinct():
+            _begin_stop(attempt, now=now, reason=f"node {node.name} draining: {reason}")
+    _wake("node cordoned")
+    return node
+
+
+@transaction.atomic
+def do_uncordon_node(node: Node, *, actor, reason: str = "") -> Node:
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    if node.state == Node.State.DOWN:
+        return node  # it comes back up with its next heartbeat
+    node.state, node.state_reason = Node.State.UP, ""
+    node.save(update_fields=["state", "state_reason"])
+    _event(
+        "node.uncordoned",
+        f"node {node.name} uncordoned by {actor}" + (f": {reason}" if reason else ""),
+        node=node,
+        actor=actor,
+    )
+    _wake("node uncordoned")
+    return node
+
+
+# --- hangs and stragglers ------------------------------------------------------------------
+
+
+@transaction.atomic
+def do_request_stack_dump(attempt: Attempt, *, reason: str, now: datetime) -> bool:
+    """A hang was seen: ask the agents for every rank's stacks before the attempt is killed."""
+    if not Attempt.objects.filter(
+        pk=attempt.pk, ended_at__isnull=True, dump_requested_at__isnull=True
+    ).update(dump_requested_at=now, end_reason=reason):
+        return False
+    _event(
+        "attempt.hang_detected",
+        f"attempt {attempt.number} hung: {reason}; capturing stacks before restart",
+        job_id=attempt.job_id,
+        attempt=attempt,
+        data={"last_step": attempt.last_step},
+    )
+    return True
+
+
+def stacks_since(attempt: Attempt, since: datetime, *, limit: int = 20_000) -> dict[str, str]:
+    """Per rank, the stack dumps (faulthandler's output) shipped in the logs since `since`."""
+    by_rank: dict[int, list[str]] = {}
+    for rank, text in LogChunk.objects.filter(attempt=attempt, created_at__gte=since).values_list(
+        "rank", "text"
+    ):
+        by_rank.setdefault(rank, []).append(text)
+    stacks = {}
+    for rank, parts in sorted(by_rank.items()):
+        text = "".join(parts)
+        start = min(
+            (i for i in (text.find("Thread 0x"), text.find("Current thread")) if i >= 0),
+            default=-1,
+        )
+        if start >= 0:
+            stacks[str(rank)] = text[start:][:limit]
+    return stacks
+
+
+def do_end_hung_attempt(attempt: Attempt, *, now: datetime) -> Attempt:
+    stacks = stacks_since(attempt, attempt.dump_requested_at)
+    reason = attempt.end_reason or "hung"
+    return do_end_attempt(
+        attempt,
+        state=Attempt.State.FAILED,
+        now=now,
+        reason=f"{reason} (stacks from {len(stacks)} of {attempt.job.gpus} ranks)",
+        failed_at=attempt.last_progress_at or attempt.running_at,
+        data={"stacks": stacks},
+    )
+
+
+@transaction.atomic
+def do_flag_straggler(
+    attempt: Attempt,
+    *,
+    rank: int,
+    node: Node,
+    seconds: float,
+    gang_seconds: float,
+    window: int,
+    now: datetime,
+) -> None:
+    attempt = Attempt.objects.select_for_update().get(pk=attempt.pk)
+    if rank in attempt.stragglers:
+        return
+    attempt.stragglers = [*attempt.stragglers, rank]
+    attempt.save(update_fields=["stragglers"])
+    message = (
+        f"rank {rank} on {node.name} is a straggler: {seconds * 1000:.0f} ms/step of compute "
+        f"vs {gang_seconds * 1000:.0f} ms for the rest of the gang (median, last {window} steps)"
+    )
+    _event(
+        "attempt.straggler",
+        message,
+        job_id=attempt.job_id,
+        attempt=attempt,
+        node=node,
+        data={"rank": rank, "compute_s": seconds, "gang_compute_s": gang_seconds},
+    )
+    _strike(node, f"job {attempt.job_id}: {message}", now=now)
 
 
 # --- model registry ------------------------------------------------------------------------

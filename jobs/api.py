@@ -6,9 +6,10 @@ jobs.actions. A job the caller may not see is a 404, exactly like one that does 
 
 from django.db.models import Prefetch
 from django.utils import timezone
-from rest_framework import mixins, status, viewsets
+from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.permissions import IsAdminUser
 from rest_framework.response import Response
 
 from jobs import actions
@@ -180,6 +181,10 @@ class ModelVersionViewSet(
         return Response(ModelVersionSerializer(version).data, status=status.HTTP_201_CREATED)
 
 
+class NodeReasonSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=500, required=False, allow_blank=True, default="")
+
+
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     serializer_class = NodeSerializer
     queryset = Node.objects.prefetch_related("gpus").order_by("name")
@@ -189,3 +194,35 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         if not self.request.user.is_authenticated:
             return Node.objects.none()
         return super().get_queryset()
+
+    def _node_action(self, request, apply):
+        node = self.get_object()
+        body = NodeReasonSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        node = apply(node, body.validated_data["reason"] or f"by {request.user.username}")
+        return Response(NodeSerializer(node).data)
+
+    @action(detail=True, methods=["post"], permission_classes=[IsAdminUser])
+    def cordon(self, request, pk=None):
+        return self._node_action(
+            request,
+            lambda node, why: actions.do_cordon_node(
+                node, actor=request.user, reason=why, now=timezone.now()
+            ),
+        )
+
+    @action(detail=True, methods=["post"], permission_classes=[IsAdminUser])
+    def drain(self, request, pk=None):
+        return self._node_action(
+            request,
+            lambda node, why: actions.do_cordon_node(
+                node, actor=request.user, reason=why, drain=True, now=timezone.now()
+            ),
+        )
+
+    @action(detail=True, methods=["post"], permission_classes=[IsAdminUser])
+    def uncordon(self, request, pk=None):
+        return self._node_action(
+            request,
+            lambda node, why: actions.do_uncordon_node(node, actor=request.user, reason=why),
+        )

@@ -1,22 +1,74 @@
-"""Goodput figures for a job: how much of its wall time was spent training."""
+"""Goodput for a job: how much of its wall time went into steps that count, and what each
+failure cost (time to detect, time to recover, steps recomputed)."""
+
+from __future__ import annotations
 
 from django.utils import timezone
 
+from jobs.models import Attempt
+
+FAILURES = (Attempt.State.FAILED, Attempt.State.LOST)
+
+
+def _step_seconds(attempt: Attempt) -> float | None:
+    """Mean seconds per step of an attempt, from its first and last progress."""
+    steps = attempt.last_step - attempt.resumed_from_step
+    if steps < 2 or not attempt.first_step_at or not attempt.last_progress_at:
+        return None
+    return (attempt.last_progress_at - attempt.first_step_at).total_seconds() / (steps - 1)
+
 
 def job_goodput(job, now=None) -> dict:
-    """Running time (all ranks up) over wall time since the first start, plus restarts."""
+    """Effective training time = productive step time / wall time since the first start.
+
+    Productive steps are those whose results survive: an attempt's steps up to the checkpoint
+    the next attempt resumed from. Steps after it were recomputed, and count as lost.
+    """
     now = now or timezone.now()
+    attempts = sorted(job.attempts.all(), key=lambda a: a.number)
+    result = {
+        "wall_s": 0.0,
+        "productive_s": 0.0,
+        "effective": None,
+        "restarts": job.restart_count,
+        "incidents": [],
+    }
     if job.first_started_at is None:
-        return {"wall_s": 0.0, "running_s": 0.0, "effective": None, "restarts": 0}
+        return result
     end = job.finished_at or now
     wall = max((end - job.first_started_at).total_seconds(), 0.0)
-    running = 0.0
-    for attempt in job.attempts.all():
-        if attempt.running_at is not None:
-            running += ((attempt.ended_at or end) - attempt.running_at).total_seconds()
-    return {
-        "wall_s": round(wall, 1),
-        "running_s": round(running, 1),
-        "effective": round(running / wall, 4) if wall > 0 else None,
-        "restarts": job.restart_count,
-    }
+    productive = 0.0
+    for index, attempt in enumerate(attempts):
+        following = attempts[index + 1] if index + 1 < len(attempts) else None
+        per_step = _step_seconds(attempt)
+        kept_until = following.resumed_from_step if following else attempt.last_step
+        kept = max(min(kept_until, attempt.last_step) - attempt.resumed_from_step, 0)
+        if per_step:
+            productive += kept * per_step
+        if attempt.state in FAILURES and attempt.ended_at:
+            lost_steps = max(attempt.last_step - kept_until, 0) if following else None
+            recovered_at = following.first_step_at if following else None
+            result["incidents"].append(
+                {
+                    "attempt": attempt.number,
+                    "state": attempt.state,
+                    "reason": attempt.end_reason,
+                    "failed_at": attempt.failed_at,
+                    "detect_s": _seconds(attempt.failed_at, attempt.ended_at),
+                    "recover_s": _seconds(attempt.ended_at, recovered_at),
+                    "lost_steps": lost_steps,
+                    "lost_s": round(lost_steps * per_step, 1) if per_step and lost_steps else None,
+                }
+            )
+    result.update(
+        wall_s=round(wall, 1),
+        productive_s=round(productive, 1),
+        effective=round(min(productive / wall, 1.0), 4) if wall > 0 else None,
+    )
+    return result
+
+
+def _seconds(start, end) -> float | None:
+    if start is None or end is None:
+        return None
+    return round((end - start).total_seconds(), 1)

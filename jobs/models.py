@@ -137,6 +137,19 @@ class Attempt(models.Model):
     ended_at = models.DateTimeField(null=True, blank=True)
     end_reason = models.CharField(max_length=500, blank=True)
     last_step = models.PositiveIntegerField(default=0)
+    first_step_at = models.DateTimeField(null=True, blank=True, help_text="First step record")
+    last_progress_at = models.DateTimeField(null=True, blank=True, help_text="Latest step record")
+    failed_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the failure happened (ended_at: when detected)"
+    )
+    dump_requested_at = models.DateTimeField(
+        null=True, blank=True, help_text="Hang detected: stacks requested before the kill"
+    )
+    stragglers = models.JSONField(default=list, blank=True, help_text="Ranks flagged slow")
+    checkpoint_interval_s = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Given to the trainer: the job's or Young/Daly's"
+    )
+    straggler_checked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["job_id", "number"]
@@ -194,6 +207,10 @@ class Checkpoint(models.Model):
     bytes = models.BigIntegerField(default=0)
     save_s = models.FloatField(default=0.0)
     created_at = models.DateTimeField()
+    preemption = models.BooleanField(
+        default=False, help_text="Saved by a checkpoint-and-stop: kept by retention"
+    )
+    deleted_at = models.DateTimeField(null=True, blank=True, help_text="Pruned by retention")
 
     class Meta:
         ordering = ["job_id", "-step"]

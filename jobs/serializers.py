@@ -134,6 +134,7 @@ class JobDetailSerializer(JobSerializer):
     allocation = serializers.SerializerMethodField()
     latest_checkpoint = serializers.SerializerMethodField()
     goodput = serializers.SerializerMethodField()
+    checkpoint_policy = serializers.SerializerMethodField()
 
     class Meta(JobSerializer.Meta):
         fields = [
@@ -142,6 +143,7 @@ class JobDetailSerializer(JobSerializer):
             "allocation",
             "latest_checkpoint",
             "goodput",
+            "checkpoint_policy",
         ]
         read_only_fields = fields
 
@@ -157,6 +159,11 @@ class JobDetailSerializer(JobSerializer):
     def get_latest_checkpoint(self, job) -> dict | None:
         checkpoint = job.checkpoints.order_by("-step", "-id").first()
         return CheckpointSerializer(checkpoint).data if checkpoint else None
+
+    def get_checkpoint_policy(self, job) -> dict:
+        from jobs.checkpoint_policy import checkpoint_advice
+
+        return checkpoint_advice(job)
 
     def get_goodput(self, job) -> dict:
         from jobs.goodput import job_goodput

@@ -29,3 +29,39 @@ def export_model_version(version_id: int) -> str | None:
         return None
     do_finish_model_export(version, path=str(out))
     return str(out)
+
+
+def prune_checkpoints(job_id: int) -> list[int]:
+    """Retention: keep the last KEEP_CHECKPOINTS, every registered one, every preemption
+    checkpoint and any a live attempt resumed from; delete the rest from disk."""
+    import shutil
+
+    from django.utils import timezone
+
+    from jobs.models import Attempt, Checkpoint
+
+    keep_last = lockstep_setting("KEEP_CHECKPOINTS")
+    live = Checkpoint.objects.filter(job_id=job_id, deleted_at__isnull=True).order_by(
+        "-step", "-id"
+    )
+    protected = set(
+        Attempt.objects.filter(
+            job_id=job_id, ended_at__isnull=True, resumed_from__isnull=False
+        ).values_list("resumed_from_id", flat=True)
+    )
+    pruned = []
+    for index, checkpoint in enumerate(live):
+        if (
+            index < keep_last
+            or checkpoint.preemption
+            or checkpoint.id in protected
+            or checkpoint.versions.exists()
+        ):
+            continue
+        shutil.rmtree(checkpoint.path, ignore_errors=True)
+        checkpoint.deleted_at = timezone.now()
+        checkpoint.save(update_fields=["deleted_at"])
+        pruned.append(checkpoint.step)
+    if pruned:
+        log.info("job %s: pruned checkpoints at steps %s", job_id, pruned)
+    return pruned

@@ -214,6 +214,23 @@ LOCKSTEP = {
     "STOP_GRACE_S": float(os.environ.get("LOCKSTEP_STOP_GRACE_S", "60")),
     "MASTER_PORT_BASE": int(os.environ.get("LOCKSTEP_MASTER_PORT_BASE", "29400")),
     "ALLOWED_DATASET_SCHEMES": ["synthetic", "file", "s3", "gs", "hf", "nfs"],
+    # Failure detection (DESIGN.md section 8). A job is hung after max(HANG_MIN_S,
+    # HANG_STEP_FACTOR x its p95 step time) without a step.
+    "HANG_MIN_S": float(os.environ.get("LOCKSTEP_HANG_MIN_S", "60")),
+    "HANG_STEP_FACTOR": float(os.environ.get("LOCKSTEP_HANG_STEP_FACTOR", "10")),
+    "STARTUP_PROGRESS_TIMEOUT_S": float(
+        os.environ.get("LOCKSTEP_STARTUP_PROGRESS_TIMEOUT_S", "600")
+    ),
+    "DUMP_WAIT_S": float(os.environ.get("LOCKSTEP_DUMP_WAIT_S", "5")),
+    "STRAGGLER_FACTOR": float(os.environ.get("LOCKSTEP_STRAGGLER_FACTOR", "1.5")),
+    "STRAGGLER_MIN_EXCESS_S": 0.01,
+    "STRAGGLER_WINDOW_STEPS": int(os.environ.get("LOCKSTEP_STRAGGLER_WINDOW_STEPS", "50")),
+    "STRAGGLER_CHECK_S": float(os.environ.get("LOCKSTEP_STRAGGLER_CHECK_S", "30")),
+    "STRIKES_TO_CORDON": int(os.environ.get("LOCKSTEP_STRIKES_TO_CORDON", "3")),
+    "STRIKE_WINDOW_S": float(os.environ.get("LOCKSTEP_STRIKE_WINDOW_S", "86400")),
+    "EARLY_FAILURES_USER_ERROR": int(os.environ.get("LOCKSTEP_EARLY_FAILURES_USER_ERROR", "3")),
+    "KEEP_CHECKPOINTS": int(os.environ.get("LOCKSTEP_KEEP_CHECKPOINTS", "3")),
+    "DEFAULT_MTBF_S": float(os.environ.get("LOCKSTEP_DEFAULT_MTBF_S", "86400")),
 }
 
 LOGGING = {

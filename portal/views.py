@@ -12,6 +12,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from jobs import actions
+from jobs.checkpoint_policy import checkpoint_advice
 from jobs.goodput import job_goodput
 from jobs.models import Allocation, Checkpoint, Job, ModelVersion, Node
 from portal.forms import JobForm, RegisterModelForm, TeamQuotaForm
@@ -101,6 +102,7 @@ def job_page(request, job_id: int):
             "events": job.events.select_related("node").order_by("-id")[:200],
             "checkpoints": job.checkpoints.order_by("-step"),
             "goodput": job_goodput(job),
+            "advice": checkpoint_advice(job),
             "register_form": RegisterModelForm(initial={"name": job.name}),
         },
     )

@@ -9,6 +9,19 @@ from teams.actions import do_add_member, do_create_team, do_issue_token
 
 
 @pytest.fixture
+def setup(make_team, make_user, make_nodes, settings, tmp_path):
+    settings.LOCKSTEP = {
+        **settings.LOCKSTEP,
+        "CHECKPOINT_ROOT": str(tmp_path / "ckpt"),
+        "RESTART_BACKOFF_S": 10.0,
+    }
+    team = make_team("lab", quota=8)
+    user = make_user("ann", team=team)
+    nodes = make_nodes(2, 2)
+    return team, user, nodes, tmp_path / "ckpt"
+
+
+@pytest.fixture
 def make_user():
     def make(username: str, *, team=None, role: str = "member", staff: bool = False):
         user = get_user_model().objects.create_user(

@@ -2,83 +2,15 @@
 placement, heartbeats, failure and restart from the latest checkpoint, max restarts, lost
 nodes, time limits, and the portal ignoring reports from attempts that are no longer live."""
 
-import json
 from datetime import timedelta
 
 import pytest
 from django.utils import timezone
 
 from jobs import actions
-from jobs.models import Allocation, Attempt, Event, Job
+from jobs.models import Allocation, Event, Job
 from jobs.scheduling.loop import run_pass
-
-
-@pytest.fixture
-def setup(make_team, make_user, make_nodes, settings, tmp_path):
-    settings.LOCKSTEP = {
-        **settings.LOCKSTEP,
-        "CHECKPOINT_ROOT": str(tmp_path / "ckpt"),
-        "RESTART_BACKOFF_S": 10.0,
-    }
-    team = make_team("lab", quota=8)
-    user = make_user("ann", team=team)
-    nodes = make_nodes(2, 2)
-    return team, user, nodes, tmp_path / "ckpt"
-
-
-def submit(team, user, gpus=4, **fields):
-    return actions.do_submit_job(
-        owner=user,
-        team=team,
-        now=timezone.now(),
-        name="j",
-        image="lockstep/trainer:latest",
-        command=["python", "-m", "trainer"],
-        gpus=gpus,
-        **fields,
-    )
-
-
-def beat(node, attempt, ranks, *, records=(), now=None):
-    """One heartbeat from `node` reporting `ranks` = {rank: exit_code or None (running)}."""
-    body = {
-        "boot_id": node.boot_id,
-        "attempts": [
-            {
-                "attempt_id": attempt.id,
-                "ranks": [
-                    {
-                        "rank": r,
-                        "pid": 100 + r,
-                        "state": "running" if c is None else "exited",
-                        "exit_code": c,
-                    }
-                    for r, c in ranks.items()
-                ],
-                "records": list(records),
-                "logs": [],
-            }
-        ],
-    }
-    return actions.do_heartbeat(node, body, now=now or timezone.now())
-
-
-def commit_checkpoint(root, job, step):
-    path = root / f"job-{job.id}" / f"step-{step:06d}"
-    path.mkdir(parents=True)
-    (path / "COMMITTED").write_text(json.dumps({"step": step}))
-    return {
-        "kind": "checkpoint",
-        "rank": 0,
-        "step": step,
-        "path": str(path),
-        "bytes": 10,
-        "save_s": 0.1,
-    }
-
-
-def live_attempt(job):
-    return Attempt.objects.get(job=job, ended_at__isnull=True)
+from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
 
 
 @pytest.mark.django_db

@@ -15,6 +15,7 @@ from jobs import actions
 from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Job, Node
 from jobs.scheduling.apply import ApplyResult, apply_plan
+from jobs.scheduling.detect import detect_hangs, detect_stragglers
 from jobs.scheduling.policy import plan
 from jobs.scheduling.snapshot import take_snapshot
 from jobs.scheduling.wake import subscriber
@@ -42,6 +43,8 @@ def housekeeping(now) -> None:
         time_limit_s__isnull=False, first_started_at__isnull=False
     ).exclude(state__in=Job.TERMINAL):
         actions.do_enforce_time_limit(job, now=now)
+    detect_hangs(now)
+    detect_stragglers(now)
     start_cutoff = now - timedelta(seconds=lockstep_setting("START_TIMEOUT_S"))
     for attempt in Attempt.objects.filter(
         ended_at__isnull=True, state=Attempt.State.STARTING, created_at__lt=start_cutoff

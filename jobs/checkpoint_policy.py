@@ -1,0 +1,52 @@
+"""The checkpoint interval a job should use: its own setting, else Young/Daly from the job's
+measured save stall and observed failure rate (falling back to the fleet's)."""
+
+from __future__ import annotations
+
+from statistics import median
+
+from django.db.models import Q
+
+from jobs.conf import lockstep_setting
+from jobs.health import young_daly_interval
+from jobs.models import Attempt, Checkpoint, Job
+
+FAILED = (Attempt.State.FAILED, Attempt.State.LOST)
+
+
+def _mtbf(attempts) -> tuple[float | None, int]:
+    """Running seconds per failure over these ended attempts (None without a failure)."""
+    running, failures = 0.0, 0
+    for attempt in attempts.filter(running_at__isnull=False, ended_at__isnull=False):
+        running += (attempt.ended_at - attempt.running_at).total_seconds()
+        failures += attempt.state in FAILED
+    return (running / failures if failures else None), failures
+
+
+def checkpoint_advice(job: Job) -> dict:
+    saves = list(
+        Checkpoint.objects.filter(job=job).order_by("-id").values_list("save_s", flat=True)[:20]
+    )
+    stall_source = "job"
+    if not saves:
+        saves = list(Checkpoint.objects.order_by("-id").values_list("save_s", flat=True)[:200])
+        stall_source = "fleet"
+    mtbf, failures = _mtbf(Attempt.objects.filter(job=job))
+    mtbf_source = "job"
+    if mtbf is None:
+        mtbf, failures = _mtbf(Attempt.objects.filter(~Q(job=job)))
+        mtbf_source = "fleet"
+    if mtbf is None:
+        mtbf, mtbf_source = lockstep_setting("DEFAULT_MTBF_S"), "default"
+    stall = median(saves) if saves else None
+    suggested = young_daly_interval(stall, mtbf) if stall else None
+    return {
+        "interval_s": job.checkpoint_interval_s or (round(suggested) if suggested else None),
+        "source": "job setting" if job.checkpoint_interval_s else "Young/Daly",
+        "young_daly_s": round(suggested, 1) if suggested else None,
+        "save_stall_s": round(stall, 3) if stall is not None else None,
+        "save_stall_source": stall_source if saves else None,
+        "mtbf_s": round(mtbf, 1),
+        "mtbf_source": mtbf_source,
+        "failures": failures,
+    }

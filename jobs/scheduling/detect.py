@@ -1,0 +1,90 @@
+"""Failure detectors run by the scheduler loop: hung attempts and stragglers."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime, timedelta
+
+from jobs import actions
+from jobs.conf import lockstep_setting
+from jobs.health import find_stragglers, progress_timeout
+from jobs.models import Allocation, Attempt, MetricPoint
+
+
+def attempt_progress_timeout(attempt: Attempt) -> float:
+    times = list(
+        MetricPoint.objects.filter(attempt=attempt, rank=0, name="step_time_s")
+        .order_by("-step")
+        .values_list("value", flat=True)[:200]
+    )
+    return progress_timeout(
+        times, minimum=lockstep_setting("HANG_MIN_S"), factor=lockstep_setting("HANG_STEP_FACTOR")
+    )
+
+
+def detect_hangs(now: datetime) -> None:
+    startup = lockstep_setting("STARTUP_PROGRESS_TIMEOUT_S")
+    for attempt in Attempt.objects.filter(
+        ended_at__isnull=True, state=Attempt.State.RUNNING, dump_requested_at__isnull=True
+    ):
+        if attempt.first_step_at is None:
+            waited = (now - attempt.running_at).total_seconds()
+            if waited > startup:
+                actions.do_request_stack_dump(
+                    attempt,
+                    now=now,
+                    reason=f"no first step {waited:.0f}s after all ranks came up "
+                    f"(start-up timeout {startup:.0f}s)",
+                )
+            continue
+        timeout = attempt_progress_timeout(attempt)
+        silent = (now - attempt.last_progress_at).total_seconds()
+        if silent > timeout:
+            actions.do_request_stack_dump(
+                attempt,
+                now=now,
+                reason=f"hung: no progress for {silent:.0f}s after step {attempt.last_step} "
+                f"(timeout {timeout:.0f}s)",
+            )
+    wait = timedelta(seconds=lockstep_setting("DUMP_WAIT_S"))
+    for attempt in Attempt.objects.filter(
+        ended_at__isnull=True, dump_requested_at__lt=now - wait
+    ).select_related("job"):
+        actions.do_end_hung_attempt(attempt, now=now)
+
+
+def detect_stragglers(now: datetime) -> None:
+    every = timedelta(seconds=lockstep_setting("STRAGGLER_CHECK_S"))
+    window = lockstep_setting("STRAGGLER_WINDOW_STEPS")
+    for attempt in Attempt.objects.filter(
+        ended_at__isnull=True, state=Attempt.State.RUNNING, last_step__gte=window
+    ).select_related("job"):
+        if attempt.job.gpus < 2:
+            continue
+        if attempt.straggler_checked_at and now - attempt.straggler_checked_at < every:
+            continue
+        Attempt.objects.filter(pk=attempt.pk).update(straggler_checked_at=now)
+        compute: dict[int, list[float]] = defaultdict(list)
+        for rank, value in MetricPoint.objects.filter(
+            attempt=attempt, name="compute_s", step__gt=attempt.last_step - window
+        ).values_list("rank", "value"):
+            compute[rank].append(value)
+        flagged = find_stragglers(
+            compute,
+            factor=lockstep_setting("STRAGGLER_FACTOR"),
+            min_excess=lockstep_setting("STRAGGLER_MIN_EXCESS_S"),
+        )
+        nodes = {
+            a.rank: a.node
+            for a in Allocation.objects.filter(attempt=attempt).select_related("node")
+        }
+        for rank, own, rest in flagged:
+            actions.do_flag_straggler(
+                attempt,
+                rank=rank,
+                node=nodes[rank],
+                seconds=own,
+                gang_seconds=rest,
+                window=window,
+                now=now,
+            )

@@ -1,0 +1,63 @@
+"""Helpers that play an agent's side of the protocol against the real actions."""
+
+import json
+
+from django.utils import timezone
+
+from jobs import actions
+from jobs.models import Attempt
+
+
+def submit(team, user, gpus=4, **fields):
+    return actions.do_submit_job(
+        owner=user,
+        team=team,
+        now=timezone.now(),
+        name="j",
+        image="lockstep/trainer:latest",
+        command=["python", "-m", "trainer"],
+        gpus=gpus,
+        **fields,
+    )
+
+
+def beat(node, attempt, ranks, *, records=(), now=None):
+    """One heartbeat from `node` reporting `ranks` = {rank: exit_code or None (running)}."""
+    body = {
+        "boot_id": node.boot_id,
+        "attempts": [
+            {
+                "attempt_id": attempt.id,
+                "ranks": [
+                    {
+                        "rank": r,
+                        "pid": 100 + r,
+                        "state": "running" if c is None else "exited",
+                        "exit_code": c,
+                    }
+                    for r, c in ranks.items()
+                ],
+                "records": list(records),
+                "logs": [],
+            }
+        ],
+    }
+    return actions.do_heartbeat(node, body, now=now or timezone.now())
+
+
+def commit_checkpoint(root, job, step):
+    path = root / f"job-{job.id}" / f"step-{step:06d}"
+    path.mkdir(parents=True)
+    (path / "COMMITTED").write_text(json.dumps({"step": step}))
+    return {
+        "kind": "checkpoint",
+        "rank": 0,
+        "step": step,
+        "path": str(path),
+        "bytes": 10,
+        "save_s": 0.1,
+    }
+
+
+def live_attempt(job):
+    return Attempt.objects.get(job=job, ended_at__isnull=True)

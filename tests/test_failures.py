@@ -1,0 +1,264 @@
+"""Detection and response (DESIGN.md section 8) through the real actions and scheduler pass:
+hangs with stack capture, stragglers, node strikes and cordoning, user errors, retention,
+Young/Daly and goodput accounting. The same paths run with real processes in test_e2e.py."""
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from jobs import actions
+from jobs.checkpoint_policy import checkpoint_advice
+from jobs.goodput import job_goodput
+from jobs.health import find_stragglers, progress_timeout, young_daly_interval
+from jobs.models import Attempt, Checkpoint, Event, Job, LogChunk, Node
+from jobs.scheduling.loop import run_pass
+from jobs.tasks import prune_checkpoints
+from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
+
+
+def test_progress_timeout_adapts_to_the_jobs_step_time():
+    assert progress_timeout([], minimum=60, factor=10) == 60
+    assert progress_timeout([0.05] * 100, minimum=60, factor=10) == 60
+    slow = [30.0] * 95 + [45.0] * 5
+    assert progress_timeout(slow, minimum=60, factor=10) == 300.0  # p95 = 30 s
+
+
+def test_stragglers_are_ranks_slower_than_the_rest_of_the_gang():
+    gang = {0: [0.010] * 20, 1: [0.011] * 20, 2: [0.060] * 20, 3: [0.009] * 20}
+    assert find_stragglers(gang, factor=1.5, min_excess=0.01) == [(2, 0.060, 0.010)]
+    # Noise on tiny steps is not a straggler.
+    tiny = {0: [0.001] * 20, 1: [0.0025] * 20}
+    assert find_stragglers(tiny, factor=1.5, min_excess=0.01) == []
+
+
+def test_young_daly():
+    assert young_daly_interval(10.0, 3600.0) == pytest.approx(268.3, abs=0.1)
+
+
+def _run(setup, **fields):
+    team, user, (a, b), root = setup
+    job = submit(team, user, **fields)
+    run_pass()
+    attempt = live_attempt(job)
+    beat(a, attempt, {0: None, 1: None})
+    beat(b, attempt, {2: None, 3: None})
+    job.refresh_from_db()
+    return job, attempt, a, b, root
+
+
+def _steps(first, last, rank=0, step_time=0.1, compute=0.05):
+    return [
+        {
+            "kind": "step",
+            "rank": rank,
+            "step": s,
+            "loss": 1.0,
+            "tokens_per_s": 1.0,
+            "step_time_s": step_time,
+            "compute_s": compute,
+        }
+        for s in range(first, last + 1)
+    ]
+
+
+@pytest.mark.django_db
+def test_hang_is_detected_stacks_are_captured_then_the_job_restarts(setup, settings):
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "HANG_MIN_S": 20.0, "DUMP_WAIT_S": 3.0}
+    job, attempt, a, b, _ = _run(setup)
+    t0 = timezone.now()
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 10), now=t0)
+    for t in (10, 19):  # heartbeats keep coming: the agent is alive, the job is not moving
+        beat(a, attempt, {0: None, 1: None}, now=t0 + timedelta(seconds=t))
+        beat(b, attempt, {2: None, 3: None}, now=t0 + timedelta(seconds=t))
+        run_pass(now=t0 + timedelta(seconds=t))
+    assert live_attempt(job).dump_requested_at is None
+    t = t0 + timedelta(seconds=21)
+    beat(a, attempt, {0: None, 1: None}, now=t)
+    beat(b, attempt, {2: None, 3: None}, now=t)
+    run_pass(now=t)
+    attempt.refresh_from_db()
+    assert attempt.dump_requested_at == t and "no progress for 21s after step 10" in (
+        attempt.end_reason
+    )
+    assert [d["action"] for d in beat(a, attempt, {0: None, 1: None}, now=t)["desired"]] == ["dump"]
+    dump = 'Thread 0x00007f (most recent call first):\n  File "train.py", line 9 in step\n'
+    LogChunk.objects.create(attempt=attempt, rank=0, text="step 10\n" + dump, created_at=t)
+    later = t + timedelta(seconds=4)
+    beat(a, attempt, {0: None, 1: None}, now=later)
+    beat(b, attempt, {2: None, 3: None}, now=later)
+    run_pass(now=later)
+    attempt.refresh_from_db()
+    assert attempt.state == "failed" and "stacks from 1 of 4 ranks" in attempt.end_reason
+    event = Event.objects.get(attempt=attempt, kind="attempt.failed")
+    assert event.data["stacks"] == {"0": dump}
+    assert event.data["detect_s"] == pytest.approx(25, abs=1)  # since the last progress
+    assert Job.objects.get(pk=job.pk).state == "RESTARTING"
+
+
+@pytest.mark.django_db
+def test_no_first_step_after_start_up_is_a_hang_too(setup, settings):
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "STARTUP_PROGRESS_TIMEOUT_S": 30.0}
+    job, attempt, a, b, _ = _run(setup)
+    t = timezone.now() + timedelta(seconds=31)
+    beat(a, attempt, {0: None, 1: None}, now=t)
+    beat(b, attempt, {2: None, 3: None}, now=t)
+    run_pass(now=t)
+    attempt.refresh_from_db()
+    assert attempt.dump_requested_at is not None
+    assert attempt.end_reason.startswith("no first step 31s after all ranks came up")
+
+
+@pytest.mark.django_db
+def test_a_straggler_is_flagged_with_its_node_and_gets_a_strike(setup, settings):
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "STRAGGLER_WINDOW_STEPS": 20}
+    job, attempt, a, b, _ = _run(setup)
+    records = [r for rank in (0, 1) for r in _steps(1, 25, rank=rank, compute=0.01)]
+    beat(a, attempt, {0: None, 1: None}, records=records)
+    records = _steps(1, 25, rank=2, compute=0.01) + _steps(1, 25, rank=3, compute=0.08)
+    beat(b, attempt, {2: None, 3: None}, records=records)
+    run_pass()
+    event = Event.objects.get(attempt=attempt, kind="attempt.straggler")
+    assert event.node == b and event.message.startswith("rank 3 on node-1 is a straggler: 80 ms")
+    assert Event.objects.filter(node=b, kind="node.strike").count() == 1
+    run_pass(now=timezone.now() + timedelta(minutes=5))  # flagged once per attempt and rank
+    assert Event.objects.filter(attempt=attempt, kind="attempt.straggler").count() == 1
+
+
+@pytest.mark.django_db
+def test_repeated_failures_on_a_node_cordon_it_and_restarts_avoid_it(setup, make_nodes):
+    team, user, (a, b), root = setup
+    make_nodes(1, 2, prefix="spare")
+    job = submit(team, user, gpus=2, max_restarts=5)
+    for _ in range(3):
+        run_pass()
+        attempt = live_attempt(job)
+        node = attempt.allocations.first().node
+        # Force the failures onto node-1: cordon the others while placing.
+        beat(node, attempt, {r: None for r in (0, 1)}, records=_steps(1, 3))
+        beat(node, attempt, {0: -7, 1: None})
+        Job.objects.filter(pk=job.pk).update(restart_after=timezone.now())
+    struck = Node.objects.filter(events__kind="node.strike").distinct()
+    # Each failure struck the node it happened on; a node with 3 strikes is cordoned.
+    for node in Node.objects.all():
+        strikes = Event.objects.filter(node=node, kind="node.strike").count()
+        node.refresh_from_db()
+        assert (node.state == "cordoned") == (strikes >= 3), (node, strikes)
+    assert struck.exists()
+    # Best fit puts every restart on the same node until it is cordoned.
+    (cordoned,) = Node.objects.filter(state="cordoned")
+    assert Event.objects.filter(kind="node.cordoned", node=cordoned).exists()
+    assert "3 failures in 24h" in cordoned.state_reason
+    run_pass()
+    placed = live_attempt(job).allocations.values_list("node__state", flat=True)
+    assert set(placed) == {"up"}
+
+
+@pytest.mark.django_db
+def test_failures_before_the_first_step_end_the_job_as_a_user_error(setup):
+    team, user, (a, b), _ = setup
+    job = submit(team, user, gpus=2, max_restarts=10)
+    for _ in range(3):
+        run_pass()
+        attempt = live_attempt(job)
+        node = attempt.allocations.first().node
+        beat(node, attempt, {0: 1, 1: None})
+        Job.objects.filter(pk=job.pk).update(restart_after=timezone.now())
+    job.refresh_from_db()
+    assert job.state == "FAILED" and job.restart_count == 2
+    assert job.reason.startswith("user error: the last 3 attempts failed before their first step")
+    # Failures before any step are the job's, not the node's: no strikes.
+    assert not Event.objects.filter(kind="node.strike").exists()
+
+
+@pytest.mark.django_db
+def test_retention_keeps_the_last_k_registered_and_preemption_checkpoints(setup, settings):
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "KEEP_CHECKPOINTS": 2}
+    job, attempt, a, b, root = _run(setup)
+    beat(
+        a,
+        attempt,
+        {0: None, 1: None},
+        records=[commit_checkpoint(root, job, s) for s in (10, 20, 30, 40, 50)],
+    )
+    by_step = {c.step: c for c in Checkpoint.objects.filter(job=job)}
+    actions.do_register_model_version(
+        name="m", checkpoint=by_step[10], actor=job.owner, now=timezone.now()
+    )
+    Checkpoint.objects.filter(pk=by_step[20].pk).update(preemption=True)
+    assert sorted(prune_checkpoints(job.id)) == [30]
+    assert not (root / f"job-{job.id}" / "step-000030").exists()
+    for step in (10, 20, 40, 50):
+        assert (root / f"job-{job.id}" / f"step-{step:06d}").exists()
+    assert actions.latest_checkpoint(job.id).step == 50
+
+
+@pytest.mark.django_db
+def test_young_daly_interval_uses_the_jobs_save_stall_and_failure_rate(setup):
+    job, attempt, a, b, root = _run(setup)
+    record = commit_checkpoint(root, job, 10) | {"save_s": 2.0}
+    beat(a, attempt, {0: None, 1: None}, records=[record])
+    Attempt.objects.filter(pk=attempt.pk).update(
+        running_at=timezone.now() - timedelta(seconds=3600)
+    )
+    beat(b, attempt, {2: 9, 3: None})
+    advice = checkpoint_advice(job)
+    assert (advice["save_stall_s"], advice["mtbf_source"], advice["source"]) == (
+        2.0,
+        "job",
+        "Young/Daly",
+    )
+    assert advice["interval_s"] == round((2 * 2.0 * advice["mtbf_s"]) ** 0.5)
+    Job.objects.filter(pk=job.pk).update(checkpoint_interval_s=120)
+    job.refresh_from_db()
+    assert checkpoint_advice(job)["interval_s"] == 120
+
+
+@pytest.mark.django_db
+def test_goodput_counts_lost_steps_and_detection_and_recovery_times(setup):
+    job, attempt, a, b, root = _run(setup)
+    t0 = timezone.now()
+    beat(
+        a,
+        attempt,
+        {0: None, 1: None},
+        records=[*_steps(1, 10), commit_checkpoint(root, job, 8)],
+        now=t0,
+    )
+    beat(a, attempt, {0: None, 1: None}, records=_steps(11, 20), now=t0 + timedelta(seconds=10))
+    beat(b, attempt, {2: -9, 3: None}, now=t0 + timedelta(seconds=12))
+    run_pass(now=t0 + timedelta(seconds=30))
+    second = live_attempt(job)
+    beat(a, second, {0: None, 1: None}, now=t0 + timedelta(seconds=31))
+    beat(b, second, {2: None, 3: None}, now=t0 + timedelta(seconds=31))
+    beat(a, second, {0: None, 1: None}, records=_steps(9, 30), now=t0 + timedelta(seconds=40))
+    (incident,) = job_goodput(job, now=t0 + timedelta(seconds=40))["incidents"]
+    assert incident["attempt"] == 1 and incident["lost_steps"] == 12  # steps 9..20 recomputed
+    assert incident["recover_s"] == 28.0 and incident["detect_s"] == 0.0
+    client = APIClient()
+    client.force_authenticate(job.owner)
+    body = client.get(f"/api/v1/jobs/{job.id}/").json()
+    assert body["goodput"]["incidents"][0]["lost_steps"] == 12
+    assert body["checkpoint_policy"]["source"] == "Young/Daly"
+
+
+@pytest.mark.django_db
+def test_only_admins_cordon_drain_and_uncordon(setup, make_user):
+    team, user, (a, b), _ = setup
+    job = submit(team, user, gpus=2)
+    run_pass()
+    node = live_attempt(job).allocations.first().node
+    member = APIClient()
+    member.force_authenticate(user)
+    assert member.post(f"/api/v1/nodes/{node.id}/cordon/").status_code == 403
+    admin = APIClient()
+    admin.force_authenticate(make_user("root", staff=True))
+    response = admin.post(f"/api/v1/nodes/{node.id}/drain/", {"reason": "bad fan"}, format="json")
+    assert response.status_code == 200 and response.json()["state"] == "draining"
+    attempt = live_attempt(job)
+    assert attempt.state == "stopping" and "draining: bad fan" in attempt.end_reason
+    beat(node, attempt, {0: 0, 1: 0})
+    job.refresh_from_db()
+    assert job.state == "QUEUED" and "requeued" in job.reason
+    assert admin.post(f"/api/v1/nodes/{node.id}/uncordon/").json()["state"] == "up"
