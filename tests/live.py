@@ -155,6 +155,14 @@ class LiveCluster:
             self.start_agent(name)
         return self
 
+    def restart(self, name: str, *, down_s: float = 0.0) -> None:
+        """Stop one of the cluster's processes (SIGTERM), wait, and start it again."""
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        time.sleep(down_s)
+        self._start(name, proc.args)
+
     def start_agent(self, name: str) -> None:
         self._start(
             f"agent-{name}",

@@ -275,3 +275,38 @@ def test_lost_node_ends_the_attempt_fences_its_workers_and_the_job_resumes(clust
         300,
         "the job to succeed",
     )
+
+
+def test_portal_and_scheduler_restarts_lose_no_running_job(cluster):
+    """The portal and the scheduler hold no state of their own: restarting them mid-run leaves
+    the attempt running (agents keep their workers and retry heartbeats) and the job finishes
+    without a restart."""
+    api = cluster.alice
+    job = api.post(
+        "/api/v1/jobs/",
+        {
+            "name": "e2e-portal-restart",
+            "team": "e2e",
+            "image": "lockstep/trainer:latest",
+            "command": ["python", "-m", "trainer", "--steps", "150", "--checkpoint-every", "50"],
+            "gpus": 4,
+        },
+    ).json()["id"]
+    wait_for(
+        lambda: api.get(f"/api/v1/jobs/{job}/").json()["state"] == "RUNNING", 120, "the job to run"
+    )
+    before = api.get(f"/api/v1/jobs/{job}/").json()["attempts"][0]["last_step"]
+    cluster.restart("scheduler")
+    cluster.restart("portal", down_s=3)
+    wait_for(cluster._portal_up, 60, "the portal to come back")
+    wait_for(
+        lambda: api.get(f"/api/v1/jobs/{job}/").json()["state"] == "SUCCEEDED",
+        240,
+        "the job to succeed",
+    )
+    detail = api.get(f"/api/v1/jobs/{job}/").json()
+    assert len(detail["attempts"]) == 1 and detail["restart_count"] == 0
+    assert detail["attempts"][0]["last_step"] == 150 > before
+    # Steps made while the portal was down were re-sent by the agents, none lost.
+    steps = api.get(f"/api/v1/jobs/{job}/metrics/?name=loss&rank=0&max_points=100000").json()
+    assert steps["ranks"]["0"]["step"] == list(range(1, 151))

@@ -262,3 +262,26 @@ def test_only_admins_cordon_drain_and_uncordon(setup, make_user):
     job.refresh_from_db()
     assert job.state == "QUEUED" and "requeued" in job.reason
     assert admin.post(f"/api/v1/nodes/{node.id}/uncordon/").json()["state"] == "up"
+
+
+@pytest.mark.django_db
+def test_a_portal_outage_is_not_mistaken_for_every_node_dying(setup, monkeypatch):
+    from jobs.scheduling import loop
+
+    team, user, (a, b), _ = setup
+    t0 = timezone.now()
+    monkeypatch.setattr(loop, "intake", loop.HeartbeatIntake(t0 - timedelta(hours=1)))
+    # Nobody heard from for 40 s (> the 30 s timeout): the portal was down, not both nodes.
+    loop.detect_lost_nodes(t0 + timedelta(seconds=40))
+    assert set(Node.objects.values_list("state", flat=True)) == {"up"}
+    # Heartbeats flow again, but only from node-0: node-1 gets a full timeout from now on.
+    resumed = t0 + timedelta(seconds=41)
+    actions.do_heartbeat(a, {"boot_id": a.boot_id}, now=resumed)
+    loop.detect_lost_nodes(resumed)
+    b.refresh_from_db()
+    assert b.state == "up"
+    later = resumed + timedelta(seconds=31)
+    actions.do_heartbeat(a, {"boot_id": a.boot_id}, now=later)
+    loop.detect_lost_nodes(later)
+    b.refresh_from_db()
+    assert b.state == "down" and b.state_reason == "no heartbeat for 72s"

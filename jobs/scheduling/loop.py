@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import redis
 from django.db import close_old_connections
+from django.db.models import Max
 from django.utils import timezone
 
 from jobs import actions
@@ -31,12 +32,50 @@ class PassReport:
     seconds: float
 
 
-def housekeeping(now) -> None:
-    """Time-driven transitions: lost nodes, restart backoffs, start and stop deadlines."""
-    cutoff = now - timedelta(seconds=lockstep_setting("HEARTBEAT_TIMEOUT_S"))
-    for node in Node.objects.exclude(state=Node.State.DOWN).filter(last_heartbeat_at__lt=cutoff):
+class HeartbeatIntake:
+    """Tells a silent node from a portal that could not listen.
+
+    When no node at all has been heard from for a while, the portal (or its database) was down
+    or restarting, not every node at once: no node is declared lost then, and once heartbeats
+    flow again every node gets a full timeout from that moment. A newly started scheduler
+    likewise gives every node a full timeout before judging it.
+    """
+
+    def __init__(self, started: datetime):
+        self.resumed_at = started
+        self.was_down = False
+
+    def observe(self, newest: datetime | None, now: datetime) -> bool:
+        timeout = lockstep_setting("HEARTBEAT_TIMEOUT_S")
+        gap = min(timeout / 2, max(3 * lockstep_setting("HEARTBEAT_S"), 5.0))
+        if newest is None or (now - newest).total_seconds() > gap:
+            self.was_down = True
+            return False
+        if self.was_down:
+            log.info("heartbeats flow again; every node gets a full timeout from now")
+            self.resumed_at, self.was_down = now, False
+        return True
+
+
+intake = HeartbeatIntake(timezone.now())
+
+
+def detect_lost_nodes(now: datetime) -> None:
+    live = Node.objects.exclude(state=Node.State.DOWN)
+    if not intake.observe(live.aggregate(newest=Max("last_heartbeat_at"))["newest"], now):
+        return
+    timeout = lockstep_setting("HEARTBEAT_TIMEOUT_S")
+    cutoff = now - timedelta(seconds=timeout)
+    if intake.resumed_at > cutoff:
+        return
+    for node in live.filter(last_heartbeat_at__lt=cutoff):
         age = (now - node.last_heartbeat_at).total_seconds()
         actions.do_mark_node_lost(node, now=now, reason=f"no heartbeat for {age:.0f}s")
+
+
+def housekeeping(now) -> None:
+    """Time-driven transitions: lost nodes, restart backoffs, start and stop deadlines."""
+    detect_lost_nodes(now)
     for job in Job.objects.filter(state=Job.State.RESTARTING, restart_after__lte=now):
         actions.do_requeue_job(job, now=now)
     for job in Job.objects.filter(
