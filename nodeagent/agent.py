@@ -61,6 +61,9 @@ class _Tracked:
     tails: list[_RankTails] = field(default_factory=list)
     # Set once a successful heartbeat carried the exit of every rank and the last of its data.
     exit_reported: bool = False
+    # Each rank's log size once a stack dump had settled: `dumped` is reported when the logs
+    # shipped reach these offsets, so the dump is in the same heartbeat or an earlier one.
+    dump_log_ends: dict[int, int] | None = None
 
 
 class Agent:
@@ -302,10 +305,16 @@ class Agent:
             # the files by the time they are read.
             all_exited = self.supervisor.all_exited(attempt_id)
             ranks = self.supervisor.status(attempt_id)
+            tracked = self._tracked[attempt_id]
+            # Likewise the dump is settled (written) before the log sizes it must reach are read.
+            dump_settled = self.supervisor.dump_settled(attempt_id)
+            if dump_settled and tracked.dump_log_ends is None:
+                tracked.dump_log_ends = {rt.worker.rank: _size(rt.log.path) for rt in tracked.tails}
             records: list[dict[str, Any]] = []
             logs = []
             drained = True
-            for rt in self._tracked[attempt_id].tails:
+            dump_shipped = dump_settled
+            for rt in tracked.tails:
                 final = not rt.worker.alive
                 new_records, metrics_end = rt.metrics.read(final=final)
                 text, log_end = rt.log.read(final=final)
@@ -314,19 +323,31 @@ class Agent:
                     logs.append({"rank": rt.worker.rank, "text": text})
                 acks += [(rt.metrics, metrics_end), (rt.log, log_end)]
                 drained = drained and rt.metrics.at_eof and rt.log.at_eof
-            attempts.append(
-                {"attempt_id": attempt_id, "ranks": ranks, "records": records, "logs": logs}
-            )
+                if dump_shipped and tracked.dump_log_ends is not None:
+                    # A UTF-8 character cut at the end (3 bytes at most) is held back for the
+                    # next read; it cannot be part of the dump, so it does not hold `dumped` up.
+                    target = tracked.dump_log_ends[rt.worker.rank]
+                    dump_shipped = log_end + 3 >= target
+            report: dict[str, Any] = {
+                "attempt_id": attempt_id,
+                "ranks": ranks,
+                "records": records,
+                "logs": logs,
+            }
+            if dump_shipped:
+                report["dumped"] = True
+            attempts.append(report)
             if all_exited and drained:
                 exits.append(attempt_id)
         body = {"boot_id": self.boot_id, "telemetry": self.telemetry.read(), "attempts": attempts}
         return body, acks, exits
 
     def apply(self, response: dict[str, Any]) -> None:
-        """Carry out a heartbeat response: fence, stop, launch, forget."""
+        """Carry out a heartbeat response: fence, stop, dump, launch, forget."""
         self._set_heartbeat_s(response.get("heartbeat_s"))
         run: dict[int, Any] = {}
         stop: dict[int, float] = {}
+        dump: set[int] = set()
         desired: set[int] = set()
         for item in response.get("desired") or []:
             try:
@@ -340,6 +361,9 @@ class Agent:
                 run[attempt_id] = item.get("launch")
             elif action == "stop":
                 stop[attempt_id] = _number(item.get("deadline_s"), DEFAULT_STOP_DEADLINE_S)
+            elif action == "dump":
+                # The portal suspects a hang: stacks first, then it drops the attempt (fencing).
+                dump.add(attempt_id)
             else:
                 self.log.warning(
                     "attempt %s: unknown action %r; leaving it as it is", attempt_id, action
@@ -361,6 +385,11 @@ class Agent:
         for attempt_id, deadline_s in stop.items():
             if attempt_id in self.supervisor:
                 self.supervisor.stop(attempt_id, deadline_s)
+
+        for attempt_id in dump:
+            # Nothing to dump for an attempt with no workers here; it is never launched by it.
+            if attempt_id in self.supervisor:
+                self.supervisor.dump_stacks(attempt_id)
 
         for attempt_id, launch in run.items():
             if attempt_id in self.supervisor:
@@ -436,6 +465,13 @@ def _number(value: Any, default: float) -> float:
     except (TypeError, ValueError):
         return default
     return number if math.isfinite(number) else default
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _short(exc: Exception) -> str:

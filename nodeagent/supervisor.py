@@ -2,7 +2,8 @@
 
 One process per rank, each in its own session with the launch contract of
 docs/agent-protocol.md; polled without blocking, stopped checkpoint-first (SIGTERM, then SIGKILL
-to the process group after a deadline) or killed at once (fencing).
+to the process group after a deadline) or killed at once (fencing), and asked for a dump of
+their stacks (SIGUSR1) when the portal thinks the attempt hangs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
 
 WORKERS_FILE = "workers.json"
+
+# The signal that asks a worker to write its threads' stacks to its log and carry on; the
+# reference trainer registers faulthandler for it (trainer/train.py).
+DUMP_SIGNAL = signal.SIGUSR1
+# How long after the signal the dump counts as written. faulthandler writes it from inside the
+# signal handler, but the process must first be scheduled to run it; a second is ample even on
+# a busy node and costs nothing next to the hang detection that led to the dump.
+DUMP_SETTLE_S = 1.0
 
 
 def detect_gpu_kind(requested: str = "auto") -> str:
@@ -150,6 +159,7 @@ class AttemptWorkers:
     workers: list[RankWorker] = field(default_factory=list)
     stop_deadline: float | None = None  # clock() time after which survivors get SIGKILL
     killed: bool = False
+    dump_sent_at: float | None = None  # clock() time the stack-dump signal went out (once)
 
     @property
     def all_exited(self) -> bool:
@@ -353,6 +363,35 @@ class WorkerSupervisor:
         self._log.info(
             "attempt %s: SIGTERM sent; SIGKILL in %.1f s if still running", attempt_id, deadline_s
         )
+
+    # -- stack dumps ---------------------------------------------------------------------------
+
+    def dump_stacks(self, attempt_id: int) -> None:
+        """Ask every live worker of the attempt to dump its stacks (DUMP_SIGNAL) and keep
+        running. Once per attempt: heartbeats repeat the action, the signal is not repeated."""
+        attempt = self._attempts[attempt_id]
+        if attempt.dump_sent_at is not None:
+            return
+        attempt.dump_sent_at = self._clock()
+        signalled = []
+        for worker in attempt.workers:
+            if worker.alive and worker.popen is not None:
+                # The worker only, not its process group: its helpers (data loaders, a shell)
+                # have no handler for it, and SIGUSR1's default action would kill them.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.popen.pid, DUMP_SIGNAL)
+                    signalled.append(worker.rank)
+        self._log.info(
+            "attempt %s: %s sent to ranks %s for a stack dump",
+            attempt_id,
+            signal.Signals(DUMP_SIGNAL).name,
+            signalled,
+        )
+
+    def dump_settled(self, attempt_id: int) -> bool:
+        """True once the dump signal went out at least DUMP_SETTLE_S ago."""
+        sent_at = self._attempts[attempt_id].dump_sent_at
+        return sent_at is not None and self._clock() - sent_at >= DUMP_SETTLE_S
 
     def kill(self, attempt_id: int) -> None:
         """SIGKILL every worker's process group now (fencing, shutdown)."""

@@ -223,7 +223,7 @@ LOCKSTEP = {
     ),
     "DUMP_WAIT_S": float(os.environ.get("LOCKSTEP_DUMP_WAIT_S", "5")),
     "STRAGGLER_FACTOR": float(os.environ.get("LOCKSTEP_STRAGGLER_FACTOR", "1.5")),
-    "STRAGGLER_MIN_EXCESS_S": 0.01,
+    "STRAGGLER_MIN_EXCESS_S": float(os.environ.get("LOCKSTEP_STRAGGLER_MIN_EXCESS_S", "0.01")),
     "STRAGGLER_WINDOW_STEPS": int(os.environ.get("LOCKSTEP_STRAGGLER_WINDOW_STEPS", "50")),
     "STRAGGLER_CHECK_S": float(os.environ.get("LOCKSTEP_STRAGGLER_CHECK_S", "30")),
     "STRIKES_TO_CORDON": int(os.environ.get("LOCKSTEP_STRIKES_TO_CORDON", "3")),

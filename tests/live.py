@@ -98,6 +98,14 @@ class LiveCluster:
             LOCKSTEP_MODEL_ROOT=str(work / "models"),
             LOCKSTEP_HEARTBEAT_S="0.5",
             LOCKSTEP_HEARTBEAT_TIMEOUT_S="6",
+            # Detectors tuned for seconds-long tests; strikes never cordon a node mid-suite
+            # (cordoning is covered in test_failures.py).
+            LOCKSTEP_HANG_MIN_S="12",
+            LOCKSTEP_DUMP_WAIT_S="3",
+            LOCKSTEP_STRAGGLER_WINDOW_STEPS="20",
+            LOCKSTEP_STRAGGLER_CHECK_S="3",
+            LOCKSTEP_STRAGGLER_MIN_EXCESS_S="0.06",
+            LOCKSTEP_STRIKES_TO_CORDON="1000",
             LOCKSTEP_SCHEDULER_TICK_S="1",
             LOCKSTEP_RESTART_BACKOFF_S="1",
             LOCKSTEP_STOP_GRACE_S="20",

@@ -310,3 +310,98 @@ def test_portal_and_scheduler_restarts_lose_no_running_job(cluster):
     # Steps made while the portal was down were re-sent by the agents, none lost.
     steps = api.get(f"/api/v1/jobs/{job}/metrics/?name=loss&rank=0&max_points=100000").json()
     assert steps["ranks"]["0"]["step"] == list(range(1, 151))
+
+
+def _submit(api, name, command, **extra):
+    response = api.post(
+        "/api/v1/jobs/",
+        {
+            "name": name,
+            "team": "e2e",
+            "image": "lockstep/trainer:latest",
+            "command": command,
+            "gpus": 4,
+            "max_restarts": 2,
+            **extra,
+        },
+    )
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def test_hung_job_is_detected_its_stacks_captured_and_it_resumes(cluster):
+    """Rank 0 stalls before step 25 (alive, no progress; the others block in the all-reduce).
+    The portal sees no progress past its adaptive timeout, asks the agents for stacks, kills
+    the gang, and the job restarts from the step-20 checkpoint and finishes."""
+    api = cluster.alice
+    job = _submit(
+        api,
+        "e2e-hang",
+        [
+            "python",
+            "-m",
+            "trainer",
+            "--steps",
+            "60",
+            "--checkpoint-every",
+            "10",
+            "--fault-stall-at-step",
+            "25",
+        ],
+    )
+
+    def restarted():
+        cluster.check_alive()
+        attempts = api.get(f"/api/v1/jobs/{job}/").json()["attempts"]
+        return len(attempts) == 2 and attempts
+
+    attempts = wait_for(restarted, 180, "the hang to be detected and the job restarted")
+    first = attempts[0]
+    assert first["state"] == "failed" and first["last_step"] == 24
+    assert "hung: no progress for" in first["ended"]["reason"]
+    assert attempts[1]["resumed_from_step"] == 20
+    events = api.get(f"/api/v1/jobs/{job}/events/").json()
+    assert any(e["kind"] == "attempt.hang_detected" for e in events)
+    failed = next(e for e in events if e["kind"] == "attempt.failed")
+    stacks = failed["data"]["stacks"]
+    assert "0" in stacks and "in fault" in stacks["0"], stacks.keys()
+    assert failed["data"]["detect_s"] < 12 + 3 + 10
+    wait_for(
+        lambda: api.get(f"/api/v1/jobs/{job}/").json()["state"] == "SUCCEEDED",
+        240,
+        "the job to succeed",
+    )
+
+
+def test_a_slow_rank_is_flagged_as_a_straggler_on_its_node(cluster):
+    api = cluster.alice
+    job = _submit(
+        api,
+        "e2e-straggler",
+        [
+            "python",
+            "-m",
+            "trainer",
+            "--steps",
+            "80",
+            "--fault-slow-rank",
+            "3",
+            "--fault-slow-ms",
+            "150",
+        ],
+    )
+
+    def flagged():
+        cluster.check_alive()
+        events = api.get(f"/api/v1/jobs/{job}/events/").json()
+        return [e for e in events if e["kind"] == "attempt.straggler"]
+
+    (event,) = wait_for(flagged, 180, "the straggler to be flagged")
+    assert event["node"] == "e2e-b" and event["data"]["rank"] == 3
+    assert event["message"].startswith("rank 3 on e2e-b is a straggler")
+    wait_for(
+        lambda: api.get(f"/api/v1/jobs/{job}/").json()["state"] == "SUCCEEDED",
+        240,
+        "the job to succeed",
+    )
+    assert len(api.get(f"/api/v1/jobs/{job}/").json()["attempts"]) == 1

@@ -514,6 +514,18 @@ def running_agent(portal, tmp_path, clean_env, monkeypatch):
         assert all(r["exit_code"] is not None for r in agent.supervisor.status(attempt_id))
 
 
+def wait_launched(agent: Agent, attempt_id: int):
+    """The attempt once every worker is spawned. The agent's thread lists an attempt in its
+    supervisor before it spawns the workers, so `attempt_id in supervisor` is too early."""
+
+    def launched():
+        attempt = agent.supervisor.get(attempt_id)
+        full = attempt is not None and len(attempt.workers) == len(attempt.launch["ranks"])
+        return attempt if full else None
+
+    return wait_until(launched, what=f"attempt {attempt_id} launched")
+
+
 def run_item(attempt_id: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"attempt_id": attempt_id, "action": "run", "launch": spec}
 
@@ -610,8 +622,7 @@ def test_agent_fences_an_attempt_dropped_from_desired(portal, running_agent):
 
 def test_agent_stop_action_sends_sigterm_and_reports_a_clean_exit(portal, running_agent):
     portal.set_desired([run_item(41, launch_spec(TRAPS_SIGTERM, one_rank()))])
-    wait_until(lambda: 41 in running_agent.supervisor, what="the launch")
-    _wait_ready(running_agent.supervisor.get(41))
+    _wait_ready(wait_launched(running_agent, 41))
     portal.set_desired([{"attempt_id": 41, "action": "stop", "deadline_s": 20.0}])
     done = wait_until(
         lambda: [a for a in portal.attempt_in_beats(41) if a["ranks"][0]["state"] == "exited"],
@@ -620,10 +631,65 @@ def test_agent_stop_action_sends_sigterm_and_reports_a_clean_exit(portal, runnin
     assert done[0]["ranks"][0]["exit_code"] == 0
 
 
+DUMPS_STACKS = (
+    WRITE_HELPER
+    + """
+import faulthandler, os, signal, subprocess, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+# A helper without a handler: SIGUSR1's default action would kill it.
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+def hang_here():
+    while True:
+        time.sleep(0.05)
+publish(os.environ["LOCKSTEP_METRICS_PATH"] + ".pids", f"{os.getpid()} {child.pid}")
+hang_here()
+"""
+)
+
+
+def test_agent_dump_action_gets_stacks_into_the_logs_then_fencing_kills(portal, running_agent):
+    portal.set_desired([run_item(45, launch_spec(DUMPS_STACKS, one_rank()))])
+    worker = wait_launched(running_agent, 45).workers[0]
+    worker_pid, child_pid = read_pids(worker.metrics_path)
+
+    mark = len(portal.beats_since(0))
+    asked = time.monotonic()
+    portal.set_desired([{"attempt_id": 45, "action": "dump"}])
+    dumped = wait_until(
+        lambda: [a for a in portal.attempt_in_beats(45, since=mark) if a.get("dumped")],
+        what="a report with dumped: true",
+    )
+    assert time.monotonic() - asked >= 1.0  # the dump had a second to reach the log
+    assert dumped[0]["dumped"] is True
+    assert dumped[0]["ranks"][0]["state"] == "running"
+    # Everything shipped up to and including that beat holds the dump.
+    reports = portal.attempt_in_beats(45)
+    upto = reports[: reports.index(dumped[0]) + 1]
+    shipped = "".join(chunk["text"] for a in upto for chunk in a["logs"])
+    assert "(most recent call first)" in shipped and "in hang_here" in shipped
+    assert "(most recent call first)" in worker.log_path.read_text()
+
+    # `dump` is repeated by every heartbeat; the signal is sent once and nothing is fenced.
+    later = len(portal.beats_since(0))
+    wait_until(lambda: len(portal.attempt_in_beats(45, since=later)) >= 3, what="more beats")
+    assert all(a.get("dumped") for a in portal.attempt_in_beats(45, since=later))
+    assert all(a["ranks"][0]["state"] == "running" for a in portal.attempt_in_beats(45))
+    assert worker.log_path.read_text().count("(most recent call first)") == 1
+    assert process_alive(worker_pid)
+    assert process_alive(child_pid)  # the signal went to the worker, not its process group
+
+    portal.set_desired([])  # the portal has its stacks: drop the attempt, the agent fences
+    fenced = wait_until(
+        lambda: [a for a in portal.attempt_in_beats(45) if a["ranks"][0]["state"] == "exited"],
+        what="the fenced attempt reported exited",
+    )
+    assert fenced[0]["ranks"][0]["exit_code"] == -signal.SIGKILL
+    wait_until(lambda: not process_alive(child_pid), what="the worker's child to die")
+
+
 def test_agent_reregisters_on_401_and_keeps_its_workers(portal, running_agent):
     portal.set_desired([run_item(51, launch_spec(SLEEPER, one_rank()))])
-    wait_until(lambda: 51 in running_agent.supervisor, what="the launch")
-    worker_pid, _ = read_pids(running_agent.supervisor.get(51).workers[0].metrics_path)
+    worker_pid, _ = read_pids(wait_launched(running_agent, 51).workers[0].metrics_path)
     with portal.lock:
         portal.node_token = "rotated"
     wait_until(lambda: len(portal.registrations) == 2, what="a re-registration")
@@ -634,8 +700,7 @@ def test_agent_reregisters_on_401_and_keeps_its_workers(portal, running_agent):
 
 def test_agent_kills_everything_on_stale_boot_and_reregisters(portal, running_agent):
     portal.set_desired([run_item(61, launch_spec(SLEEPER, one_rank()))])
-    wait_until(lambda: 61 in running_agent.supervisor, what="the launch")
-    worker_pid, child_pid = read_pids(running_agent.supervisor.get(61).workers[0].metrics_path)
+    worker_pid, child_pid = read_pids(wait_launched(running_agent, 61).workers[0].metrics_path)
     with portal.lock:
         portal.boot_id = "another-agent-process"
     wait_until(lambda: len(portal.registrations) == 2, what="a re-registration")

@@ -1,5 +1,6 @@
 """The trainer, run as real processes: training, DDP over gloo, DCP checkpoints with the commit
-marker, resharded and exact resumes, preemption by SIGTERM, and both datasets.
+marker, resharded and exact resumes, preemption by SIGTERM, both datasets, stack dumps of a hung
+gang on SIGUSR1, and the fault-injection hooks (a stalled rank, a straggler).
 
 No Django and no database: run with `pytest tests/test_trainer.py -p no:django`.
 """
@@ -11,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -184,8 +186,11 @@ def test_single_process_run_learns_and_commits_a_checkpoint(straight):
     steps = records(metrics, "step")
     assert [r["step"] for r in steps] == list(range(1, 61))
     for r in steps:
-        assert set(r) == {"kind", "rank", "step", "loss", "tokens_per_s", "step_time_s", "time"}
+        assert set(r) == {
+            "kind", "rank", "step", "loss", "tokens_per_s", "step_time_s", "compute_s", "time",
+        }  # fmt: skip
         assert r["tokens_per_s"] == pytest.approx(16 * 16 / r["step_time_s"])
+        assert 0 < r["compute_s"] < r["step_time_s"]  # data + forward, before backward
     start_loss = sum(r["loss"] for r in steps[:5]) / 5
     end_loss = sum(r["loss"] for r in steps[-5:]) / 5
     assert start_loss > 2.3  # about ln(13): uniform over the addition alphabet
@@ -377,3 +382,76 @@ def test_time_based_checkpoints_are_taken_at_the_same_step_on_every_rank(tmp_pat
     assert len(saved) >= 2 and saved[-1] == 60, saved
     for step in saved:
         assert read_marker(ckpt / f"step-{step:06d}")["world_size"] == 2
+
+
+# --- hang diagnosis and fault injection -----------------------------------------------------
+
+
+def start_gang(tmp_path: Path, args: list[str], extra_env: dict[str, str], world_size: int = 2):
+    port = free_port()
+    procs = []
+    for r in range(world_size):
+        env = trainer_env(tmp_path, rank=r, world_size=world_size, port=port)
+        env.update(extra_env)
+        procs.append(start(args, env, tmp_path, f"rank{r}"))
+    return procs
+
+
+def test_a_stalled_rank_hangs_the_gang_and_sigusr1_dumps_every_ranks_stacks(tmp_path):
+    procs = start_gang(
+        tmp_path, ["--steps", "1000", "--checkpoint-every", "0"],
+        {"LOCKSTEP_TEST_STALL_AT_STEP": "5"},
+    )  # fmt: skip
+    try:
+        metric_files = [tmp_path / f"rank-{r}.metrics.jsonl" for r in range(2)]
+        for path in metric_files:
+            wait_for_steps(path, 4, procs)
+        # Rank 0 sleeps before step 5; rank 1 blocks in step 5's gradient all-reduce.
+        time.sleep(2.0)
+        for path in metric_files:
+            assert [s["step"] for s in records(path, "step")] == [1, 2, 3, 4]
+        assert all(p.poll() is None for p in procs), "a hung gang is alive, not dead"
+
+        for p in procs:
+            p.send_signal(signal.SIGUSR1)
+        logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+
+        def dumped(log: Path) -> bool:
+            text = log.read_text()
+            return "(most recent call first)" in text and 'train.py", line' in text
+
+        deadline = time.monotonic() + 10
+        while not all(dumped(log) for log in logs):
+            assert time.monotonic() < deadline, [log.read_text()[-3000:] for log in logs]
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert all(p.poll() is None for p in procs), "SIGUSR1 must not stop the process"
+        stalled, blocked = (log.read_text() for log in logs)
+        assert "Current thread" in stalled and "Current thread" in blocked
+        assert "in fault" in stalled  # asleep in the test hook
+        assert "in backward" in blocked  # waiting for rank 0 in the gradient all-reduce
+        for text in (stalled, blocked):
+            assert "in train_step" in text and "in train\n" in text
+        for path in metric_files:  # still no progress
+            assert records(path, "step")[-1]["step"] == 4
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def test_a_straggler_shows_in_compute_s_not_in_step_time(tmp_path):
+    procs = start_gang(
+        tmp_path, ["--steps", "15", "--checkpoint-every", "0"],
+        {"LOCKSTEP_TEST_SLOW_RANK": "1", "LOCKSTEP_TEST_SLOW_MS": "50"},
+    )  # fmt: skip
+    for r, p in enumerate(procs):
+        assert p.wait(timeout=120) == 0, (tmp_path / f"rank{r}.log").read_text()
+    steps = [records(tmp_path / f"rank-{r}.metrics.jsonl", "step") for r in range(2)]
+    assert [len(s) for s in steps] == [15, 15]
+    compute = [statistics.median(s["compute_s"] for s in rank) for rank in steps]
+    wall = [statistics.median(s["step_time_s"] for s in rank) for rank in steps]
+    assert compute[1] - compute[0] >= 0.040, compute
+    # The fast rank waits for the straggler in the all-reduce, so the wall times agree.
+    assert abs(wall[0] - wall[1]) <= 0.3 * max(wall), wall
+    assert wall[0] >= 0.050, wall

@@ -76,6 +76,12 @@ class TrainArgs:
     """A committed step directory to resume from; empty = fresh start."""
     metrics_path: str = ""
     """JSON-lines metric file; empty = ./metrics-rank{rank}.jsonl."""
+    fault_stall_at_step: int = 0
+    """Fault injection (tests, benchmarks): rank fault_stall_rank hangs before this step."""
+    fault_stall_rank: int = 0
+    fault_slow_rank: int = -1
+    """Fault injection: this rank sleeps fault_slow_ms before every forward pass (a straggler)."""
+    fault_slow_ms: int = 0
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True): bit-exact reruns, possibly slower."""
 
@@ -144,6 +150,27 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         default=_env("LOCKSTEP_DATASET", t.dataset),
         help="synthetic://addition[?digits=N], file:///abs/path or a path (env LOCKSTEP_DATASET)",
     )
+    faults = p.add_argument_group(
+        "fault injection", "for tests and benchmarks; defaults from LOCKSTEP_TEST_* variables"
+    )
+    faults.add_argument(
+        "--fault-stall-at-step",
+        type=int,
+        default=int(_env("LOCKSTEP_TEST_STALL_AT_STEP", "0")),
+        help="rank --fault-stall-rank hangs (alive, no progress) before this step",
+    )
+    faults.add_argument(
+        "--fault-stall-rank", type=int, default=int(_env("LOCKSTEP_TEST_STALL_RANK", "0"))
+    )
+    faults.add_argument(
+        "--fault-slow-rank",
+        type=int,
+        default=int(_env("LOCKSTEP_TEST_SLOW_RANK", "-1")),
+        help="this rank sleeps --fault-slow-ms before every forward pass",
+    )
+    faults.add_argument(
+        "--fault-slow-ms", type=int, default=int(_env("LOCKSTEP_TEST_SLOW_MS", "0"))
+    )
     p.add_argument("--log-every", type=int, default=t.log_every, help="steps between prints")
     p.add_argument("--deterministic", action="store_true", help="deterministic torch kernels")
     a = p.parse_args(argv)
@@ -164,5 +191,9 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             resume_from=os.environ.get("LOCKSTEP_RESUME_FROM", ""),
             metrics_path=os.environ.get("LOCKSTEP_METRICS_PATH", ""),
             deterministic=a.deterministic,
+            fault_stall_at_step=a.fault_stall_at_step,
+            fault_stall_rank=a.fault_stall_rank,
+            fault_slow_rank=a.fault_slow_rank,
+            fault_slow_ms=a.fault_slow_ms,
         ),
     )

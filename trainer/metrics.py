@@ -2,7 +2,7 @@
 
 Kinds and fields (docs/agent-protocol.md):
   start      rank, world_size, resumed_from_step, time
-  step       rank, step, loss, tokens_per_s, step_time_s, time
+  step       rank, step, loss, tokens_per_s, step_time_s, compute_s, time
   checkpoint rank (0), step, path, bytes, save_s, time    (only after the commit)
   end        rank, step, reason ("finished" or "preempted"), time
 Every record also carries "kind". Each line is flushed as soon as it is written, so a reader
@@ -36,7 +36,15 @@ class MetricsWriter:
     def start(self, *, world_size: int, resumed_from_step: int) -> None:
         self.write("start", world_size=world_size, resumed_from_step=resumed_from_step)
 
-    def step(self, *, step: int, loss: float, tokens_per_s: float, step_time_s: float) -> None:
+    def step(
+        self,
+        *,
+        step: int,
+        loss: float,
+        tokens_per_s: float,
+        step_time_s: float,
+        compute_s: float,
+    ) -> None:
         # JSON has no NaN/inf; a diverged loss is reported as null rather than a broken line.
         self.write(
             "step",
@@ -44,6 +52,7 @@ class MetricsWriter:
             loss=loss if math.isfinite(loss) else None,
             tokens_per_s=tokens_per_s,
             step_time_s=step_time_s,
+            compute_s=compute_s,
         )
 
     def checkpoint(self, *, step: int, path: str, bytes: int, save_s: float) -> None:

@@ -5,13 +5,19 @@ the ranks all-reduce their stop flags, so all of them stop after the same step; 
 commit a checkpoint for that step, write an `end` record with reason "preempted" and exit 0.
 A second signal stops the process at once. A finished run also ends with a committed checkpoint
 of its last step and an `end` record with reason "finished".
+
+Hang diagnosis: SIGUSR1 writes every thread's Python stack to stderr (the rank's log under the
+node agent) and the process keeps running; see `install_stack_dump_handler`.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from types import FrameType
 
@@ -19,7 +25,7 @@ import numpy as np
 import torch
 
 from trainer.checkpoint import CheckpointManager
-from trainer.config import JobConfig, OptimArgs, parse_args
+from trainer.config import JobConfig, OptimArgs, TrainArgs, parse_args
 from trainer.data import AdditionDataset, Dataset, build_dataset
 from trainer.distributed import DistInfo, apply_ddp, close_distributed, init_distributed
 from trainer.metrics import MetricsWriter
@@ -42,6 +48,91 @@ class StopFlag:
             os.kill(os.getpid(), signum)
             return
         self.requested = True
+
+
+def install_stack_dump_handler() -> None:
+    """SIGUSR1 dumps the Python stack of every thread to stderr; the process carries on.
+
+    The portal asks for this (through the node agent) when a job hangs: workers alive, no
+    progress. A hung rank is usually blocked inside a collective, i.e. in a C++ call (gloo, NCCL)
+    that never returns to the interpreter, so a Python-level `signal.signal` handler would never
+    get to run: those only run in the main thread between bytecodes. faulthandler's handler is
+    async-signal-safe C that walks the thread states without taking the GIL, so it works while
+    Python code is blocked in a C call. Honest limits: it shows Python frames only (the frame
+    that called into gloo/NCCL, not the C++ frames below it); a process that cannot run signal
+    handlers at all (stopped, or stuck in uninterruptible kernel sleep) dumps nothing; and the
+    dump is best-effort if a thread's frames change while it is being written.
+
+    Cost: nothing until the signal arrives. chain=False because the previous disposition is the
+    default one, which would terminate the process.
+    """
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+
+
+def _test_faults(rank: int, train: TrainArgs) -> Callable[[int], None] | None:
+    """Fault injection for tests and benchmarks only; None (no per-step cost) unless asked for.
+
+    --fault-stall-at-step N (or LOCKSTEP_TEST_STALL_AT_STEP): rank --fault-stall-rank sleeps
+        forever right before step N's work, so the other ranks block in that step's gradient
+        all-reduce: a realistic hang (workers alive, no progress). First launch only
+        (TORCHELASTIC_RESTART_COUNT=0).
+    --fault-slow-rank R --fault-slow-ms M (or LOCKSTEP_TEST_SLOW_RANK/_MS): rank R sleeps M ms
+        before its forward pass every step: a straggler.
+    The returned hook is called with the step number at the start of each step's work.
+    """
+    stall_at = train.fault_stall_at_step
+    # Only the first launch stalls, so a test or benchmark can watch the platform recover.
+    first_launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) == 0
+    stalls = stall_at > 0 and rank == train.fault_stall_rank and first_launch
+    slow_s = train.fault_slow_ms / 1000
+    slow = slow_s > 0 and rank == train.fault_slow_rank
+    if not (stalls or slow):
+        return None
+
+    def fault(step: int) -> None:
+        if stalls and step == stall_at:
+            print(f"[rank {rank}] fault injection: stalling before step {step}")
+            sys.stdout.flush()
+            while True:
+                time.sleep(3600)
+        if slow:
+            time.sleep(slow_s)
+
+    return fault
+
+
+class ComputeClock:
+    """Times each step from its start until the forward pass and loss are computed.
+
+    On CUDA the work is asynchronous, so wall time to the end of `model(x, y)` only measures
+    kernel launches; CUDA events time it on the device's own timeline instead, with no extra
+    synchronisation (the step's `loss.item()` already waits for the device before it is read).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._forward_event = torch.cuda.Event(enable_timing=True)
+        self._start = self._forward = 0.0
+
+    def start(self) -> None:
+        if self._cuda:
+            self._start_event.record()
+        else:
+            self._start = time.perf_counter()
+
+    def forward_done(self) -> None:
+        if self._cuda:
+            self._forward_event.record()
+        else:
+            self._forward = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Only once the step has synchronised with the device."""
+        if self._cuda:
+            return self._start_event.elapsed_time(self._forward_event) / 1000
+        return self._forward - self._start
 
 
 def configure_threads(info: DistInfo) -> None:
@@ -81,6 +172,8 @@ def train(cfg: JobConfig) -> int:
         # its first use; torch raises without it once deterministic algorithms are on.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    # Before the rendezvous, which can hang too (a peer that never arrives).
+    install_stack_dump_handler()
     info = init_distributed()
     # After the rendezvous: a stop requested while ranks are still gathering has nothing to
     # checkpoint, so the default action (terminate) is right until then.
@@ -88,6 +181,7 @@ def train(cfg: JobConfig) -> int:
     stop.install()
     configure_threads(info)
     tag = f"[rank {info.rank}] " if info.distributed else ""
+    fault = _test_faults(info.rank, cfg.train)
 
     dataset = build_dataset(cfg.train.dataset)
     model = build_model(cfg, dataset.vocab_size, info)
@@ -124,6 +218,7 @@ def train(cfg: JobConfig) -> int:
     interval = cfg.train.checkpoint_interval_s
     last_save = time.monotonic()
     time_due = False
+    clock = ComputeClock(info.device)
     while step < cfg.train.steps:
         # Cheap collective every step: all ranks stop (or save on rank 0's clock) after the same
         # step or none does.
@@ -135,13 +230,23 @@ def train(cfg: JobConfig) -> int:
             preempted = True
             break
         started = time.perf_counter()
+        clock.start()
         step += 1
         lr = cfg.optim.lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss = train_step(train_model, optimizer, dataset, cfg, info, step)
+        loss = train_step(train_model, optimizer, dataset, cfg, info, step, clock, fault)
         step_time = time.perf_counter() - started
-        metrics.step(step=step, loss=loss, tokens_per_s=B * T / step_time, step_time_s=step_time)
+        # Under DDP every rank's step_time is the same: fast ranks wait in the gradient
+        # all-reduce for the slowest. A straggler shows in the time spent before that
+        # collective (data + forward), so compute_s is what tells the ranks apart.
+        metrics.step(
+            step=step,
+            loss=loss,
+            tokens_per_s=B * T / step_time,
+            step_time_s=step_time,
+            compute_s=clock.seconds(),
+        )
         if step % cfg.train.log_every == 0 or step == start_step + 1:
             print(
                 f"{tag}step {step}/{cfg.train.steps} loss {loss:.4f} lr {lr:.2e} "
@@ -176,8 +281,15 @@ def train_step(
     cfg: JobConfig,
     info: DistInfo,
     step: int,
+    clock: ComputeClock | None = None,
+    fault: Callable[[int], None] | None = None,
 ) -> float:
-    """One optimizer step on this rank's batch for `step`; returns this rank's loss."""
+    """One optimizer step on this rank's batch for `step`; returns this rank's loss.
+
+    `clock` is told when the forward pass and loss are done (before backward and its
+    all-reduce); `fault` is the test-only hook of `_test_faults`."""
+    if fault is not None:
+        fault(step)
     x, y = dataset.batch(
         seed=cfg.train.seed,
         step=step,
@@ -188,6 +300,8 @@ def train_step(
     )
     x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
     _, loss = model(x, y)
+    if clock is not None:
+        clock.forward_done()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # DDP all-reduces the gradients here
     if cfg.optim.grad_clip > 0:

@@ -22,13 +22,15 @@ def attempt_progress_timeout(attempt: Attempt) -> float:
     )
 
 
-def detect_hangs(now: datetime) -> None:
+def detect_hangs(now: datetime, *, heard_since: datetime) -> None:
+    """`heard_since`: when the portal could last start hearing progress (after an outage of its
+    own, silence is counted from then, not from the last step)."""
     startup = lockstep_setting("STARTUP_PROGRESS_TIMEOUT_S")
     for attempt in Attempt.objects.filter(
         ended_at__isnull=True, state=Attempt.State.RUNNING, dump_requested_at__isnull=True
     ):
         if attempt.first_step_at is None:
-            waited = (now - attempt.running_at).total_seconds()
+            waited = (now - max(attempt.running_at, heard_since)).total_seconds()
             if waited > startup:
                 actions.do_request_stack_dump(
                     attempt,
@@ -38,7 +40,7 @@ def detect_hangs(now: datetime) -> None:
                 )
             continue
         timeout = attempt_progress_timeout(attempt)
-        silent = (now - attempt.last_progress_at).total_seconds()
+        silent = (now - max(attempt.last_progress_at, heard_since)).total_seconds()
         if silent > timeout:
             actions.do_request_stack_dump(
                 attempt,

@@ -60,29 +60,32 @@ class HeartbeatIntake:
 intake = HeartbeatIntake(timezone.now())
 
 
-def detect_lost_nodes(now: datetime) -> None:
+def detect_lost_nodes(now: datetime) -> bool:
+    """Mark silent nodes down; False when the portal itself was not hearing anyone."""
     live = Node.objects.exclude(state=Node.State.DOWN)
     if not intake.observe(live.aggregate(newest=Max("last_heartbeat_at"))["newest"], now):
-        return
+        return False
     timeout = lockstep_setting("HEARTBEAT_TIMEOUT_S")
     cutoff = now - timedelta(seconds=timeout)
     if intake.resumed_at > cutoff:
-        return
+        return True
     for node in live.filter(last_heartbeat_at__lt=cutoff):
         age = (now - node.last_heartbeat_at).total_seconds()
         actions.do_mark_node_lost(node, now=now, reason=f"no heartbeat for {age:.0f}s")
+    return True
 
 
 def housekeeping(now) -> None:
     """Time-driven transitions: lost nodes, restart backoffs, start and stop deadlines."""
-    detect_lost_nodes(now)
+    hearing = detect_lost_nodes(now)
     for job in Job.objects.filter(state=Job.State.RESTARTING, restart_after__lte=now):
         actions.do_requeue_job(job, now=now)
     for job in Job.objects.filter(
         time_limit_s__isnull=False, first_started_at__isnull=False
     ).exclude(state__in=Job.TERMINAL):
         actions.do_enforce_time_limit(job, now=now)
-    detect_hangs(now)
+    if hearing:
+        detect_hangs(now, heard_since=intake.resumed_at)
     detect_stragglers(now)
     start_cutoff = now - timedelta(seconds=lockstep_setting("START_TIMEOUT_S"))
     for attempt in Attempt.objects.filter(
