@@ -21,7 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import MARKER, dir_bytes, latest_committed, read_marker, resolve_resume
+from trainer.checkpoint import (
+    MARKER,
+    dir_bytes,
+    is_committed,
+    latest_committed,
+    read_marker,
+    resolve_resume,
+)
 from trainer.data import AdditionDataset, build_dataset
 
 REPO = Path(__file__).resolve().parent.parent
@@ -455,3 +462,33 @@ def test_a_straggler_shows_in_compute_s_not_in_step_time(tmp_path):
     # The fast rank waits for the straggler in the all-reduce, so the wall times agree.
     assert abs(wall[0] - wall[1]) <= 0.3 * max(wall), wall
     assert wall[0] >= 0.050, wall
+
+
+def test_a_save_killed_half_way_never_becomes_the_resume_point(tmp_path):
+    """SIGKILL while step 20's data is on disk but before its commit: resume uses step 10."""
+    ckpt = tmp_path / "ckpt"
+    env = trainer_env(tmp_path, ckpt=ckpt)
+    proc = start(
+        ["--steps", "40", "--checkpoint-every", "10", "--fault-commit-delay-ms", "4000"],
+        env,
+        tmp_path,
+        "killed",
+    )
+    half = ckpt / "step-000020"
+    deadline = time.monotonic() + 90
+    while not (half / ".metadata").exists():  # DCP writes .metadata last: all data is down
+        assert proc.poll() is None and time.monotonic() < deadline, "no save of step 20 seen"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not is_committed(half) and any(half.iterdir())
+    assert latest_committed(ckpt) == ckpt / "step-000010"
+    resumed = tmp_path / "resumed.metrics.jsonl"
+    out = run(
+        ["--steps", "12", "--checkpoint-every", "10"],
+        trainer_env(tmp_path, ckpt=ckpt, resume=half, metrics=resumed),
+        tmp_path,
+    )
+    assert "step-000020 is not a committed checkpoint" in out, out
+    assert records(resumed, "start")[0]["resumed_from_step"] == 10
+    assert [s["step"] for s in records(resumed, "step")] == [11, 12]

@@ -151,6 +151,7 @@ class CheckpointManager:
         dist_info: DistInfo,
         metrics: MetricsWriter,
         marker_extra: Mapping[str, Any] | None = None,
+        commit_delay_s: float = 0.0,
     ) -> None:
         self.root = Path(checkpoint_dir).expanduser().resolve()
         self.every = every
@@ -159,6 +160,9 @@ class CheckpointManager:
         self.dist = dist_info
         self.metrics = metrics
         self.marker_extra = dict(marker_extra or {})
+        # Fault injection only: widens the window between "data written" and "committed" so a
+        # test can kill a save half-way and check it never becomes the resume point.
+        self.commit_delay_s = commit_delay_s
 
     def step_dir(self, step: int) -> Path:
         return self.root / step_dir_name(step)
@@ -195,6 +199,8 @@ class CheckpointManager:
             dcp.save(self._state(step), checkpoint_id=str(path), no_dist=not self.dist.distributed)
         # Every rank's part is written (DCP fsyncs its files) before anyone commits.
         self.dist.barrier()
+        if self.commit_delay_s:
+            time.sleep(self.commit_delay_s)
         if self.dist.is_main:
             marker = {
                 "step": step,

@@ -82,6 +82,8 @@ class TrainArgs:
     fault_slow_rank: int = -1
     """Fault injection: this rank sleeps fault_slow_ms before every forward pass (a straggler)."""
     fault_slow_ms: int = 0
+    fault_commit_delay_ms: int = 0
+    """Fault injection: pause between writing a checkpoint's data and committing it."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True): bit-exact reruns, possibly slower."""
 
@@ -171,6 +173,12 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     faults.add_argument(
         "--fault-slow-ms", type=int, default=int(_env("LOCKSTEP_TEST_SLOW_MS", "0"))
     )
+    faults.add_argument(
+        "--fault-commit-delay-ms",
+        type=int,
+        default=0,
+        help="pause between a checkpoint's data being written and its commit",
+    )
     p.add_argument("--log-every", type=int, default=t.log_every, help="steps between prints")
     p.add_argument("--deterministic", action="store_true", help="deterministic torch kernels")
     a = p.parse_args(argv)
@@ -195,5 +203,6 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             fault_stall_rank=a.fault_stall_rank,
             fault_slow_rank=a.fault_slow_rank,
             fault_slow_ms=a.fault_slow_ms,
+            fault_commit_delay_ms=a.fault_commit_delay_ms,
         ),
     )

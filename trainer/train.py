@@ -197,6 +197,7 @@ def train(cfg: JobConfig) -> int:
         dist_info=info,
         metrics=metrics,
         marker_extra={"dataset": dataset.uri, "config": asdict(cfg)},
+        commit_delay_s=cfg.train.fault_commit_delay_ms / 1000,
     )
 
     resume_dir = ckpt.resolve_resume(cfg.train.resume_from)
