@@ -645,7 +645,13 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
     job = attempt.job
     allocations = [a for a in attempt.allocations.all() if a.node_id == node.id]
     group_ranks = {a.group_rank for a in attempt.allocations.all()}
-    checkpoint_dir = Path(lockstep_setting("CHECKPOINT_ROOT")).resolve() / f"job-{job.id}"
+    # One directory per attempt: a zombie worker of an earlier attempt (on a node declared lost
+    # but still running) can never write into, or mix files with, the live attempt's saves.
+    checkpoint_dir = (
+        Path(lockstep_setting("CHECKPOINT_ROOT")).resolve()
+        / f"job-{job.id}"
+        / f"attempt-{attempt.number}"
+    )
     return {
         "job_id": job.id,
         "attempt": attempt.number,
