@@ -590,6 +590,7 @@ def do_register_node(
     rack: str = "default",
     gpu_kind: str = "cpu",
     boot_id: str = "",
+    killed_orphans: int = 0,
     now: datetime,
 ) -> tuple[Node, str]:
     """Create or re-bind a node; returns it with a fresh node token (shown once)."""
@@ -619,7 +620,8 @@ def do_register_node(
                     attempt,
                     state=Attempt.State.LOST,
                     now=now,
-                    reason=f"agent on {name} restarted; its workers are gone",
+                    reason=f"agent on {name} restarted; it killed {killed_orphans} worker(s) "
+                    "left by its previous process (workers are not re-adopted)",
                 )
         was_down = node.state == Node.State.DOWN
         node.address, node.hostname, node.rack, node.gpu_kind = address, hostname, rack, gpu_kind
@@ -630,8 +632,15 @@ def do_register_node(
         node.save()
         _event(
             "node.reregistered",
-            f"node {name} re-registered ({gpus} GPUs)" + ("; back up" if was_down else ""),
+            f"node {name} re-registered ({gpus} GPUs)"
+            + ("; back up" if was_down else "")
+            + (
+                f"; its agent killed {killed_orphans} orphaned worker(s) on start"
+                if killed_orphans
+                else ""
+            ),
             node=node,
+            data={"killed_orphans": killed_orphans},
         )
     existing = set(node.gpus.values_list("index", flat=True))
     GPU.objects.bulk_create([GPU(node=node, index=i) for i in range(gpus) if i not in existing])

@@ -30,6 +30,7 @@ class RegisterSerializer(serializers.Serializer):
     address = serializers.CharField(max_length=255)
     rack = serializers.CharField(max_length=64, required=False, default="default")
     boot_id = serializers.CharField(max_length=64, required=False, allow_blank=True, default="")
+    killed_orphans = serializers.IntegerField(min_value=0, required=False, default=0)
 
 
 class AgentRegisterView(APIView):

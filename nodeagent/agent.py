@@ -95,6 +95,7 @@ class Agent:
         self.heartbeat_s = heartbeat_s
         self.http_timeout_s = http_timeout_s
         self.boot_id = uuid.uuid4().hex
+        self.killed_orphans = 0
         self.node_id: int | None = None
         self.node_token: str | None = None
         self.log = _NodeLog(logger, {"node": name})
@@ -124,6 +125,9 @@ class Agent:
             "address": self.address,
             "rack": self.rack,
             "boot_id": self.boot_id,
+            # Workers an earlier agent process left behind are killed, not re-adopted (their
+            # pipes and deadlines died with it); the portal records that this happened.
+            "killed_orphans": self.killed_orphans,
         }
         try:
             resp = self._http.post(
@@ -227,7 +231,7 @@ class Agent:
             self.supervisor.gpu_kind,
             self.supervisor.work_dir,
         )
-        orphans = self.supervisor.reap_orphans()
+        orphans = self.killed_orphans = self.supervisor.reap_orphans()
         if orphans:
             self.log.warning("killed %d worker(s) left by an earlier agent process", orphans)
         self._backoff = 1.0

@@ -158,3 +158,27 @@ def test_scheduler_pass_writes_wait_reasons_for_jobs_left_queued(setup):
     second.refresh_from_db()
     assert second.state == "QUEUED"
     assert second.reason.startswith("waiting for 2 GPUs on one node; 0 free now")
+
+
+@pytest.mark.django_db
+def test_an_agent_restart_ends_its_attempts_and_says_it_killed_the_old_workers(setup):
+    team, user, (a, b), _ = setup
+    job = submit(team, user, max_restarts=1)
+    run_pass()
+    attempt = live_attempt(job)
+    actions.do_register_node(
+        name=a.name,
+        gpus=2,
+        address="127.0.0.1",
+        boot_id="new-boot",
+        killed_orphans=2,
+        now=timezone.now(),
+    )
+    attempt.refresh_from_db()
+    assert attempt.state == "lost"
+    assert attempt.end_reason == (
+        "agent on node-0 restarted; it killed 2 worker(s) left by its previous process "
+        "(workers are not re-adopted)"
+    )
+    event = Event.objects.filter(kind="node.reregistered").last()
+    assert "its agent killed 2 orphaned worker(s) on start" in event.message

@@ -551,6 +551,7 @@ def test_agent_runs_reports_and_forgets_an_attempt(portal, running_agent):
         "address": "127.0.0.1",
         "rack": "r1",
         "boot_id": running_agent.boot_id,
+        "killed_orphans": 0,
     }
     first = portal.accepted[0]
     assert [t["index"] for t in first["telemetry"]] == [0, 1]
