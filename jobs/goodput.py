@@ -72,3 +72,30 @@ def _seconds(start, end) -> float | None:
     if start is None or end is None:
         return None
     return round((end - start).total_seconds(), 1)
+
+
+def team_goodput(team, *, since, now=None) -> dict:
+    """Goodput summed over the team's jobs that ran since `since`."""
+    from django.db.models import Prefetch, Q
+
+    now = now or timezone.now()
+    jobs = (
+        team.jobs.filter(first_started_at__isnull=False)
+        .filter(Q(finished_at__isnull=True) | Q(finished_at__gte=since))
+        .prefetch_related(Prefetch("attempts", queryset=Attempt.objects.order_by("number")))
+    )
+    wall = productive = 0.0
+    incidents = 0
+    for job in jobs:
+        figures = job_goodput(job, now=now)
+        wall += figures["wall_s"]
+        productive += figures["productive_s"]
+        incidents += len(figures["incidents"])
+    return {
+        "since": since,
+        "jobs": len(jobs),
+        "wall_s": round(wall, 1),
+        "productive_s": round(productive, 1),
+        "effective": round(productive / wall, 4) if wall else None,
+        "incidents": incidents,
+    }

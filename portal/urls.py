@@ -7,11 +7,13 @@ from jobs.agent_api import AgentHeartbeatView, AgentRegisterView
 from jobs.api import JobViewSet, ModelVersionViewSet, NodeViewSet
 from portal import views
 from portal.static_views import plotly_js
+from teams.api import TeamViewSet
 
 router = DefaultRouter()
 router.register("jobs", JobViewSet, basename="job")
 router.register("models", ModelVersionViewSet, basename="modelversion")
 router.register("nodes", NodeViewSet, basename="node")
+router.register("teams", TeamViewSet, basename="team")
 
 urlpatterns = [
     path("", views.home, name="home"),

@@ -285,3 +285,28 @@ def test_a_portal_outage_is_not_mistaken_for_every_node_dying(setup, monkeypatch
     loop.detect_lost_nodes(later)
     b.refresh_from_db()
     assert b.state == "down" and b.state_reason == "no heartbeat for 72s"
+
+
+@pytest.mark.django_db
+def test_teams_api_shows_usage_and_goodput_and_only_admins_change_quotas(setup, make_user):
+    job, attempt, a, b, root = _run(setup)
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 10))
+    member = APIClient()
+    member.force_authenticate(job.owner)
+    (team,) = member.get("/api/v1/teams/").json()["results"]
+    assert (team["name"], team["quota"], team["used"]) == ("lab", 8, 4)
+    assert team["goodput"]["jobs"] == 1 and team["goodput"]["wall_s"] >= 0
+    assert (
+        member.patch(f"/api/v1/teams/{team['id']}/", {"quota": 99}, format="json").status_code
+        == 403
+    )
+    admin = APIClient()
+    admin.force_authenticate(make_user("root", staff=True))
+    bad = admin.patch(f"/api/v1/teams/{team['id']}/", {"quota": -1}, format="json")
+    assert bad.status_code == 400 and "quota" in bad.json()
+    ok = admin.patch(f"/api/v1/teams/{team['id']}/", {"quota": 12}, format="json")
+    assert ok.status_code == 200 and ok.json()["quota"] == 12
+    assert Event.objects.filter(kind="team.quota_changed").count() == 1
+    stranger = APIClient()
+    stranger.force_authenticate(make_user("nobody"))
+    assert stranger.get(f"/api/v1/teams/{team['id']}/").status_code == 404
