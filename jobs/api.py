@@ -108,7 +108,11 @@ class JobViewSet(
     @action(detail=True, methods=["get"])
     def checkpoints(self, request, pk=None):
         job = self.get_object()
-        return Response(CheckpointSerializer(job.checkpoints.order_by("-step"), many=True).data)
+        return Response(
+            CheckpointSerializer(
+                job.checkpoints.filter(deleted_at__isnull=True).order_by("-step"), many=True
+            ).data
+        )
 
     @action(detail=True, methods=["get"])
     def events(self, request, pk=None):

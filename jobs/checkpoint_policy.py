@@ -12,15 +12,21 @@ from jobs.health import young_daly_interval
 from jobs.models import Attempt, Checkpoint, Job
 
 FAILED = (Attempt.State.FAILED, Attempt.State.LOST)
+MIN_INTERVAL_S, MAX_INTERVAL_S = 30.0, 6 * 3600.0
 
 
-def _mtbf(attempts) -> tuple[float | None, int]:
-    """Running seconds per failure over these ended attempts (None without a failure)."""
+def _mtbf(attempts, prior_s: float) -> tuple[float | None, int]:
+    """Running seconds per failure over these ended attempts (None without a failure).
+
+    Smoothed with one prior failure-free interval of `prior_s`: one early failure after a
+    minute of running must not make the estimate "one failure a minute" (and the interval a
+    few seconds); the estimate moves to the observed rate as running time accumulates.
+    """
     running, failures = 0.0, 0
     for attempt in attempts.filter(running_at__isnull=False, ended_at__isnull=False):
         running += (attempt.ended_at - attempt.running_at).total_seconds()
         failures += attempt.state in FAILED
-    return (running / failures if failures else None), failures
+    return ((running + prior_s) / (failures + 1) if failures else None), failures
 
 
 def checkpoint_advice(job: Job) -> dict:
@@ -31,15 +37,19 @@ def checkpoint_advice(job: Job) -> dict:
     if not saves:
         saves = list(Checkpoint.objects.order_by("-id").values_list("save_s", flat=True)[:200])
         stall_source = "fleet"
-    mtbf, failures = _mtbf(Attempt.objects.filter(job=job))
+    prior = lockstep_setting("DEFAULT_MTBF_S")
+    mtbf, failures = _mtbf(Attempt.objects.filter(job=job), prior)
     mtbf_source = "job"
     if mtbf is None:
-        mtbf, failures = _mtbf(Attempt.objects.filter(~Q(job=job)))
+        mtbf, failures = _mtbf(Attempt.objects.filter(~Q(job=job)), prior)
         mtbf_source = "fleet"
     if mtbf is None:
-        mtbf, mtbf_source = lockstep_setting("DEFAULT_MTBF_S"), "default"
+        mtbf, mtbf_source = prior, "default"
     stall = median(saves) if saves else None
     suggested = young_daly_interval(stall, mtbf) if stall else None
+    if suggested:
+        # Never so often that saving dominates, never so rarely that a failure costs hours.
+        suggested = min(max(suggested, MIN_INTERVAL_S), MAX_INTERVAL_S)
     return {
         "interval_s": job.checkpoint_interval_s or (round(suggested) if suggested else None),
         "source": "job setting" if job.checkpoint_interval_s else "Young/Daly",

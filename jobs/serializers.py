@@ -234,7 +234,7 @@ class ModelVersionCreateSerializer(serializers.Serializer):
         from teams.access import visible_jobs
 
         checkpoint = Checkpoint.objects.filter(
-            pk=value, job__in=visible_jobs(self.context["request"].user)
+            pk=value, job__in=visible_jobs(self.context["request"].user), deleted_at__isnull=True
         ).first()
         if checkpoint is None:
             raise serializers.ValidationError(f"Unknown checkpoint {value}.")

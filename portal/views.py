@@ -100,7 +100,7 @@ def job_page(request, job_id: int):
             "job": job,
             "attempts": attempts,
             "events": job.events.select_related("node").order_by("-id")[:200],
-            "checkpoints": job.checkpoints.order_by("-step"),
+            "checkpoints": job.checkpoints.filter(deleted_at__isnull=True).order_by("-step"),
             "goodput": job_goodput(job),
             "advice": checkpoint_advice(job),
             "register_form": RegisterModelForm(initial={"name": job.name}),
@@ -121,7 +121,9 @@ def cancel_job(request, job_id: int):
 @require_POST
 def register_model(request, checkpoint_id: int):
     checkpoint = (
-        Checkpoint.objects.filter(pk=checkpoint_id, job__in=visible_jobs(request.user))
+        Checkpoint.objects.filter(
+            pk=checkpoint_id, job__in=visible_jobs(request.user), deleted_at__isnull=True
+        )
         .select_related("job")
         .first()
     )

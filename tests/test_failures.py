@@ -192,6 +192,15 @@ def test_retention_keeps_the_last_k_registered_and_preemption_checkpoints(setup,
     for step in (10, 20, 40, 50):
         assert (root / f"job-{job.id}" / f"step-{step:06d}").exists()
     assert actions.latest_checkpoint(job.id).step == 50
+    # A pruned checkpoint is gone from the API and cannot be registered.
+    client = APIClient()
+    client.force_authenticate(job.owner)
+    listed = [c["step"] for c in client.get(f"/api/v1/jobs/{job.id}/checkpoints/").json()]
+    assert listed == [50, 40, 20, 10]
+    response = client.post(
+        "/api/v1/models/", {"name": "x", "checkpoint": by_step[30].id}, format="json"
+    )
+    assert response.status_code == 400
 
 
 @pytest.mark.django_db
@@ -210,6 +219,9 @@ def test_young_daly_interval_uses_the_jobs_save_stall_and_failure_rate(setup):
         "Young/Daly",
     )
     assert advice["interval_s"] == round((2 * 2.0 * advice["mtbf_s"]) ** 0.5)
+    # One failure in an hour is smoothed with one failure-free default MTBF (a day), so an
+    # early failure cannot push the interval down to seconds.
+    assert advice["mtbf_s"] == pytest.approx((3600 + 86400) / 2, abs=5)
     Job.objects.filter(pk=job.pk).update(checkpoint_interval_s=120)
     job.refresh_from_db()
     assert checkpoint_advice(job)["interval_s"] == 120
