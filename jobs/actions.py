@@ -422,15 +422,19 @@ def stopped_state(job: Job) -> str:
     return Attempt.State.CANCELLED if job.is_terminal else Attempt.State.PREEMPTED
 
 
-def _record_exits(attempt: Attempt, node: Node, exits: dict[int, int], *, now: datetime) -> None:
-    """Apply reported rank exits and end the attempt when the gang's fate is known."""
-    allocations = list(attempt.allocations.all())
+def _record_exits(
+    attempt: Attempt, node: Node, exits: dict[int, tuple[int, datetime]], *, now: datetime
+) -> None:
+    """Apply reported rank exits (code, when the agent saw it) and end the attempt when the
+    gang's fate is known. The first rank to die is blamed: the others usually die after it,
+    of a broken collective."""
+    allocations = list(attempt.allocations.select_related("node"))
     mine = {a.rank: a for a in allocations if a.node_id == node.id}
-    for rank, code in exits.items():
+    for rank, (code, exited_at) in exits.items():
         allocation = mine.get(rank)
         if allocation is None or allocation.exit_code is not None:
             continue
-        allocation.exit_code, allocation.exited_at = code, now
+        allocation.exit_code, allocation.exited_at = code, min(exited_at, now)
         allocation.save(update_fields=["exit_code", "exited_at"])
         _event(
             "rank.exited",
@@ -451,11 +455,12 @@ def _record_exits(attempt: Attempt, node: Node, exits: dict[int, int], *, now: d
                 now=now,
             )
     elif failed:
-        first = failed[0]
+        first = min(failed, key=lambda a: (a.exited_at, a.rank))
         do_end_attempt(
             attempt,
             state=Attempt.State.FAILED,
             now=now,
+            failed_at=first.exited_at,
             blame_node=first.node,
             reason=f"rank {first.rank} on {first.node.name} exited with "
             f"{describe_exit(first.exit_code)}",
@@ -715,6 +720,15 @@ def desired_for_node(node: Node, now: datetime) -> list[dict]:
     return desired
 
 
+def _agent_time(value, now: datetime) -> datetime:
+    """An agent's wall-clock timestamp, trusted only if plausible (clocks drift)."""
+    if isinstance(value, int | float):
+        when = datetime.fromtimestamp(value, now.tzinfo)
+        if now - timedelta(hours=1) <= when <= now:
+            return when
+    return now
+
+
 def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
     """Apply one agent heartbeat; returns the response (what should run on the node)."""
     acked = []
@@ -766,7 +780,7 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
                     do_mark_attempt_running(attempt, now=now)
                     attempt.refresh_from_db()
             exits = {
-                int(r["rank"]): int(r["exit_code"])
+                int(r["rank"]): (int(r["exit_code"]), _agent_time(r.get("exited_at"), now))
                 for r in ranks
                 if r.get("state") == "exited" and r.get("exit_code") is not None
             }

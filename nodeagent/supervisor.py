@@ -130,6 +130,9 @@ class RankWorker:
     popen: subprocess.Popen[bytes] | None
     state: str = "starting"  # starting -> running -> exited
     exit_code: int | None = None
+    # Wall-clock time the exit was seen (the agent polls every 0.25 s), so the portal can tell
+    # when a failure happened, not only when a heartbeat carried it.
+    exited_at: float | None = None
     env: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -146,6 +149,7 @@ class RankWorker:
             "pid": self.pid,
             "state": self.state,
             "exit_code": self.exit_code,
+            **({"exited_at": self.exited_at} if self.exited_at is not None else {}),
         }
 
 
@@ -205,7 +209,7 @@ class WorkerSupervisor:
         return attempt_id in self._attempts
 
     def status(self, attempt_id: int) -> list[dict[str, Any]]:
-        """Per-rank `{"rank", "pid", "state", "exit_code"}` as the heartbeat reports it."""
+        """Per-rank `{"rank", "pid", "state", "exit_code"[, "exited_at"]}` for the heartbeat."""
         return [w.report() for w in self._attempts[attempt_id].workers]
 
     def all_exited(self, attempt_id: int) -> bool:
@@ -277,6 +281,7 @@ class WorkerSupervisor:
                     )
                     log_file.write(f"lockstep agent: cannot start {command!r}: {exc}\n".encode())
                     worker.state, worker.exit_code = "exited", code
+                    worker.exited_at = time.time()
                     self._log.error(
                         "attempt %s rank %s: cannot start %r: %s",
                         attempt_id,
@@ -309,6 +314,7 @@ class WorkerSupervisor:
                     worker.state = "running"
                     continue
                 worker.state, worker.exit_code = "exited", code
+                worker.exited_at = time.time()
                 # Leftover children of a finished worker (data loaders, a stray shell) would
                 # hold GPU memory the scheduler already considers free.
                 self._signal_group(worker, signal.SIGKILL)

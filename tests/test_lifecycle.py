@@ -182,3 +182,40 @@ def test_an_agent_restart_ends_its_attempts_and_says_it_killed_the_old_workers(s
     )
     event = Event.objects.filter(kind="node.reregistered").last()
     assert "its agent killed 2 orphaned worker(s) on start" in event.message
+
+
+@pytest.mark.django_db
+def test_the_first_rank_to_die_is_blamed_and_its_exit_time_is_the_failure_time(setup):
+    team, user, (a, b), _ = setup
+    job = submit(team, user)
+    run_pass()
+    attempt = live_attempt(job)
+    now = timezone.now()
+    body = {
+        "boot_id": a.boot_id,
+        "attempts": [
+            {
+                "attempt_id": attempt.id,
+                "ranks": [
+                    {
+                        "rank": 0,
+                        "state": "exited",
+                        "exit_code": 1,
+                        "exited_at": now.timestamp() - 2,
+                    },
+                    {
+                        "rank": 1,
+                        "state": "exited",
+                        "exit_code": -9,
+                        "exited_at": now.timestamp() - 5,
+                    },
+                ],
+            }
+        ],
+    }
+    actions.do_heartbeat(a, body, now=now)
+    attempt.refresh_from_db()
+    assert attempt.end_reason == "rank 1 on node-0 exited with signal 9 (SIGKILL)"
+    assert abs((now - attempt.failed_at).total_seconds() - 5) < 0.01
+    event = Event.objects.get(attempt=attempt, kind="attempt.failed")
+    assert event.data["detect_s"] == pytest.approx(5, abs=0.01)
