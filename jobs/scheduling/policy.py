@@ -39,10 +39,25 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class Preemption:
+    """A running job (the victim) to checkpoint-and-stop so a queued one (the claimant) fits.
+
+    kind "reclaim": the claimant's team is under its quota and the victim runs on borrowed
+    GPUs (automatic). kind "priority": a higher-priority claimant (a proposal for admins).
+    """
+
+    victim_job_id: int
+    claimant_job_id: int
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Plan:
     placements: tuple[Placement, ...]
     reasons: dict[int, str] = field(default_factory=dict)  # queued job id -> why it waits
     reservation: tuple[int, tuple[int, ...]] | None = None  # (job id, node ids)
+    preemptions: tuple[Preemption, ...] = ()
 
 
 def job_order_key(job: JobView):

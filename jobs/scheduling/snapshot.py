@@ -28,6 +28,21 @@ class JobView:
     priority: int  # higher first
     submitted_at: datetime
     name: str = ""
+    runtime_estimate_s: float | None = None  # time limit or estimate, for backfill
+
+
+@dataclass(frozen=True)
+class RunningView:
+    """A job holding GPUs now."""
+
+    id: int
+    team_id: int
+    gpus: int
+    priority: int
+    slots: tuple[tuple[int, int], ...]  # (node id, GPU index) per rank
+    started_at: datetime
+    expected_end: datetime | None = None  # from its time limit or estimate; None = unknown
+    last_checkpoint_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,8 @@ class TeamView:
     quota: int
     borrow_limit: int
     used: int  # GPUs held by the team's live attempts
+    weight: float = 1.0
+    usage_history: float = 0.0  # decayed GPU-seconds used, for fair share
 
     @property
     def cap(self) -> int:
@@ -49,6 +66,7 @@ class Snapshot:
     nodes: tuple[NodeView, ...]
     queued: tuple[JobView, ...]
     teams: tuple[TeamView, ...] = field(default=())
+    running: tuple[RunningView, ...] = field(default=())
 
     def team(self, team_id: int) -> TeamView:
         for team in self.teams:
