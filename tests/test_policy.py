@@ -1,7 +1,7 @@
 """The pure scheduling policy, rule by rule (no database)."""
 
 from jobs.scheduling.policy import plan
-from tests.builders import job, node, snapshot, team
+from tests.builders import job, node, running, snapshot, team
 
 
 def placed(p):
@@ -138,3 +138,97 @@ def test_every_job_left_queued_has_a_reason_and_plan_is_deterministic():
     assert len(seen) == len(set(seen))
     sizes = {j.id: j.gpus for j in jobs}
     assert all(len(pl.slots) == sizes[pl.job_id] for pl in first.placements)
+
+
+# --- quotas, fair share, backfill and preemption ------------------------------------------
+
+
+def test_guaranteed_work_goes_before_borrowed_work_of_the_same_priority():
+    lender, borrower = team("lender", quota=8, used=0), team("borrower", quota=8, used=8, borrow=8)
+    n = node("n1", 8)
+    jobs = [job(1, 8, team_id=borrower.id, submitted=0), job(2, 8, team_id=lender.id, submitted=60)]
+    p = plan(snapshot([n], jobs, [lender, borrower]))
+    assert list(placed(p)) == [2]
+
+
+def test_fair_share_orders_teams_by_weighted_usage_with_history():
+    busy = team("busy", quota=8, used=4, history=86400 * 4)
+    idle = team("idle", quota=8, used=4)
+    heavy = team("heavy", quota=8, used=4, history=86400 * 4, weight=4)
+    n = node("n1", 8, busy=6)
+    jobs = [
+        job(1, 2, team_id=busy.id, submitted=0),
+        job(2, 2, team_id=idle.id, submitted=10),
+        job(3, 2, team_id=heavy.id, submitted=5),
+    ]
+    p = plan(snapshot([n], jobs, [busy, idle, heavy]))
+    # idle: 4/8 = 0.5; heavy: (4 + 4) / (8 x 4) = 0.25; busy: (4 + 4) / 8 = 1.0
+    assert list(placed(p)) == [3]
+    assert sorted(p.reasons) == [1, 2]
+
+
+def test_borrowing_is_paused_after_a_reclaim():
+    t = team("vision", quota=4, borrow=8, used=4, paused=True)
+    p = plan(snapshot([node("n1", 8, busy=4)], [job(1, 4, team_id=t.id)], [t]))
+    assert p.placements == ()
+    assert "borrowing paused after a reclaim" in p.reasons[1]
+
+
+def test_easy_backfill_uses_reserved_nodes_only_for_jobs_that_end_before_they_free_up():
+    t = team()
+    a, b = node("a", 8, busy=6), node("b", 8, busy=8)
+    runs = [
+        running(10, a, range(6), team_id=t.id, ends_in=600),
+        running(11, b, range(8), team_id=t.id, ends_in=3600),
+    ]
+    jobs = [
+        job(1, 8, team_id=t.id, submitted=0, estimate=1000),  # blocked head: reserves a
+        job(2, 2, team_id=t.id, submitted=1, estimate=300),  # done before a frees: ok
+        job(3, 2, team_id=t.id, submitted=2, estimate=900),
+    ]  # would delay the head
+    p = plan(snapshot([a, b], jobs, [t], runs))
+    assert p.reservation == (1, (a.id,))
+    assert list(placed(p)) == [2]
+    assert "reservation held by job 1" in p.reasons[3]
+
+
+def test_reclaim_takes_borrowed_gpus_lowest_priority_and_least_work_lost_first():
+    owner = team("owner", quota=8, used=0)
+    guest = team("guest", quota=0, borrow=16, used=8)
+    n = node("n1", 8, busy=8)
+    runs = [
+        running(10, n, [0, 1, 2, 3], team_id=guest.id, prio=1, checkpoint_age=900),
+        running(11, n, [4, 5, 6, 7], team_id=guest.id, prio=1, checkpoint_age=60),
+    ]
+    p = plan(snapshot([n], [job(1, 4, team_id=owner.id)], [owner, guest], runs))
+    (pre,) = p.preemptions
+    assert (pre.victim_job_id, pre.claimant_job_id, pre.kind) == (11, 1, "reclaim")
+    assert p.placements == ()
+    assert p.reasons[1].startswith("waiting for job 11 to checkpoint and stop")
+
+
+def test_guaranteed_gpus_are_never_reclaimed_for_another_teams_borrowing():
+    # owner runs within its own quota; the claimant would only be borrowing.
+    owner = team("owner", quota=8, used=8)
+    borrower = team("borrower", quota=0, borrow=8, used=0)
+    n = node("n1", 8, busy=8)
+    runs = [running(10, n, range(8), team_id=owner.id, prio=0)]
+    p = plan(snapshot([n], [job(1, 8, team_id=borrower.id, prio=0)], [owner, borrower], runs))
+    assert p.preemptions == ()
+    # Not even a team under quota may take another team's guaranteed GPUs.
+    claimant = team("claimant", quota=8, used=0)
+    p = plan(snapshot([n], [job(2, 8, team_id=claimant.id, prio=1)], [owner, claimant], runs))
+    assert [x.kind for x in p.preemptions] in ([], ["priority"])
+    assert all(x.kind != "reclaim" for x in p.preemptions)
+
+
+def test_higher_priority_blocked_work_proposes_priority_preemption():
+    t = team(quota=16)
+    n = node("n1", 8, busy=8)
+    runs = [running(10, n, range(8), team_id=t.id, prio=1)]
+    p = plan(snapshot([n], [job(1, 8, team_id=t.id, prio=3)], [t], runs))
+    (pre,) = p.preemptions
+    assert (pre.victim_job_id, pre.kind) == (10, "priority")
+    # Equal priority never preempts.
+    p = plan(snapshot([n], [job(2, 8, team_id=t.id, prio=1)], [t], runs))
+    assert p.preemptions == ()

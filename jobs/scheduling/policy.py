@@ -1,10 +1,20 @@
 """The scheduling policy: a pure function from a Snapshot to a Plan.
 
-Rules (first version; DESIGN.md section 6): order by priority, then submit time; a team never
-holds more than quota + borrow limit; a job that fits on one node goes on one node (best fit: the
-fullest node it fits on); a larger job takes whole nodes, fewest racks first; the highest-ordered
-job that cannot fit reserves the nodes it will need so smaller jobs cannot starve it; every job
-left queued gets a reason a person can read.
+Rules (DESIGN.md section 6):
+1. Order: priority class; then guaranteed (the job fits within its team's quota) before
+   borrowed; then the team's fair share (GPUs in use plus decayed history, per quota and
+   weight); then submit time.
+2. A team holds at most quota + borrow limit (quota only while its borrowing is paused after a
+   reclaim). Idle GPUs are lent this way to teams with queued work.
+3. Placement: a job that fits on one node goes on one node (best fit: the fullest node it fits
+   on); a larger job takes whole nodes, racks with the most idle nodes first.
+4. No starvation: the highest-ordered job that cannot fit reserves the nodes it will need;
+   later jobs may use them only if their runtime estimate ends before those nodes free up
+   (EASY backfill); elsewhere they start freely.
+5. Reclaim: a guaranteed job that cannot fit takes back GPUs lent to other teams: victims on
+   borrowed GPUs, lowest priority first, then least work lost since their last checkpoint.
+   Higher-priority jobs blocked by lower-priority ones get priority preemption proposals.
+6. Every job left queued gets a reason a person can read.
 """
 
 from __future__ import annotations
@@ -12,7 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from jobs.scheduling.snapshot import JobView, NodeView, Snapshot
+from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 
 
 @dataclass(frozen=True)
@@ -60,8 +70,19 @@ class Plan:
     preemptions: tuple[Preemption, ...] = ()
 
 
-def job_order_key(job: JobView):
-    return (-job.priority, job.submitted_at, job.id)
+def fair_share(team: TeamView) -> float:
+    """Lower runs first: GPUs in use plus a day's worth of decayed history, per weighted quota."""
+    return (team.used + team.usage_history / 86400.0) / (
+        max(team.quota, 1) * max(team.weight, 1e-6)
+    )
+
+
+def job_order_key(job: JobView, teams: dict[int, TeamView] | None = None):
+    team = (teams or {}).get(job.team_id)
+    if team is None:
+        return (-job.priority, 0, 0.0, job.submitted_at, job.id)
+    borrowed = int(team.used + job.gpus > team.quota)
+    return (-job.priority, borrowed, fair_share(team), job.submitted_at, job.id)
 
 
 def _single_node(gpus: int, free: dict[int, list[int]], nodes: list[NodeView]):
@@ -124,30 +145,67 @@ def _reserve(job: JobView, nodes: list[NodeView], free: dict[int, list[int]]) ->
     return tuple(chosen)
 
 
+def _victims(
+    job: JobView,
+    candidates: list[RunningView],
+    free: dict[int, list[int]],
+    nodes: list[NodeView],
+    may_take,
+) -> tuple[list[RunningView], list] | None:
+    """The fewest candidates (in the given order) whose GPUs make `job` fit, and the placement;
+    None if even all of them would not. `may_take(victim)` says whether one more may go."""
+    trial = {n: list(v) for n, v in free.items()}
+    chosen = []
+    for victim in candidates:
+        if not may_take(victim):
+            continue
+        chosen.append(victim)
+        for node_id, index in victim.slots:
+            if node_id in trial:
+                trial[node_id] = sorted({*trial[node_id], index})
+        choice = place(job, trial, nodes)
+        if choice is not None:
+            return chosen, choice
+    return None
+
+
+def _work_at_risk(run: RunningView, now) -> float:
+    since = run.last_checkpoint_at or run.started_at
+    return (now - since).total_seconds()
+
+
 def plan(snapshot: Snapshot) -> Plan:
+    now = snapshot.now
     nodes = [n for n in snapshot.nodes if n.schedulable]
+    by_id = {n.id: n for n in nodes}
     free = {n.id: sorted(n.free) for n in nodes}
     names = {n.id: n.name for n in nodes}
     capacity = sum(n.total for n in nodes)
     used = {t.id: t.used for t in snapshot.teams}
     teams = {t.id: t for t in snapshot.teams}
+    running = [r for r in snapshot.running if not r.stopping]
 
     placements: list[Placement] = []
+    preemptions: list[Preemption] = []
     reasons: dict[int, str] = {}
     reservation: tuple[int, tuple[int, ...]] | None = None
     reserved: set[int] = set()
+    shadow = None  # when the reserved nodes are expected to be free (None: unknown)
     ahead = 0  # queued jobs ordered before this one that are still waiting
+    taken: set[int] = set()  # running jobs already chosen as victims this pass
 
-    for job in sorted(snapshot.queued, key=job_order_key):
+    for job in sorted(snapshot.queued, key=lambda j: job_order_key(j, teams)):
         team = teams.get(job.team_id)
         if team is None:
             reasons[job.id] = "team not found"
             ahead += 1
             continue
         if used[team.id] + job.gpus > team.cap:
+            paused = " (borrowing paused after a reclaim)" if team.borrow_paused else ""
             reasons[job.id] = (
                 f"team {team.name} at its limit: {used[team.id]}/{team.cap} GPUs in use "
-                f"(quota {team.quota} + borrow limit {team.borrow_limit}); needs {job.gpus}"
+                f"(quota {team.quota} + borrow limit {team.borrow_limit}{paused}); "
+                f"needs {job.gpus}"
             )
             ahead += 1
             continue
@@ -157,19 +215,51 @@ def plan(snapshot: Snapshot) -> Plan:
             )
             ahead += 1
             continue
-        usable = [n for n in nodes if n.id not in reserved]
+        # EASY backfill: a job may use reserved nodes only if it is done before they free up.
+        fits_before_shadow = (
+            shadow is not None
+            and job.runtime_estimate_s is not None
+            and now.timestamp() + job.runtime_estimate_s <= shadow
+        )
+        usable = [n for n in nodes if fits_before_shadow or n.id not in reserved]
         choice = place(job, free, usable)
         if choice is None:
             free_now = sum(len(free[n.id]) for n in usable)
             if reservation is None:
-                reserved.update(_reserve(job, nodes, free))
-                reservation = (job.id, tuple(sorted(reserved)))
-                held = ", ".join(names[i] for i in sorted(reserved, key=names.get))
-                shape = "on one node" if len(reserved) <= 1 else "on whole nodes"
-                reasons[job.id] = (
-                    f"waiting for {job.gpus} GPUs {shape}; {free_now} free now; "
-                    f"holds a reservation on {held}" + (f"; {ahead} job(s) ahead" if ahead else "")
+                guaranteed = used[team.id] + job.gpus <= team.quota
+                claimed = _claim(
+                    job, team, guaranteed, running, taken, teams, used, free, nodes, now
                 )
+                if claimed is not None:
+                    victims, choice, kind = claimed
+                    taken.update(v.id for v in victims)
+                    for victim in victims:
+                        used[victim.team_id] -= victim.gpus
+                    reserved.update(node.id for node, _ in choice)
+                    names_of = ", ".join(f"job {v.id}" for v in victims)
+                    why = (
+                        "reclaiming its team's quota"
+                        if kind == "reclaim"
+                        else f"priority {job.priority} over lower-priority work"
+                    )
+                    preemptions.extend(
+                        Preemption(v.id, job.id, kind, f"{why} for job {job.id}") for v in victims
+                    )
+                    reasons[job.id] = (
+                        f"waiting for {names_of} to checkpoint and stop ({why}); "
+                        f"{job.gpus} GPUs reserved"
+                    )
+                else:
+                    reserved.update(_reserve(job, nodes, free))
+                    held = ", ".join(names[i] for i in sorted(reserved, key=names.get))
+                    shape = "on one node" if len(reserved) <= 1 else "on whole nodes"
+                    reasons[job.id] = (
+                        f"waiting for {job.gpus} GPUs {shape}; {free_now} free now; "
+                        f"holds a reservation on {held}"
+                        + (f"; {ahead} job(s) ahead" if ahead else "")
+                    )
+                reservation = (job.id, tuple(sorted(reserved)))
+                shadow = _shadow_time(reserved, running, taken, by_id)
             else:
                 reasons[job.id] = (
                     f"waiting for {job.gpus} GPUs; {free_now} free outside the reservation "
@@ -182,4 +272,50 @@ def plan(snapshot: Snapshot) -> Plan:
         used[team.id] += job.gpus
         placements.append(Placement(job.id, job.team_id, _to_slots(choice)))
 
-    return Plan(placements=tuple(placements), reasons=reasons, reservation=reservation)
+    return Plan(
+        placements=tuple(placements),
+        reasons=reasons,
+        reservation=reservation,
+        preemptions=tuple(preemptions),
+    )
+
+
+def _claim(job, team, guaranteed, running, taken, teams, used, free, nodes, now):
+    """Victims for a blocked job: a reclaim if it is within its team's quota, else a priority
+    preemption of strictly lower-priority work. (victims, placement, kind) or None."""
+    order = lambda r: (r.priority, _work_at_risk(r, now), -r.started_at.timestamp())  # noqa: E731
+    if guaranteed:
+        lent: dict[int, int] = {}
+
+        def may_reclaim(victim: RunningView) -> bool:
+            # Only GPUs lent beyond the victim team's own quota: guaranteed ones never go.
+            owner = teams.get(victim.team_id)
+            if owner is None or victim.team_id == team.id:
+                return False
+            spare = used[owner.id] - lent.get(owner.id, 0) - owner.quota
+            if spare < victim.gpus:
+                return False
+            lent[owner.id] = lent.get(owner.id, 0) + victim.gpus
+            return True
+
+        candidates = sorted((r for r in running if r.id not in taken), key=order)
+        found = _victims(job, candidates, free, nodes, may_reclaim)
+        if found:
+            return (*found, "reclaim")
+    lower = sorted(
+        (r for r in running if r.id not in taken and r.priority < job.priority), key=order
+    )
+    found = _victims(job, lower, free, nodes, lambda victim: True)
+    return (*found, "priority") if found else None
+
+
+def _shadow_time(reserved, running, taken, by_id) -> float | None:
+    """When every running job on the reserved nodes is expected to end (None if unknown)."""
+    ends = []
+    for run in running:
+        if run.id in taken or not any(node_id in reserved for node_id, _ in run.slots):
+            continue
+        if run.expected_end is None:
+            return None
+        ends.append(run.expected_end.timestamp())
+    return max(ends) if ends else None

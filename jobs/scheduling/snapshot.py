@@ -43,6 +43,7 @@ class RunningView:
     started_at: datetime
     expected_end: datetime | None = None  # from its time limit or estimate; None = unknown
     last_checkpoint_at: datetime | None = None
+    stopping: bool = False  # already told to checkpoint and stop
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,11 @@ class TeamView:
     used: int  # GPUs held by the team's live attempts
     weight: float = 1.0
     usage_history: float = 0.0  # decayed GPU-seconds used, for fair share
+    borrow_paused: bool = False  # its borrowed GPUs were just reclaimed: no borrowing for now
 
     @property
     def cap(self) -> int:
-        return self.quota + self.borrow_limit
+        return self.quota + (0 if self.borrow_paused else self.borrow_limit)
 
 
 @dataclass(frozen=True)
