@@ -29,6 +29,7 @@ from jobs.models import (
     MetricPoint,
     ModelVersion,
     Node,
+    PreemptionRequest,
 )
 from jobs.notify import on_commit_send
 from jobs.scheduling.wake import wake_scheduler
@@ -272,6 +273,19 @@ def do_start_attempt(placement, *, now: datetime) -> Attempt:
         job.first_started_at = now
     job.save(update_fields=["reason", "first_started_at"])
     _event("attempt.started", job.reason, job=job, attempt=attempt, team=team)
+    for request in PreemptionRequest.objects.filter(
+        claimant=job, state=PreemptionRequest.State.EXECUTED, claimant_started_at__isnull=True
+    ):
+        request.claimant_started_at = now
+        request.save(update_fields=["claimant_started_at"])
+        _event(
+            "preemption.claimant_started",
+            f"job {job.id} started {request.reclaim_s:.0f}s after its {request.kind} of job "
+            f"{request.victim_id} was decided",
+            job=job,
+            team=team,
+            data={"request": request.id, "kind": request.kind, "reclaim_s": request.reclaim_s},
+        )
     _push_state(job)
     return attempt
 
@@ -964,6 +978,125 @@ def do_flag_straggler(
         data={"rank": rank, "compute_s": seconds, "gang_compute_s": gang_seconds},
     )
     _strike(node, f"job {attempt.job_id}: {message}", now=now)
+
+
+# --- preemption ---------------------------------------------------------------------------
+
+
+def do_propose_preemption(
+    *, victim_id: int, claimant_id: int, kind: str, reason: str, now: datetime
+) -> PreemptionRequest | None:
+    """Record a planned preemption; reclaims are approved and carried out at once, priority
+    preemptions wait for an admin or for their auto-approve deadline. None if the victim
+    already has an open request or is no longer running."""
+    with transaction.atomic():
+        victim = Job.objects.select_for_update().get(pk=victim_id)
+        if victim.state not in (Job.State.STARTING, Job.State.RUNNING):
+            return None
+        if PreemptionRequest.objects.filter(
+            victim=victim, state__in=PreemptionRequest.OPEN
+        ).exists():
+            return None
+        since = (
+            latest_checkpoint(victim.id).created_at
+            if latest_checkpoint(victim.id)
+            else (victim.first_started_at or now)
+        )
+        request = PreemptionRequest.objects.create(
+            victim=victim,
+            claimant_id=claimant_id,
+            kind=kind,
+            reason=reason[:500],
+            created_at=now,
+            work_at_risk_s=max((now - since).total_seconds(), 0.0),
+            auto_approve_at=None
+            if kind == PreemptionRequest.Kind.RECLAIM
+            else now + timedelta(seconds=lockstep_setting("PREEMPTION_APPROVAL_DELAY_S")),
+        )
+        _event(
+            "preemption.proposed",
+            f"{kind} preemption of job {victim.id} proposed for job {claimant_id}: {reason}",
+            job=victim,
+            team_id=victim.team_id,
+            data={"request": request.id, "claimant": claimant_id, "kind": kind},
+        )
+    if kind == PreemptionRequest.Kind.RECLAIM:
+        # Reclaims are automatic: lent GPUs go back to their owner without asking anyone.
+        do_decide_preemption(request, approve=True, actor=None, now=now)
+    return request
+
+
+def do_decide_preemption(
+    request: PreemptionRequest, *, approve: bool, actor, now: datetime
+) -> PreemptionRequest:
+    with transaction.atomic():
+        request = PreemptionRequest.objects.select_for_update().get(pk=request.pk)
+        if request.state != PreemptionRequest.State.PROPOSED:
+            return request
+        request.state = (
+            PreemptionRequest.State.APPROVED if approve else PreemptionRequest.State.REJECTED
+        )
+        request.decided_by, request.decided_at = actor, now
+        request.save(update_fields=["state", "decided_by", "decided_at"])
+        who = (
+            actor.username
+            if actor
+            else (
+                "automatic (reclaim)"
+                if request.kind == PreemptionRequest.Kind.RECLAIM
+                else "automatic (approval deadline passed)"
+            )
+        )
+        _event(
+            f"preemption.{request.state}",
+            f"preemption of job {request.victim_id} for job {request.claimant_id} "
+            f"{request.state} by {who}",
+            job_id=request.victim_id,
+            actor=actor,
+            data={"request": request.id},
+        )
+        if approve:
+            _execute_preemption(request, now=now)
+        else:
+            _wake("preemption rejected")
+    return request
+
+
+def _execute_preemption(request: PreemptionRequest, *, now: datetime) -> None:
+    victim = Job.objects.select_for_update().get(pk=request.victim_id)
+    attempt = victim.attempts.filter(ended_at__isnull=True).first()
+    request.state, request.executed_at = PreemptionRequest.State.EXECUTED, now
+    request.save(update_fields=["state", "executed_at"])
+    if attempt is None:
+        return
+    why = f"preempted ({request.kind}) for job {request.claimant_id}: {request.reason}"
+    _begin_stop(attempt, now=now, reason=why)
+    victim.state, victim.reason = Job.State.PREEMPTING, f"checkpointing and stopping: {why}"
+    victim.save(update_fields=["state", "reason"])
+    _event(
+        "job.preempting",
+        victim.reason,
+        job=victim,
+        team_id=victim.team_id,
+        data={"request": request.id, "kind": request.kind},
+    )
+    _push_state(victim)
+
+
+def do_withdraw_stale_preemptions(*, now: datetime) -> None:
+    """Proposals whose claimant no longer waits (started, cancelled) are withdrawn."""
+    for request in PreemptionRequest.objects.filter(state=PreemptionRequest.State.PROPOSED).exclude(
+        claimant__state=Job.State.QUEUED
+    ):
+        PreemptionRequest.objects.filter(pk=request.pk).update(
+            state=PreemptionRequest.State.WITHDRAWN, decided_at=now
+        )
+        _event(
+            "preemption.withdrawn",
+            f"preemption of job {request.victim_id} withdrawn: "
+            f"job {request.claimant_id} no longer waits",
+            job_id=request.victim_id,
+        )
 
 
 # --- model registry ------------------------------------------------------------------------

@@ -27,6 +27,9 @@ DEFAULTS = {
     "EARLY_FAILURES_USER_ERROR": 3,
     "KEEP_CHECKPOINTS": 3,
     "DEFAULT_MTBF_S": 86400.0,
+    "PREEMPTION_APPROVAL_DELAY_S": 300.0,
+    "RECLAIM_BACKOFF_S": 300.0,
+    "USAGE_HALF_LIFE_S": 86400.0,
     "ALLOWED_DATASET_SCHEMES": ["synthetic", "file", "s3", "gs", "hf", "nfs"],
 }
 

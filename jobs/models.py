@@ -306,3 +306,59 @@ class Event(models.Model):
 
     def __str__(self) -> str:
         return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.kind}: {self.message}"
+
+
+class PreemptionRequest(models.Model):
+    """A decision to checkpoint-and-stop a running job (the victim) for a queued one.
+
+    Reclaims (a team taking back its quota from borrowers) are approved at once; priority
+    preemptions wait for an admin, and approve themselves at `auto_approve_at` so the time a
+    claimant waits stays bounded.
+    """
+
+    class Kind(models.TextChoices):
+        RECLAIM = "reclaim"
+        PRIORITY = "priority"
+
+    class State(models.TextChoices):
+        PROPOSED = "proposed"
+        APPROVED = "approved"
+        REJECTED = "rejected"
+        EXECUTED = "executed"
+        WITHDRAWN = "withdrawn"
+
+    OPEN = (State.PROPOSED, State.APPROVED)
+
+    victim = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="preempted_by")
+    claimant = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="preemptions")
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PROPOSED)
+    reason = models.CharField(max_length=500)
+    created_at = models.DateTimeField()
+    auto_approve_at = models.DateTimeField(null=True, blank=True)
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    decided_at = models.DateTimeField(null=True, blank=True)
+    executed_at = models.DateTimeField(null=True, blank=True)
+    claimant_started_at = models.DateTimeField(null=True, blank=True)
+    work_at_risk_s = models.FloatField(default=0.0, help_text="Since the victim's last checkpoint")
+
+    class Meta:
+        ordering = ["-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["victim"],
+                condition=Q(state__in=["proposed", "approved"]),
+                name="one_open_preemption_per_victim",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} preemption of job {self.victim_id} for job {self.claimant_id}"
+
+    @property
+    def reclaim_s(self) -> float | None:
+        if self.claimant_started_at is None:
+            return None
+        return (self.claimant_started_at - self.created_at).total_seconds()

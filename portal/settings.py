@@ -231,6 +231,14 @@ LOCKSTEP = {
     "EARLY_FAILURES_USER_ERROR": int(os.environ.get("LOCKSTEP_EARLY_FAILURES_USER_ERROR", "3")),
     "KEEP_CHECKPOINTS": int(os.environ.get("LOCKSTEP_KEEP_CHECKPOINTS", "3")),
     "DEFAULT_MTBF_S": float(os.environ.get("LOCKSTEP_DEFAULT_MTBF_S", "86400")),
+    # Scheduling (DESIGN.md section 6): priority preemptions approve themselves after this
+    # delay unless an admin decides first; a team whose borrowed GPUs were reclaimed waits
+    # this long before borrowing again; fair-share history halves every USAGE_HALF_LIFE_S.
+    "PREEMPTION_APPROVAL_DELAY_S": float(
+        os.environ.get("LOCKSTEP_PREEMPTION_APPROVAL_DELAY_S", "300")
+    ),
+    "RECLAIM_BACKOFF_S": float(os.environ.get("LOCKSTEP_RECLAIM_BACKOFF_S", "300")),
+    "USAGE_HALF_LIFE_S": float(os.environ.get("LOCKSTEP_USAGE_HALF_LIFE_S", "86400")),
 }
 
 LOGGING = {

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 class ApplyResult:
     applied: dict[int, int] = field(default_factory=dict)  # job id -> attempt id
     rejected: dict[int, str] = field(default_factory=dict)  # job id -> why
+    preemptions: list[int] = field(default_factory=list)  # PreemptionRequest ids
 
 
 def apply_plan(plan: Plan, *, now: datetime) -> ApplyResult:
@@ -43,6 +44,20 @@ def apply_plan(plan: Plan, *, now: datetime) -> ApplyResult:
                 # deadlock victim on PostgreSQL: the savepoint is rolled back, the gang with it.
                 result.rejected[placement.job_id] = f"claim lost a race: {exc.__class__.__name__}"
         _write_reasons(plan, result)
+    # Outside the placement transaction: each proposal is its own small transaction, so a
+    # victim that just ended is simply skipped.
+    from jobs.actions import do_propose_preemption
+
+    for preemption in plan.preemptions:
+        request = do_propose_preemption(
+            victim_id=preemption.victim_job_id,
+            claimant_id=preemption.claimant_job_id,
+            kind=preemption.kind,
+            reason=preemption.reason,
+            now=now,
+        )
+        if request is not None:
+            result.preemptions.append(request.id)
     if result.rejected:
         log.info("rejected placements: %s", result.rejected)
     return result

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from jobs import actions
 from jobs.conf import lockstep_setting
-from jobs.models import Attempt, Job, Node
+from jobs.models import Attempt, Job, Node, PreemptionRequest
 from jobs.scheduling.apply import ApplyResult, apply_plan
 from jobs.scheduling.detect import detect_hangs, detect_stragglers
 from jobs.scheduling.policy import plan
@@ -86,6 +86,11 @@ def housekeeping(now) -> None:
         actions.do_enforce_time_limit(job, now=now)
     if hearing:
         detect_hangs(now, heard_since=intake.resumed_at)
+    actions.do_withdraw_stale_preemptions(now=now)
+    for request in PreemptionRequest.objects.filter(
+        state=PreemptionRequest.State.PROPOSED, auto_approve_at__lte=now
+    ):
+        actions.do_decide_preemption(request, approve=True, actor=None, now=now)
     detect_stragglers(now)
     start_cutoff = now - timedelta(seconds=lockstep_setting("START_TIMEOUT_S"))
     for attempt in Attempt.objects.filter(

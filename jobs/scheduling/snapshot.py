@@ -79,12 +79,20 @@ class Snapshot:
 
 def take_snapshot(now: datetime) -> Snapshot:
     """Read the database into a Snapshot (a few queries, no per-row queries)."""
-    from django.db.models import Count, Q
+    from datetime import timedelta
 
-    from jobs.models import GPU, PRIORITY_RANK, Allocation, Job, Node
+    from django.db.models import Count, Max, Q
+
+    from jobs.conf import lockstep_setting
+    from jobs.models import GPU, PRIORITY_RANK, Allocation, Attempt, Job, Node, PreemptionRequest
     from teams.models import Team
 
-    held = set(Allocation.objects.filter(released_at__isnull=True).values_list("gpu_id", flat=True))
+    live = list(
+        Allocation.objects.filter(released_at__isnull=True).values_list(
+            "gpu_id", "attempt_id", "node_id", "gpu__index"
+        )
+    )
+    held = {gpu_id for gpu_id, _, _, _ in live}
     gpus_by_node: dict[int, list[tuple[int, int]]] = {}
     for gpu_id, node_id, index in GPU.objects.values_list("id", "node_id", "index"):
         gpus_by_node.setdefault(node_id, []).append((index, gpu_id))
@@ -109,13 +117,54 @@ def take_snapshot(now: datetime) -> Snapshot:
             priority=PRIORITY_RANK[j.priority],
             submitted_at=j.submitted_at,
             name=j.name,
+            runtime_estimate_s=j.time_limit_s,
         )
         for j in Job.objects.filter(state=Job.State.QUEUED).only(
-            "id", "team_id", "gpus", "priority", "submitted_at", "name"
+            "id", "team_id", "gpus", "priority", "submitted_at", "name", "time_limit_s"
         )
     )
+    slots: dict[int, list[tuple[int, int]]] = {}
+    for _, attempt_id, node_id, index in live:
+        slots.setdefault(attempt_id, []).append((node_id, index))
+    last_saves = dict(
+        Job.objects.filter(attempts__ended_at__isnull=True)
+        .annotate(last=Max("checkpoints__created_at"))
+        .values_list("id", "last")
+    )
+    running = tuple(
+        RunningView(
+            id=a.job_id,
+            team_id=a.job.team_id,
+            gpus=a.job.gpus,
+            priority=PRIORITY_RANK[a.job.priority],
+            slots=tuple(slots.get(a.id, ())),
+            started_at=a.created_at,
+            expected_end=(a.job.first_started_at + timedelta(seconds=a.job.time_limit_s))
+            if a.job.time_limit_s and a.job.first_started_at
+            else None,
+            last_checkpoint_at=last_saves.get(a.job_id),
+            stopping=a.state == Attempt.State.STOPPING,
+        )
+        for a in Attempt.objects.filter(ended_at__isnull=True).select_related("job")
+    )
+    backoff = now - timedelta(seconds=lockstep_setting("RECLAIM_BACKOFF_S"))
+    paused = set(
+        PreemptionRequest.objects.filter(
+            kind=PreemptionRequest.Kind.RECLAIM, executed_at__gte=backoff
+        ).values_list("victim__team_id", flat=True)
+    )
+    history = _usage_history(now, lockstep_setting("USAGE_HALF_LIFE_S"))
     teams = tuple(
-        TeamView(id=t.id, name=t.name, quota=t.quota, borrow_limit=t.borrow_limit, used=t.used)
+        TeamView(
+            id=t.id,
+            name=t.name,
+            quota=t.quota,
+            borrow_limit=t.borrow_limit,
+            used=t.used,
+            weight=t.weight,
+            usage_history=history.get(t.id, 0.0),
+            borrow_paused=t.id in paused,
+        )
         for t in Team.objects.annotate(
             used=Count(
                 "jobs__attempts__allocations",
@@ -123,4 +172,27 @@ def take_snapshot(now: datetime) -> Snapshot:
             )
         )
     )
-    return Snapshot(now=now, nodes=tuple(nodes), queued=queued, teams=teams)
+    return Snapshot(now=now, nodes=tuple(nodes), queued=queued, teams=teams, running=running)
+
+
+def _usage_history(now: datetime, half_life_s: float) -> dict[int, float]:
+    """Per team, GPU-seconds held over the last four half-lives, each second weighted by
+    0.5 ** (age / half-life) (approximated at each allocation's midpoint)."""
+    from datetime import timedelta
+
+    from jobs.models import Allocation
+
+    since = now - timedelta(seconds=4 * half_life_s)
+    usage: dict[int, float] = {}
+    for team_id, claimed, released in (
+        Allocation.objects.filter(claimed_at__lt=now)
+        .exclude(released_at__lt=since)
+        .values_list("attempt__job__team_id", "claimed_at", "released_at")
+    ):
+        start, end = max(claimed, since), min(released or now, now)
+        seconds = (end - start).total_seconds()
+        if seconds <= 0:
+            continue
+        age = (now - (start + (end - start) / 2)).total_seconds()
+        usage[team_id] = usage.get(team_id, 0.0) + seconds * 0.5 ** (age / half_life_s)
+    return usage
