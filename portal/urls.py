@@ -5,6 +5,7 @@ from rest_framework.routers import DefaultRouter
 
 from jobs.agent_api import AgentHeartbeatView, AgentRegisterView
 from jobs.api import JobViewSet, ModelVersionViewSet, NodeViewSet
+from jobs.preemption_api import PreemptionViewSet
 from portal import views
 from portal.static_views import plotly_js
 from teams.api import TeamViewSet
@@ -14,6 +15,7 @@ router.register("jobs", JobViewSet, basename="job")
 router.register("models", ModelVersionViewSet, basename="modelversion")
 router.register("nodes", NodeViewSet, basename="node")
 router.register("teams", TeamViewSet, basename="team")
+router.register("preemptions", PreemptionViewSet, basename="preemption")
 
 urlpatterns = [
     path("", views.home, name="home"),
@@ -26,6 +28,7 @@ urlpatterns = [
     path("models/", views.model_registry, name="models"),
     path("cluster/", views.cluster, name="cluster"),
     path("console/teams/", views.team_quotas, name="team_quotas"),
+    path("console/preemptions/", views.preemptions, name="preemptions"),
     path("vendor/plotly.min.js", plotly_js, name="plotly_js"),
     path("api/v1/agent/register/", AgentRegisterView.as_view(), name="agent-register"),
     path("api/v1/agent/heartbeat/", AgentHeartbeatView.as_view(), name="agent-heartbeat"),

@@ -14,7 +14,7 @@ from django.views.decorators.http import require_POST
 from jobs import actions
 from jobs.checkpoint_policy import checkpoint_advice
 from jobs.goodput import job_goodput
-from jobs.models import Allocation, Checkpoint, Job, ModelVersion, Node
+from jobs.models import Allocation, Checkpoint, Job, ModelVersion, Node, PreemptionRequest
 from portal.forms import JobForm, RegisterModelForm, TeamQuotaForm
 from teams import actions as team_actions
 from teams.access import visible_jobs, visible_teams
@@ -200,3 +200,21 @@ def team_quotas(request):
     teams = _team_usage(Team.objects.all())
     rows = [{"team": t, "form": errors.get(t.pk) or TeamQuotaForm(instance=t)} for t in teams]
     return render(request, "team_quotas.html", {"rows": rows})
+
+
+@staff_member_required
+def preemptions(request):
+    if request.method == "POST":
+        preemption = PreemptionRequest.objects.filter(pk=request.POST.get("request_id")).first()
+        if preemption is None:
+            raise Http404("No such preemption.")
+        approve = request.POST.get("decision") == "approve"
+        preemption = actions.do_decide_preemption(
+            preemption, approve=approve, actor=request.user, now=timezone.now()
+        )
+        messages.success(request, f"Preemption {preemption.id}: {preemption.state}.")
+        return redirect("preemptions")
+    requests = PreemptionRequest.objects.select_related(
+        "victim__team", "claimant__team", "decided_by"
+    ).order_by("-id")[:200]
+    return render(request, "preemptions.html", {"requests": requests})

@@ -1,0 +1,758 @@
+"""The scheduler simulator: replays a job trace through a pure `plan(snapshot) -> Plan` on a
+virtual clock (no processes, no database) and measures what users and admins would see.
+
+The engine calls the planner only at event times (arrivals, completions and preemption stops,
+batched per timestamp) and only while jobs are queued; the planner sees only queued jobs. Metric
+definitions are in docs/simulator.md and on `metrics()`.
+"""
+
+from __future__ import annotations
+
+import csv
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
+
+EPOCH = datetime(2021, 3, 4, tzinfo=UTC)  # t = 0 of the virtual clock (any aware time works)
+INF = math.inf
+
+# Trace priority strings -> the policy's ranks (jobs.models.PRIORITY_RANK: low..urgent = 0..3).
+# Alibaba QoS classes map by how much the class is promised: best effort lowest, latency
+# sensitive high.
+PRIORITY_NAMES = {
+    "low": 0,
+    "normal": 1,
+    "high": 2,
+    "urgent": 3,
+    "be": 0,
+    "besteffort": 0,
+    "best-effort": 0,
+    "burstable": 1,
+    "ls": 2,
+    "guaranteed": 2,
+}
+DEFAULT_PRIORITY = 1
+SIZE_CLASSES = ("1", "2-8", "16-64", ">64")
+POLICIES = ("fifo", "backfill", "lockstep")
+PlanFn = Callable[[Snapshot], object]
+
+
+def size_class(gpus: int) -> str:
+    """1 GPU; 2-8 (one node); 9-64 (labelled "16-64": traces hold powers of two); >64."""
+    if gpus <= 1:
+        return "1"
+    if gpus <= 8:
+        return "2-8"
+    if gpus <= 64:
+        return "16-64"
+    return ">64"
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs: trace, quotas, policies
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    job_id: str
+    submit_s: float
+    gpus: int
+    duration_s: float
+    team: str = "unknown"
+    priority: int = DEFAULT_PRIORITY
+
+
+@dataclass(frozen=True)
+class TeamQuota:
+    quota: int
+    borrow_limit: int
+    weight: float = 1.0
+
+
+def _priority_mapper(raw: list[str]) -> Callable[[str], int]:
+    """Strings by name; integers as-is when all lie in 0..3, else by rank into four bands."""
+    ints = sorted({int(v) for v in raw if v.strip().lstrip("-").isdigit()})
+    if ints and (ints[0] < 0 or ints[-1] > 3):
+        bands = {v: min(3, 4 * i // len(ints)) for i, v in enumerate(ints)}
+    else:
+        bands = {v: v for v in ints}
+
+    def rank(value: str) -> int:
+        value = value.strip()
+        if not value:
+            return DEFAULT_PRIORITY
+        if value.lstrip("-").isdigit():
+            return bands[int(value)]
+        if value.lower() not in PRIORITY_NAMES:
+            raise ValueError(f"unknown priority {value!r} (use {', '.join(PRIORITY_NAMES)})")
+        return PRIORITY_NAMES[value.lower()]
+
+    return rank
+
+
+def load_trace(
+    path: str | Path,
+    *,
+    team: str | None = None,
+    start_s: float | None = None,
+    end_s: float | None = None,
+    limit: int | None = None,
+    load_scale: float = 1.0,
+) -> list[TraceJob]:
+    """Read a trace CSV (job_id,submit_s,gpus,duration_s,team,status[,extra]).
+
+    Filters apply in this order: `team`, the submit window [start_s, end_s), the first `limit`
+    jobs. `load_scale` X divides inter-arrival times by X (X = 2: the same jobs arrive twice as
+    fast). Priority comes from a `priority` column, else from a `qos` column, else normal.
+    """
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    prio_col = next((c for c in ("priority", "qos") if rows and c in rows[0]), None)
+    rank = _priority_mapper([r[prio_col] for r in rows]) if prio_col else None
+    jobs: list[TraceJob] = []
+    for r in rows:
+        if team is not None and r.get("team", "unknown") != team:
+            continue
+        submit = float(r["submit_s"])
+        if start_s is not None and submit < start_s:
+            continue
+        if end_s is not None and submit >= end_s:
+            continue
+        jobs.append(
+            TraceJob(
+                job_id=r["job_id"],
+                submit_s=submit,
+                gpus=int(r["gpus"]),
+                duration_s=max(0.0, float(r["duration_s"])),
+                team=r.get("team") or "unknown",
+                priority=rank(r[prio_col]) if rank else DEFAULT_PRIORITY,
+            )
+        )
+        if limit is not None and len(jobs) >= limit:
+            break
+    if load_scale != 1.0 and jobs:
+        if load_scale <= 0:
+            raise ValueError("load_scale must be positive")
+        first = min(j.submit_s for j in jobs)
+        jobs = [replace(j, submit_s=first + (j.submit_s - first) / load_scale) for j in jobs]
+    return jobs
+
+
+def load_quotas(path: str | Path) -> dict[str, TeamQuota]:
+    """team,quota,borrow_limit,weight (borrow_limit and weight optional)."""
+    quotas = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            quotas[r["team"]] = TeamQuota(
+                quota=int(r["quota"]),
+                borrow_limit=int(r.get("borrow_limit") or 0),
+                weight=float(r.get("weight") or 1.0),
+            )
+    return quotas
+
+
+def equal_quotas(teams: Iterable[str], gpus: int) -> dict[str, TeamQuota]:
+    """An equal share per team (the remainder to the first teams); borrow up to the rest."""
+    names = sorted(set(teams))
+    out = {}
+    for i, name in enumerate(names):
+        quota = gpus // len(names) + (1 if i < gpus % len(names) else 0)
+        out[name] = TeamQuota(quota=quota, borrow_limit=gpus - quota, weight=1.0)
+    return out
+
+
+def resolve_policy(policy: str | PlanFn) -> tuple[str, PlanFn]:
+    if callable(policy):
+        return getattr(policy, "__name__", "custom"), policy
+    if policy == "fifo":
+        from jobs.scheduling.baselines import fifo
+
+        return policy, fifo
+    if policy == "backfill":
+        from jobs.scheduling.baselines import backfill
+
+        return policy, backfill
+    if policy == "lockstep":
+        from jobs.scheduling.policy import plan
+
+        return policy, plan
+    raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    gpus: int
+    gpus_per_node: int = 8
+    racks: int | None = None  # default: one rack per 32 nodes
+    quotas: dict[str, TeamQuota] | None = None  # default: equal_quotas over the trace's teams
+    checkpoint_interval_s: float = 1800.0  # of run time; <= 0: never checkpoints
+    grace_s: float = 60.0  # a preempted job stops this long after the plan proposes it
+    estimate_noise: float = 0.0  # sigma of a log-normal factor on runtime estimates
+    seed: int = 0
+    usage_half_life_s: float = 7 * 86400.0  # decay of TeamView.usage_history
+    starve_factor: float = 10.0  # starved: waited more than this many times its duration
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+
+
+@dataclass
+class _Run:
+    """One live attempt."""
+
+    start: float
+    end: float  # true end (from the trace), not the estimate
+    slots: list[tuple[int, int]]  # (node index, GPU index)
+    view: RunningView
+    attempt: int
+    stopping_at: float | None = None
+
+
+@dataclass
+class SimResult:
+    policy: str
+    metrics: dict
+    series: tuple[list[float], list[int], list[int]]  # t, busy GPUs, queued jobs (step values)
+    waits: dict[str, list[float]] = field(default_factory=dict)  # size class -> waits (s)
+
+    def to_json(self) -> dict:
+        return self.metrics
+
+
+_COMPLETE, _STOP = 0, 1
+
+
+def _at(t: float) -> datetime:
+    return EPOCH + timedelta(seconds=t)
+
+
+class _Engine:
+    def __init__(self, trace: Sequence[TraceJob], plan_fn: PlanFn, name: str, cfg: SimConfig):
+        if cfg.gpus <= 0 or cfg.gpus_per_node <= 0:
+            raise ValueError("gpus and gpus_per_node must be positive")
+        self.cfg, self.plan_fn, self.name = cfg, plan_fn, name
+        # Cluster: nodes of gpus_per_node GPUs (the last one smaller if N does not divide).
+        n_nodes = -(-cfg.gpus // cfg.gpus_per_node)
+        racks = cfg.racks or max(1, -(-n_nodes // 32))
+        self.node_ids = list(range(1, n_nodes + 1))
+        self.node_index = {nid: i for i, nid in enumerate(self.node_ids)}
+        sizes = [cfg.gpus_per_node] * n_nodes
+        sizes[-1] = cfg.gpus - cfg.gpus_per_node * (n_nodes - 1)
+        self.free = [set(range(s)) for s in sizes]
+        self.node_views = [
+            NodeView(
+                id=nid,
+                name=f"n{nid:05d}",
+                rack=f"r{i * racks // n_nodes:03d}",
+                gpu_ids=tuple(i * cfg.gpus_per_node + g + 1 for g in range(sizes[i])),
+                free=frozenset(self.free[i]),
+            )
+            for i, nid in enumerate(self.node_ids)
+        ]
+        self.nodes_dirty: set[int] = set()
+        self.nodes_tuple = tuple(self.node_views)
+
+        # Jobs: the ones larger than the cluster are dropped; the rest in submit order.
+        fits = [j for j in trace if j.gpus <= cfg.gpus]
+        self.dropped = len(trace) - len(fits)
+        self.jobs = sorted(fits, key=lambda j: j.submit_s)  # stable: trace order breaks ties
+        n = len(self.jobs)
+        rng = random.Random(cfg.seed)
+        self.factor = [
+            rng.lognormvariate(0.0, cfg.estimate_noise) if cfg.estimate_noise > 0 else 1.0
+            for _ in range(n)
+        ]
+        self.remaining = [j.duration_s for j in self.jobs]
+        self.first_start: list[float | None] = [None] * n
+        self.finish: list[float | None] = [None] * n
+        self.queued_since = [0.0] * n
+        self.wait = [0.0] * n
+        self.attempt = [0] * n
+        self.preempted = [0] * n
+        self.reclaim_start: list[float | None] = [None] * n
+
+        # Teams
+        team_names = sorted({j.team for j in self.jobs})
+        quotas = dict(cfg.quotas) if cfg.quotas else equal_quotas(team_names, cfg.gpus)
+        for name in team_names:  # a team missing from --quotas gets nothing guaranteed
+            quotas.setdefault(name, TeamQuota(quota=0, borrow_limit=cfg.gpus, weight=1.0))
+        self.team_names = sorted(quotas)
+        self.team_id = {name: i + 1 for i, name in enumerate(self.team_names)}
+        self.quota = {self.team_id[n]: q for n, q in quotas.items()}
+        self.used = dict.fromkeys(self.quota, 0)
+        self.usage = dict.fromkeys(self.quota, 0.0)
+        self.team_queue: dict[int, dict[int, None]] = {tid: {} for tid in self.quota}
+        self.unclocked = dict.fromkeys(self.quota, 0)  # queued jobs whose reclaim clock is off
+        self.job_team = [self.team_id[j.team] for j in self.jobs]
+
+        # Dynamic state
+        self.queue: dict[int, JobView] = {}  # job id (index + 1) -> view, arrival order
+        self.running: dict[int, _Run] = {}
+        self.running_dirty = True
+        self.running_tuple: tuple[RunningView, ...] = ()
+        self.events: list[tuple[float, int, int, int, int]] = []  # t, seq, kind, job id, attempt
+        self.checkpoints: list[tuple[float, int, int]] = []  # t, job id, attempt
+        self.seq = 0
+        self.busy = 0
+        self.queued_gpus = 0
+
+        # Accounting
+        self.busy_gpu_s = 0.0
+        self.backlog_s = 0.0
+        self.backlog_busy_gpu_s = 0.0
+        self.lost_gpu_s = 0.0
+        self.reclaims: dict[int, list[float]] = {tid: [] for tid in self.quota}
+        self.preemptions = {"proposed": 0, "executed": 0, "ignored": 0}
+        self.preemptions_by_kind: dict[str, int] = {}
+        self.rejected: list[str] = []
+        self.missing_reasons = 0
+        self.plan_calls = 0
+        self.plan_time = 0.0
+        self.plan_max = 0.0
+        self.plan_max_queue = 0
+        self.series_t: list[float] = []
+        self.series_busy: list[int] = []
+        self.series_queued: list[int] = []
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        wall = time.perf_counter()
+        jobs, n, arr = self.jobs, len(self.jobs), 0
+        t_prev = jobs[0].submit_s if jobs else 0.0
+        t0 = t_prev
+        while True:
+            t_arr = jobs[arr].submit_s if arr < n else INF
+            t_ev = self.events[0][0] if self.events else INF
+            t = min(t_arr, t_ev)
+            if t == INF:
+                break
+            self._advance(t_prev, t)
+            t_prev = t
+            while self.events and self.events[0][0] <= t:
+                _, _, kind, jid, attempt = heapq.heappop(self.events)
+                if kind == _COMPLETE:
+                    self._complete(jid, attempt, t)
+                else:
+                    self._stop(jid, attempt, t)
+            while arr < n and jobs[arr].submit_s <= t:
+                self._enqueue(arr + 1, t)
+                arr += 1
+            if self.queue:
+                self._reclaim_clocks(t)
+                self._plan(t)
+            self._record(t)
+        return self._result(t0, t_prev, time.perf_counter() - wall)
+
+    def _advance(self, t0: float, t1: float) -> None:
+        dt = t1 - t0
+        if dt <= 0:
+            return
+        self.busy_gpu_s += self.busy * dt
+        if self.queue:
+            self.backlog_s += dt
+            self.backlog_busy_gpu_s += self.busy * dt
+        # Exact exponential decay of GPU-seconds with GPUs in use constant over [t0, t1].
+        h = self.cfg.usage_half_life_s
+        decay = math.exp(-dt * math.log(2) / h)
+        gain = (1.0 - decay) * h / math.log(2)
+        for tid, used in self.used.items():
+            self.usage[tid] = self.usage[tid] * decay + used * gain
+
+    def _record(self, t: float) -> None:
+        if self.series_t and self.series_t[-1] == t:
+            self.series_busy[-1], self.series_queued[-1] = self.busy, len(self.queue)
+            return
+        self.series_t.append(t)
+        self.series_busy.append(self.busy)
+        self.series_queued.append(len(self.queue))
+
+    # -- queue ---------------------------------------------------------------------------------
+
+    def _enqueue(self, jid: int, t: float) -> None:
+        i = jid - 1
+        job = self.jobs[i]
+        est = self.remaining[i] * self.factor[i]
+        self.queue[jid] = JobView(
+            id=jid,
+            team_id=self.job_team[i],
+            gpus=job.gpus,
+            priority=job.priority,
+            submitted_at=_at(job.submit_s),
+            name=job.job_id,
+            runtime_estimate_s=est,
+        )
+        self.queued_since[i] = t
+        self.queued_gpus += job.gpus
+        self.team_queue[self.job_team[i]][jid] = None
+        self.unclocked[self.job_team[i]] += 1
+
+    def _reclaim_clocks(self, t: float) -> None:
+        """Start the reclaim clock of each queued job its team's quota has room for.
+
+        Room is counted in the policy's order (priority, then submit time): GPUs in use, plus
+        the queued jobs ahead of it that fit, plus its own must stay within the quota.
+        """
+        for tid, members in self.team_queue.items():
+            room = self.quota[tid].quota - self.used[tid]
+            if room <= 0 or not self.unclocked[tid]:
+                continue
+            views = sorted(
+                (self.queue[j] for j in members), key=lambda v: (-v.priority, v.submitted_at, v.id)
+            )
+            for view in views:
+                if view.gpus > room:
+                    continue
+                room -= view.gpus
+                if self.reclaim_start[view.id - 1] is None:
+                    self.reclaim_start[view.id - 1] = t
+                    self.unclocked[tid] -= 1
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def _snapshot(self, t: float) -> Snapshot:
+        if self.nodes_dirty:
+            for i in self.nodes_dirty:
+                self.node_views[i] = replace(self.node_views[i], free=frozenset(self.free[i]))
+            self.nodes_dirty.clear()
+            self.nodes_tuple = tuple(self.node_views)
+        self._due_checkpoints(t)
+        if self.running_dirty:
+            self.running_tuple = tuple(r.view for r in self.running.values())
+            self.running_dirty = False
+        teams = tuple(
+            TeamView(
+                id=tid,
+                name=self.team_names[tid - 1],
+                quota=q.quota,
+                borrow_limit=q.borrow_limit,
+                used=self.used[tid],
+                weight=q.weight,
+                usage_history=self.usage[tid],
+            )
+            for tid, q in self.quota.items()
+        )
+        return Snapshot(
+            now=_at(t),
+            nodes=self.nodes_tuple,
+            queued=tuple(self.queue.values()),
+            teams=teams,
+            running=self.running_tuple,
+        )
+
+    def _due_checkpoints(self, t: float) -> None:
+        interval = self.cfg.checkpoint_interval_s
+        while self.checkpoints and self.checkpoints[0][0] <= t:
+            _, jid, attempt = heapq.heappop(self.checkpoints)
+            run = self.running.get(jid)
+            if run is None or run.attempt != attempt:
+                continue
+            k = math.floor((t - run.start) / interval)
+            run.view = replace(run.view, last_checkpoint_at=_at(run.start + k * interval))
+            self.running_dirty = True
+            nxt = run.start + (k + 1) * interval
+            if nxt < run.end:
+                heapq.heappush(self.checkpoints, (nxt, jid, attempt))
+
+    def _plan(self, t: float) -> None:
+        snap = self._snapshot(t)
+        began = time.perf_counter()
+        plan = self.plan_fn(snap)
+        took = time.perf_counter() - began
+        self.plan_calls += 1
+        self.plan_time += took
+        if took > self.plan_max:
+            self.plan_max, self.plan_max_queue = took, len(snap.queued)
+        if len(snap.queued) - len(plan.placements) != len(plan.reasons):
+            self.missing_reasons += 1
+        for placement in plan.placements:
+            self._start(placement, t)
+        for proposal in plan.preemptions:
+            self._preempt(proposal, t)
+
+    def _reject(self, why: str) -> None:
+        self.rejected.append(why)
+
+    def _start(self, placement, t: float) -> None:
+        jid = placement.job_id
+        view = self.queue.get(jid)
+        if view is None:
+            return self._reject(f"t={t:.0f}: job {jid} placed but not queued")
+        if len(placement.slots) != view.gpus:
+            return self._reject(f"t={t:.0f}: job {jid} needs {view.gpus} GPUs, got a partial gang")
+        try:
+            slots = [(self.node_index[s.node_id], s.index) for s in placement.slots]
+        except KeyError:
+            return self._reject(f"t={t:.0f}: job {jid} placed on an unknown node")
+        if len(set(slots)) != len(slots) or any(g not in self.free[n] for n, g in slots):
+            return self._reject(f"t={t:.0f}: job {jid} placed on GPUs that are not free")
+        for n, g in slots:
+            self.free[n].discard(g)
+            self.nodes_dirty.add(n)
+        i, tid = jid - 1, view.team_id
+        del self.queue[jid]
+        del self.team_queue[tid][jid]
+        self.queued_gpus -= view.gpus
+        self.busy += view.gpus
+        self.used[tid] += view.gpus
+        self.wait[i] += t - self.queued_since[i]
+        if self.first_start[i] is None:
+            self.first_start[i] = t
+        if self.reclaim_start[i] is not None:
+            self.reclaims[tid].append(t - self.reclaim_start[i])
+            self.reclaim_start[i] = None
+        else:
+            self.unclocked[tid] -= 1
+        end = t + self.remaining[i]
+        expected = t + self.remaining[i] * self.factor[i]
+        attempt = self.attempt[i]
+        self.running[jid] = _Run(
+            start=t,
+            end=end,
+            slots=slots,
+            attempt=attempt,
+            view=RunningView(
+                id=jid,
+                team_id=tid,
+                gpus=view.gpus,
+                priority=view.priority,
+                slots=tuple((self.node_ids[n], g) for n, g in slots),
+                started_at=_at(t),
+                expected_end=_at(expected),
+            ),
+        )
+        self.running_dirty = True
+        self.seq += 1
+        heapq.heappush(self.events, (end, self.seq, _COMPLETE, jid, attempt))
+        interval = self.cfg.checkpoint_interval_s
+        if interval > 0 and t + interval < end:
+            heapq.heappush(self.checkpoints, (t + interval, jid, attempt))
+
+    def _release(self, run: _Run, jid: int) -> None:
+        for n, g in run.slots:
+            self.free[n].add(g)
+            self.nodes_dirty.add(n)
+        gpus = len(run.slots)
+        self.busy -= gpus
+        self.used[run.view.team_id] -= gpus
+        del self.running[jid]
+        self.running_dirty = True
+
+    def _complete(self, jid: int, attempt: int, t: float) -> None:
+        run = self.running.get(jid)
+        if run is None or run.attempt != attempt:
+            return
+        self._release(run, jid)
+        self.remaining[jid - 1] = 0.0
+        self.finish[jid - 1] = t
+
+    def _preempt(self, proposal, t: float) -> None:
+        self.preemptions["proposed"] += 1
+        run = self.running.get(proposal.victim_job_id)
+        if run is None or run.stopping_at is not None:
+            self.preemptions["ignored"] += 1  # not running, or already stopping
+            return
+        kind = getattr(proposal, "kind", "?")
+        self.preemptions_by_kind[kind] = self.preemptions_by_kind.get(kind, 0) + 1
+        stop = t + self.cfg.grace_s
+        run.stopping_at = stop
+        if stop < run.end:  # the victim tells the policy when its GPUs come back
+            run.view = replace(run.view, expected_end=_at(stop))
+            self.running_dirty = True
+        self.seq += 1
+        heapq.heappush(self.events, (stop, self.seq, _STOP, proposal.victim_job_id, run.attempt))
+
+    def _stop(self, jid: int, attempt: int, t: float) -> None:
+        run = self.running.get(jid)
+        if run is None or run.attempt != attempt:
+            return  # it finished during its grace period
+        i = jid - 1
+        interval = self.cfg.checkpoint_interval_s
+        ran = t - run.start
+        saved = math.floor(ran / interval) * interval if interval > 0 else 0.0
+        saved = min(saved, self.remaining[i])
+        self.lost_gpu_s += len(run.slots) * (ran - saved)
+        self.remaining[i] -= saved
+        self.attempt[i] += 1
+        self.preempted[i] += 1
+        self.preemptions["executed"] += 1
+        self._release(run, jid)
+        self._enqueue(jid, t)
+
+    # -- results -------------------------------------------------------------------------------
+
+    def _result(self, t0: float, t_end: float, wall: float) -> SimResult:
+        return SimResult(
+            policy=self.name,
+            metrics=self.metrics(t0, t_end, wall),
+            series=(self.series_t, self.series_busy, self.series_queued),
+            waits=self._waits_by_class(),
+        )
+
+    def _waits_by_class(self) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {c: [] for c in SIZE_CLASSES}
+        for i, job in enumerate(self.jobs):
+            if self.finish[i] is not None:
+                out[size_class(job.gpus)].append(self.wait[i])
+        return out
+
+    def metrics(self, t0: float, t_end: float, wall: float) -> dict:
+        """All numbers the CLI prints; see docs/simulator.md for the definitions."""
+        cfg = self.cfg
+        makespan = max(0.0, t_end - t0)
+        jcts, waits, ftfs = [], [], []
+        by_class: dict[str, tuple[list[float], list[float]]] = {c: ([], []) for c in SIZE_CLASSES}
+        by_team: dict[int, list[float]] = {tid: [] for tid in self.quota}
+        starved = never_started = unfinished = 0
+        for i, job in enumerate(self.jobs):
+            tid = self.job_team[i]
+            if self.first_start[i] is None:
+                never_started += 1
+            if self.finish[i] is None:
+                unfinished += 1
+                starved += 1
+                if self.reclaim_start[i] is not None:  # censored at the end of the run
+                    self.reclaims[tid].append(t_end - self.reclaim_start[i])
+                continue
+            jct = self.finish[i] - job.submit_s
+            wait = self.wait[i]
+            if wait > cfg.starve_factor * job.duration_s:
+                starved += 1
+            share = self.quota[tid].quota
+            ideal = job.duration_s * max(1.0, job.gpus / share) if share > 0 else INF
+            ftf = jct / ideal if 0 < ideal < INF else (1.0 if jct == 0 else INF)
+            jcts.append(jct)
+            waits.append(wait)
+            ftfs.append(ftf)
+            by_team[tid].append(ftf)
+            by_class[size_class(job.gpus)][0].append(wait)
+            by_class[size_class(job.gpus)][1].append(jct)
+        all_reclaims = [r for rs in self.reclaims.values() for r in rs]
+        teams = {}
+        for tid, q in self.quota.items():
+            team_jobs = sum(1 for x in self.job_team if x == tid)
+            if not team_jobs:
+                continue
+            teams[self.team_names[tid - 1]] = {
+                "jobs": team_jobs,
+                "quota": q.quota,
+                "ftf_max": _r(max(by_team[tid], default=0.0)),
+                "reclaim_max_s": _r(max(self.reclaims[tid], default=0.0)),
+                "reclaim_p99_s": _r(_pct(self.reclaims[tid], 99)),
+                "reclaims": len(self.reclaims[tid]),
+            }
+        gpus = cfg.gpus
+        return {
+            "policy": self.name,
+            "gpus": gpus,
+            "nodes": len(self.node_ids),
+            "jobs": len(self.jobs),
+            "dropped": self.dropped,
+            "completed": len(jcts),
+            "makespan_s": _r(makespan),
+            "utilization": _r(self.busy_gpu_s / (gpus * makespan) if makespan else 0.0, 4),
+            "utilization_when_backlogged": _r(
+                self.backlog_busy_gpu_s / (gpus * self.backlog_s) if self.backlog_s else 0.0, 4
+            ),
+            "backlogged_fraction": _r(self.backlog_s / makespan if makespan else 0.0, 4),
+            "busy_gpu_hours": _r(self.busy_gpu_s / 3600),
+            "jct_mean_s": _r(_mean(jcts)),
+            "jct_median_s": _r(_pct(jcts, 50)),
+            "jct_p99_s": _r(_pct(jcts, 99)),
+            "wait_mean_s": _r(_mean(waits)),
+            "wait_median_s": _r(_pct(waits, 50)),
+            "wait_p99_s": _r(_pct(waits, 99)),
+            "by_size": {
+                c: {
+                    "jobs": len(w),
+                    "wait_mean_s": _r(_mean(w)),
+                    "wait_p99_s": _r(_pct(w, 99)),
+                    "jct_mean_s": _r(_mean(j)),
+                    "jct_p99_s": _r(_pct(j, 99)),
+                }
+                for c, (w, j) in by_class.items()
+            },
+            "ftf_max": _r(max(ftfs, default=0.0), 3),
+            "ftf_p99": _r(_pct(ftfs, 99), 3),
+            "ftf_mean": _r(_mean(ftfs), 3),
+            "reclaim_max_s": _r(max(all_reclaims, default=0.0)),
+            "reclaim_p99_s": _r(_pct(all_reclaims, 99)),
+            "preempted_gpu_hours": _r(self.lost_gpu_s / 3600),
+            "preemptions": {**self.preemptions, "by_kind": dict(self.preemptions_by_kind)},
+            "starved": starved,
+            "never_started": never_started,
+            "unfinished": unfinished,
+            "teams": teams,
+            "rejected_placements": len(self.rejected),
+            "rejected_examples": self.rejected[:5],
+            "plans_missing_reasons": self.missing_reasons,
+            "plan_calls": self.plan_calls,
+            "plan_time_s": _r(self.plan_time, 3),
+            "plan_mean_ms": _r(1000 * self.plan_time / self.plan_calls if self.plan_calls else 0, 3),
+            "plan_max_s": _r(self.plan_max, 4),
+            "plan_max_queue": self.plan_max_queue,
+            "wall_s": _r(wall, 2),
+            "config": {
+                "gpus_per_node": cfg.gpus_per_node,
+                "checkpoint_interval_s": cfg.checkpoint_interval_s,
+                "grace_s": cfg.grace_s,
+                "estimate_noise": cfg.estimate_noise,
+                "starve_factor": cfg.starve_factor,
+                "usage_half_life_s": cfg.usage_half_life_s,
+            },
+        }
+
+
+def _r(x: float, digits: int = 1) -> float:
+    return x if math.isinf(x) else round(x, digits)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    """Percentile with linear interpolation between closest ranks (numpy's default)."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def run(trace: Sequence[TraceJob], policy: str | PlanFn, config: SimConfig) -> SimResult:
+    """Replay `trace` through one planner."""
+    name, fn = resolve_policy(policy)
+    return _Engine(trace, fn, name, config).run()
+
+
+def simulate(
+    trace: Sequence[TraceJob],
+    policies: Iterable[str | PlanFn] = POLICIES,
+    **config,
+) -> dict[str, SimResult]:
+    """Replay the same trace through several planners side by side (for benchmarks).
+
+    >>> results = simulate(load_trace("trace.csv", limit=1000), ("fifo", "backfill"), gpus=64)
+    >>> results["backfill"].metrics["wait_mean_s"]
+    """
+    cfg = SimConfig(**config)
+    out = {}
+    for policy in policies:
+        result = run(trace, policy, cfg)
+        out[result.policy] = result
+    return out

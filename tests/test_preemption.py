@@ -1,0 +1,132 @@
+"""Checkpoint-first preemption through the real actions and scheduler pass: quota reclaim is
+automatic and bounded, priority preemption waits for an admin (or its deadline), victims are
+requeued and resume from their preemption checkpoint, and reclaim thrash is prevented."""
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from jobs.models import Event, Job, PreemptionRequest
+from jobs.scheduling.loop import run_pass
+from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
+
+
+@pytest.fixture
+def two_teams(make_team, make_user, make_nodes, settings, tmp_path):
+    settings.LOCKSTEP = {
+        **settings.LOCKSTEP,
+        "CHECKPOINT_ROOT": str(tmp_path / "ckpt"),
+        "PREEMPTION_APPROVAL_DELAY_S": 120.0,
+    }
+    owner = make_team("owner", quota=2)
+    guest = make_team("guest", quota=0, borrow_limit=2)
+    (node,) = make_nodes(1, 2)
+    return (
+        (owner, make_user("olga", team=owner)),
+        (guest, make_user("gus", team=guest)),
+        node,
+        tmp_path / "ckpt",
+    )
+
+
+def _stop_and_exit(node, attempt, root):
+    """The victim's trainer saves on SIGTERM, reports the checkpoint, and every rank exits 0."""
+    (desired,) = beat(node, attempt, {0: None, 1: None})["desired"]
+    assert desired["action"] == "stop"
+    beat(node, attempt, {0: 0, 1: 0}, records=[commit_checkpoint(root, attempt.job, 37)])
+
+
+@pytest.mark.django_db
+def test_quota_reclaim_is_automatic_checkpoint_first_and_the_victim_resumes(two_teams):
+    (owner, olga), (guest, gus), node, root = two_teams
+    borrowed = submit(guest, gus, gpus=2)
+    run_pass()
+    victim_attempt = live_attempt(borrowed)
+    beat(node, victim_attempt, {0: None, 1: None})
+    claimant = submit(owner, olga, gpus=2)
+    run_pass()
+    (request,) = PreemptionRequest.objects.all()
+    assert (request.kind, request.state, request.victim, request.claimant) == (
+        "reclaim",
+        "executed",
+        borrowed,
+        claimant,
+    )
+    borrowed.refresh_from_db()
+    assert borrowed.state == "PREEMPTING"
+    claimant.refresh_from_db()
+    assert claimant.state == "QUEUED" and claimant.reason.startswith(
+        f"waiting for job {borrowed.id} to checkpoint and stop (reclaiming its team's quota)"
+    )
+    _stop_and_exit(node, victim_attempt, root)
+    victim_attempt.refresh_from_db()
+    assert victim_attempt.state == "preempted"
+    borrowed.refresh_from_db()
+    assert borrowed.state == "QUEUED" and "requeued after preemption" in borrowed.reason
+    assert borrowed.checkpoints.get().preemption is True
+    run_pass()
+    assert live_attempt(claimant).allocations.count() == 2
+    request.refresh_from_db()
+    assert request.reclaim_s is not None and request.reclaim_s < 5
+    started = Event.objects.get(kind="preemption.claimant_started")
+    assert started.data["reclaim_s"] == pytest.approx(request.reclaim_s)
+    # Thrash prevention: the guest team may not borrow again right away...
+    borrowed.refresh_from_db()
+    assert "borrowing paused after a reclaim" in borrowed.reason
+    # ... and when the owner's job ends, the victim resumes from its preemption checkpoint.
+    attempt = live_attempt(claimant)
+    beat(node, attempt, {0: 0, 1: 0})
+    run_pass(now=timezone.now() + timedelta(seconds=301))
+    resumed = live_attempt(borrowed)
+    assert resumed.number == 2 and resumed.resumed_from_step == 37
+
+
+@pytest.mark.django_db
+def test_priority_preemption_waits_for_an_admin_who_may_reject_it(two_teams, make_user):
+    (owner, olga), (guest, gus), node, root = two_teams
+    low = submit(owner, olga, gpus=2, priority="low")
+    run_pass()
+    urgent = submit(owner, olga, gpus=2, priority="urgent")
+    Job.objects.filter(pk=urgent.pk).update(submitted_at=timezone.now())
+    owner.quota = 4
+    owner.save()
+    run_pass()
+    (request,) = PreemptionRequest.objects.all()
+    assert (request.kind, request.state) == ("priority", "proposed")
+    assert live_attempt(low).state != "stopping"
+    member, admin = APIClient(), APIClient()
+    member.force_authenticate(olga)
+    admin.force_authenticate(make_user("root", staff=True))
+    listed = member.get("/api/v1/preemptions/").json()["results"]
+    assert [p["id"] for p in listed] == [request.id]
+    assert member.post(f"/api/v1/preemptions/{request.id}/approve/").status_code == 403
+    rejected = admin.post(f"/api/v1/preemptions/{request.id}/reject/")
+    assert rejected.status_code == 200 and rejected.json()["state"] == "rejected"
+    assert admin.post(f"/api/v1/preemptions/{request.id}/approve/").status_code == 409
+    assert live_attempt(low).state == "running" or live_attempt(low).state == "starting"
+
+
+@pytest.mark.django_db
+def test_priority_preemption_approves_itself_at_its_deadline(two_teams):
+    (owner, olga), _, node, root = two_teams
+    owner.quota = 4
+    owner.save()
+    low = submit(owner, olga, gpus=2, priority="low")
+    run_pass()
+    submit(owner, olga, gpus=2, priority="high")
+    run_pass()
+    (request,) = PreemptionRequest.objects.all()
+    run_pass(now=timezone.now() + timedelta(seconds=60))
+    request.refresh_from_db()
+    assert request.state == "proposed"
+    later = timezone.now() + timedelta(seconds=121)
+    beat(node, live_attempt(low), {0: None, 1: None}, now=later)
+    run_pass(now=later)
+    request.refresh_from_db()
+    assert request.state == "executed" and request.decided_by is None
+    assert live_attempt(low).state == "stopping"
+    assert Event.objects.filter(
+        kind="preemption.approved", message__contains="approval deadline passed"
+    ).exists()
