@@ -407,3 +407,62 @@ def test_a_slow_rank_is_flagged_as_a_straggler_on_its_node(cluster):
         "the job to succeed",
     )
     assert len(api.get(f"/api/v1/jobs/{job}/").json()["attempts"]) == 1
+
+
+def test_quota_reclaim_checkpoints_the_borrower_runs_the_owner_then_resumes_the_borrower(
+    cluster,
+):
+    """Team rivals borrows the whole cluster; team e2e, within its quota, submits: the
+    borrower's job gets SIGTERM, saves a checkpoint and exits; the owner's job runs; when it
+    ends, the borrower's job resumes from its preemption checkpoint step."""
+    admin = Api(cluster.url, cluster.token("ops", "--staff"))
+    teams = {t["name"]: t["id"] for t in admin.get("/api/v1/teams/").json()["results"]}
+    for name, quota, borrow in (("rivals", 0, 4), ("e2e", 4, 0)):
+        response = admin.session.patch(
+            f"{cluster.url}/api/v1/teams/{teams[name]}/",
+            json={"quota": quota, "borrow_limit": borrow},
+            timeout=15,
+        )
+        assert response.status_code == 200, response.text
+    borrower = cluster.mallory.post(
+        "/api/v1/jobs/",
+        {
+            "name": "borrowing",
+            "team": "rivals",
+            "image": "lockstep/trainer:latest",
+            "gpus": 4,
+            "command": ["python", "-m", "trainer", "--steps", "400", "--checkpoint-every", "1000"],
+        },
+    ).json()["id"]
+
+    def steps(api, job_id):
+        cluster.check_alive()
+        detail = api.get(f"/api/v1/jobs/{job_id}/").json()
+        return detail["state"] == "RUNNING" and detail["attempts"][-1]["last_step"] > 5
+
+    wait_for(lambda: steps(cluster.mallory, borrower), 180, "the borrower to train")
+    owner = _submit(cluster.alice, "owner", ["python", "-m", "trainer", "--steps", "40"])
+    wait_for(lambda: steps(cluster.alice, owner), 180, "the owner's job to run")
+    detail = cluster.mallory.get(f"/api/v1/jobs/{borrower}/").json()
+    first = detail["attempts"][0]
+    assert first["state"] == "preempted" and "reclaim" in first["ended"]["reason"]
+    (saved,) = cluster.mallory.get(f"/api/v1/jobs/{borrower}/checkpoints/").json()
+    assert saved["step"] == first["last_step"] > 5  # saved at the step boundary after SIGTERM
+    (request,) = admin.get("/api/v1/preemptions/").json()["results"]
+    assert (request["kind"], request["state"], request["victim"], request["claimant"]) == (
+        "reclaim",
+        "executed",
+        borrower,
+        owner,
+    )
+    assert request["reclaim_s"] is not None and request["reclaim_s"] < 60
+
+    def resumed():
+        cluster.check_alive()
+        attempts = cluster.mallory.get(f"/api/v1/jobs/{borrower}/").json()["attempts"]
+        return len(attempts) == 2 and attempts[1]["last_step"] > 0 and attempts[1]
+
+    second = wait_for(resumed, 240, "the borrower to resume after the owner's job")
+    assert second["resumed_from_step"] == saved["step"]
+    assert cluster.alice.get(f"/api/v1/jobs/{owner}/").json()["state"] == "SUCCEEDED"
+    cluster.mallory.post(f"/api/v1/jobs/{borrower}/cancel/")

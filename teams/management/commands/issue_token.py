@@ -18,8 +18,15 @@ class Command(BaseCommand):
             "--quota", type=int, default=None, help="quota for a team created here (default 0)"
         )
         parser.add_argument("--name", default="cli", help="a label for the token")
+        parser.add_argument(
+            "--staff",
+            action="store_true",
+            help="make the user a cluster admin (for operators and automation)",
+        )
 
-    def handle(self, username, team=None, lead=False, quota=None, name="cli", **options):
+    def handle(
+        self, username, team=None, lead=False, quota=None, name="cli", staff=False, **options
+    ):
         if not username.strip() or len(username) > 150:
             raise CommandError("USERNAME must be 1-150 characters.")
         user, created = get_user_model().objects.get_or_create(username=username)
@@ -27,6 +34,10 @@ class Command(BaseCommand):
             user.set_unusable_password()
             user.save()
             self.stdout.write(f"created user {username}")
+        if staff and not user.is_staff:
+            user.is_staff = True
+            user.save(update_fields=["is_staff"])
+            self.stdout.write(f"{username} is now a cluster admin")
         if team:
             team_obj = Team.objects.filter(name=team).first()
             if team_obj is None:
