@@ -232,3 +232,16 @@ def test_higher_priority_blocked_work_proposes_priority_preemption():
     # Equal priority never preempts.
     p = plan(snapshot([n], [job(2, 8, team_id=t.id, prio=1)], [t], runs))
     assert p.preemptions == ()
+
+
+def test_a_team_at_its_cap_may_preempt_its_own_lower_priority_work():
+    t = team("nlp", quota=8, used=8)
+    n = node("n1", 8, busy=8)
+    runs = [
+        running(10, n, range(4), team_id=t.id, prio=0, checkpoint_age=600),
+        running(11, n, range(4, 8), team_id=t.id, prio=0, checkpoint_age=30),
+    ]
+    p = plan(snapshot([n], [job(1, 4, team_id=t.id, prio=2)], [t], runs))
+    (pre,) = p.preemptions
+    assert (pre.victim_job_id, pre.kind) == (11, "priority")  # least work at risk goes first
+    assert "lower priority, same team" in p.reasons[1]

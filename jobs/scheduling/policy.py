@@ -151,6 +151,7 @@ def _victims(
     free: dict[int, list[int]],
     nodes: list[NodeView],
     may_take,
+    enough=lambda chosen: True,
 ) -> tuple[list[RunningView], list] | None:
     """The fewest candidates (in the given order) whose GPUs make `job` fit, and the placement;
     None if even all of them would not. `may_take(victim)` says whether one more may go."""
@@ -164,7 +165,7 @@ def _victims(
             if node_id in trial:
                 trial[node_id] = sorted({*trial[node_id], index})
         choice = place(job, trial, nodes)
-        if choice is not None:
+        if choice is not None and enough(chosen):
             return chosen, choice
     return None
 
@@ -201,6 +202,52 @@ def plan(snapshot: Snapshot) -> Plan:
             ahead += 1
             continue
         if used[team.id] + job.gpus > team.cap:
+            # Priority inside a team: its own lower-priority jobs may make room (a proposal).
+            own = sorted(
+                (
+                    r
+                    for r in running
+                    if r.team_id == team.id and r.priority < job.priority and r.id not in taken
+                ),
+                key=lambda r: (r.priority, _work_at_risk(r, now)),
+            )
+            over = used[team.id] + job.gpus - team.cap
+            found = (
+                _victims(
+                    job,
+                    own,
+                    free,
+                    nodes,
+                    lambda v: True,
+                    enough=lambda chosen, over=over: sum(v.gpus for v in chosen) >= over,
+                )
+                if reservation is None and own
+                else None
+            )
+            if found is not None:
+                victims, choice = found
+                taken.update(v.id for v in victims)
+                for victim in victims:
+                    used[victim.team_id] -= victim.gpus
+                reserved.update(node.id for node, _ in choice)
+                reservation = (job.id, tuple(sorted(reserved)))
+                preemptions.extend(
+                    Preemption(
+                        v.id,
+                        job.id,
+                        "priority",
+                        f"priority over lower-priority work of team {team.name}",
+                    )
+                    for v in victims
+                )
+                reasons[job.id] = (
+                    "waiting for "
+                    + ", ".join(f"job {v.id}" for v in victims)
+                    + f" (lower priority, same team) to checkpoint and stop; {job.gpus} GPUs "
+                    "reserved"
+                )
+                ahead += 1
+                continue
             paused = " (borrowing paused after a reclaim)" if team.borrow_paused else ""
             reasons[job.id] = (
                 f"team {team.name} at its limit: {used[team.id]}/{team.cap} GPUs in use "
