@@ -227,8 +227,6 @@ def plan(snapshot: Snapshot) -> Plan:
             if found is not None:
                 victims, choice = found
                 taken.update(v.id for v in victims)
-                for victim in victims:
-                    used[victim.team_id] -= victim.gpus
                 reserved.update(node.id for node, _ in choice)
                 reservation = (job.id, tuple(sorted(reserved)))
                 preemptions.extend(
@@ -280,8 +278,8 @@ def plan(snapshot: Snapshot) -> Plan:
                 if claimed is not None:
                     victims, choice, kind = claimed
                     taken.update(v.id for v in victims)
-                    for victim in victims:
-                        used[victim.team_id] -= victim.gpus
+                    # The victims keep their GPUs (and count against their teams) until they
+                    # exit; the claimant is placed by a later pass.
                     reserved.update(node.id for node, _ in choice)
                     names_of = ", ".join(f"job {v.id}" for v in victims)
                     why = (

@@ -1,0 +1,139 @@
+"""Property-based tests: random clusters, queues and running jobs never make plan() break
+invariants 1 (a GPU in one allocation), 2 (whole gangs) and 6 (guaranteed GPUs are never
+reclaimed for another team's borrowing), nor a team's cap."""
+
+from collections import Counter
+from datetime import timedelta
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jobs.scheduling.policy import plan
+from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
+from tests.builders import T0
+
+
+@st.composite
+def clusters(draw):
+    n_nodes = draw(st.integers(1, 8))
+    gpn = draw(st.sampled_from([2, 4, 8]))
+    nodes = [
+        NodeView(
+            id=i + 1,
+            name=f"n{i}",
+            rack=f"r{i % 3}",
+            gpu_ids=tuple((i + 1) * 100 + g for g in range(gpn)),
+            free=frozenset(),
+            schedulable=draw(st.booleans()) or i == 0,
+        )
+        for i in range(n_nodes)
+    ]
+    n_teams = draw(st.integers(1, 4))
+    quotas = [draw(st.integers(0, n_nodes * gpn)) for _ in range(n_teams)]
+    borrows = [draw(st.integers(0, n_nodes * gpn)) for _ in range(n_teams)]
+    # Running jobs take disjoint GPUs; each team's usage is what it runs.
+    free = {n.id: list(range(gpn)) for n in nodes}
+    running, used = [], Counter()
+    for jid in range(1000, 1000 + draw(st.integers(0, 10))):
+        node = draw(st.sampled_from(nodes))
+        if not free[node.id]:
+            continue
+        size = draw(st.integers(1, len(free[node.id])))
+        take, free[node.id] = free[node.id][:size], free[node.id][size:]
+        team_id = draw(st.integers(1, n_teams))
+        used[team_id] += size
+        running.append(
+            RunningView(
+                id=jid,
+                team_id=team_id,
+                gpus=size,
+                priority=draw(st.integers(0, 3)),
+                slots=tuple((node.id, i) for i in take),
+                started_at=T0 - timedelta(seconds=draw(st.integers(1, 10_000))),
+                expected_end=draw(st.one_of(st.none(), st.just(T0 + timedelta(seconds=600)))),
+                last_checkpoint_at=None,
+                stopping=draw(st.booleans()) and draw(st.booleans()),
+            )
+        )
+    nodes = [
+        NodeView(
+            id=n.id,
+            name=n.name,
+            rack=n.rack,
+            gpu_ids=n.gpu_ids,
+            free=frozenset(free[n.id]),
+            schedulable=n.schedulable,
+        )
+        for n in nodes
+    ]
+    teams = [
+        TeamView(
+            id=t + 1,
+            name=f"t{t}",
+            quota=quotas[t],
+            borrow_limit=borrows[t],
+            used=used[t + 1],
+            weight=draw(st.sampled_from([0.5, 1.0, 2.0])),
+            usage_history=draw(st.floats(0, 1e6)),
+            borrow_paused=draw(st.booleans()),
+        )
+        for t in range(n_teams)
+    ]
+    queued = [
+        JobView(
+            id=j,
+            team_id=draw(st.integers(1, n_teams)),
+            gpus=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
+            priority=draw(st.integers(0, 3)),
+            submitted_at=T0 + timedelta(seconds=draw(st.integers(0, 1000))),
+            runtime_estimate_s=draw(st.one_of(st.none(), st.integers(1, 5000))),
+        )
+        for j in range(1, draw(st.integers(0, 25)) + 1)
+    ]
+    return Snapshot(
+        now=T0, nodes=tuple(nodes), queued=tuple(queued), teams=tuple(teams), running=tuple(running)
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(clusters())
+def test_plans_never_break_the_invariants(snap):
+    result = plan(snap)
+    nodes = {n.id: n for n in snap.nodes}
+    jobs = {j.id: j for j in snap.queued}
+    teams = {t.id: t for t in snap.teams}
+    # 1: placements use free GPUs of schedulable nodes, each at most once.
+    used_gpus = [(s.node_id, s.index) for p in result.placements for s in p.slots]
+    assert len(used_gpus) == len(set(used_gpus))
+    for node_id, index in used_gpus:
+        assert nodes[node_id].schedulable and index in nodes[node_id].free
+    # 2: whole gangs; a gang that fits a node stays on one node.
+    largest = max(n.total for n in snap.nodes)
+    for p in result.placements:
+        assert len(p.slots) == jobs[p.job_id].gpus
+        if jobs[p.job_id].gpus <= largest:
+            assert len(p.node_ids) == 1
+    # Caps: no team ends above quota + borrow limit (quota alone while paused).
+    after = Counter({t.id: t.used for t in snap.teams})
+    for p in result.placements:
+        after[p.team_id] += len(p.slots)
+    for team_id, gpus in after.items():
+        if gpus > teams[team_id].used:  # only teams that were given more GPUs
+            assert gpus <= teams[team_id].cap
+    # 6: reclaim victims only give up GPUs their team holds beyond its quota.
+    runs = {r.id: r for r in snap.running}
+    reclaimed = Counter()
+    for pre in result.preemptions:
+        victim = runs[pre.victim_job_id]
+        assert not victim.stopping
+        if pre.kind == "reclaim":
+            claimant = jobs[pre.claimant_job_id]
+            assert victim.team_id != claimant.team_id
+            reclaimed[victim.team_id] += victim.gpus
+        else:
+            assert victim.priority < jobs[pre.claimant_job_id].priority
+    for team_id, gpus in reclaimed.items():
+        assert teams[team_id].used - gpus >= teams[team_id].quota
+    # Every job left queued has a reason.
+    placed = {p.job_id for p in result.placements}
+    assert set(result.reasons) == set(jobs) - placed
