@@ -87,6 +87,9 @@ class Job(models.Model):
 
     state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
     reason = models.CharField(max_length=500, blank=True, help_text="Why it waits / how it ended")
+    estimated_start_at = models.DateTimeField(
+        null=True, blank=True, help_text="Queued: when the policy, run forward, starts it"
+    )
     restart_count = models.PositiveIntegerField(default=0)
     restart_after = models.DateTimeField(null=True, blank=True)
     submitted_at = models.DateTimeField()

@@ -121,6 +121,7 @@ class JobSerializer(serializers.ModelSerializer):
             "env",
             "state",
             "reason",
+            "estimated_start_at",
             "restart_count",
             "submitted_at",
             "first_started_at",

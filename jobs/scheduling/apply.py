@@ -21,7 +21,7 @@ class ApplyResult:
     preemptions: list[int] = field(default_factory=list)  # PreemptionRequest ids
 
 
-def apply_plan(plan: Plan, *, now: datetime) -> ApplyResult:
+def apply_plan(plan: Plan, *, now: datetime, estimates: dict | None = None) -> ApplyResult:
     """Apply a plan in one transaction; each placement in its own savepoint.
 
     A rejected placement (the job was claimed elsewhere, a GPU was taken, a node went down, the
@@ -43,7 +43,7 @@ def apply_plan(plan: Plan, *, now: datetime) -> ApplyResult:
                 # IntegrityError on the allocation index (a GPU taken concurrently) or a
                 # deadlock victim on PostgreSQL: the savepoint is rolled back, the gang with it.
                 result.rejected[placement.job_id] = f"claim lost a race: {exc.__class__.__name__}"
-        _write_reasons(plan, result)
+        _write_reasons(plan, result, estimates or {})
     # Outside the placement transaction: each proposal is its own small transaction, so a
     # victim that just ended is simply skipped.
     from jobs.actions import do_propose_preemption
@@ -63,20 +63,25 @@ def apply_plan(plan: Plan, *, now: datetime) -> ApplyResult:
     return result
 
 
-def _write_reasons(plan: Plan, result: ApplyResult) -> None:
+def _write_reasons(plan: Plan, result: ApplyResult, estimates: dict) -> None:
     reasons = dict(plan.reasons)
     for job_id, why in result.rejected.items():
         reasons[job_id] = f"placement rejected ({why}); retrying next pass"
     if not reasons:
         return
-    current = dict(
-        Job.objects.filter(id__in=reasons, state=Job.State.QUEUED).values_list("id", "reason")
-    )
-    changed = [
-        Job(id=jid, reason=why[:500])
-        for jid, why in reasons.items()
-        if jid in current and current[jid] != why[:500]
-    ]
-    for job in changed:
-        # A conditional update so a reason never overwrites a job that moved on meanwhile.
-        Job.objects.filter(id=job.id, state=Job.State.QUEUED).update(reason=job.reason)
+    current = {
+        jid: (reason, start)
+        for jid, reason, start in Job.objects.filter(
+            id__in=reasons, state=Job.State.QUEUED
+        ).values_list("id", "reason", "estimated_start_at")
+    }
+    for job_id, why in reasons.items():
+        start = estimates.get(job_id)
+        if start is not None:
+            why = f"{why}; est. start {start:%Y-%m-%d %H:%M} UTC"
+        why = why[:500]
+        if job_id in current and current[job_id] != (why, start):
+            # Conditional, so a reason never overwrites a job that moved on meanwhile.
+            Job.objects.filter(id=job_id, state=Job.State.QUEUED).update(
+                reason=why, estimated_start_at=start
+            )

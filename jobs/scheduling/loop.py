@@ -17,6 +17,7 @@ from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Job, Node, PreemptionRequest
 from jobs.scheduling.apply import ApplyResult, apply_plan
 from jobs.scheduling.detect import detect_hangs, detect_stragglers
+from jobs.scheduling.estimate import estimate_starts
 from jobs.scheduling.policy import plan
 from jobs.scheduling.snapshot import take_snapshot
 from jobs.scheduling.wake import subscriber
@@ -120,7 +121,9 @@ def run_pass(now=None) -> tuple[PassReport, ApplyResult]:
     now = now or timezone.now()
     housekeeping(now)
     snapshot = take_snapshot(now)
-    result = apply_plan(plan(snapshot), now=now)
+    decided = plan(snapshot)
+    estimates = estimate_starts(snapshot) if decided.reasons else {}
+    result = apply_plan(decided, now=now, estimates=estimates)
     report = PassReport(
         len(result.applied), len(result.rejected), len(snapshot.queued), time.monotonic() - started
     )

@@ -193,10 +193,13 @@ class SimConfig:
     racks: int | None = None  # default: one rack per 32 nodes
     quotas: dict[str, TeamQuota] | None = None  # default: equal_quotas over the trace's teams
     checkpoint_interval_s: float = 1800.0  # of run time; <= 0: never checkpoints
-    grace_s: float = 60.0  # a preempted job stops this long after the plan proposes it
+    grace_s: float = 60.0  # a victim stops this long after its preemption is carried out
+    checkpoint_on_stop: bool = False  # True: the victim saves when told to stop (loses nothing)
+    approval_delay_s: float = 300.0  # priority preemptions auto-approve after this (reclaims: 0)
+    reclaim_backoff_s: float = 300.0  # a team whose GPUs were reclaimed may not borrow for this
     estimate_noise: float = 0.0  # sigma of a log-normal factor on runtime estimates
     seed: int = 0
-    usage_half_life_s: float = 7 * 86400.0  # decay of TeamView.usage_history
+    usage_half_life_s: float = 86400.0  # decay of TeamView.usage_history (LOCKSTEP setting)
     starve_factor: float = 10.0  # starved: waited more than this many times its duration
 
 
@@ -213,6 +216,7 @@ class _Run:
     slots: list[tuple[int, int]]  # (node index, GPU index)
     view: RunningView
     attempt: int
+    expected: float  # end by the runtime estimate (what the planner is told)
     stopping_at: float | None = None
 
 
@@ -222,12 +226,19 @@ class SimResult:
     metrics: dict
     series: tuple[list[float], list[int], list[int]]  # t, busy GPUs, queued jobs (step values)
     waits: dict[str, list[float]] = field(default_factory=dict)  # size class -> waits (s)
+    # per job, in submit order: (trace job id, submit, gpus, first start, finish, preemptions)
+    records: list[tuple[str, float, int, float | None, float | None, int]] = field(
+        default_factory=list
+    )
+
+    def starts(self) -> dict[str, float | None]:
+        return {r[0]: r[3] for r in self.records}
 
     def to_json(self) -> dict:
         return self.metrics
 
 
-_COMPLETE, _STOP = 0, 1
+_COMPLETE, _STOP, _APPROVE, _WAKE = 0, 1, 2, 3
 
 
 def _at(t: float) -> datetime:
@@ -310,8 +321,15 @@ class _Engine:
         self.backlog_busy_gpu_s = 0.0
         self.lost_gpu_s = 0.0
         self.reclaims: dict[int, list[float]] = {tid: [] for tid in self.quota}
-        self.preemptions = {"proposed": 0, "executed": 0, "ignored": 0}
+        # proposed: in plans; duplicate: the victim already had an open request (or was gone);
+        # withdrawn: the claimant no longer waited at approval; executed: stop begun;
+        # stopped: victims requeued (the rest finished within their grace period).
+        self.preemptions = dict.fromkeys(
+            ("proposed", "duplicate", "withdrawn", "executed", "stopped"), 0
+        )
         self.preemptions_by_kind: dict[str, int] = {}
+        self.open_requests: dict[int, tuple[int, str]] = {}  # victim -> (claimant, kind)
+        self.paused_until: dict[int, float] = {}  # team -> borrowing paused until
         self.rejected: list[str] = []
         self.missing_reasons = 0
         self.plan_calls = 0
@@ -341,8 +359,11 @@ class _Engine:
                 _, _, kind, jid, attempt = heapq.heappop(self.events)
                 if kind == _COMPLETE:
                     self._complete(jid, attempt, t)
-                else:
+                elif kind == _STOP:
                     self._stop(jid, attempt, t)
+                elif kind == _APPROVE:
+                    self._approve(jid, attempt, t)
+                # _WAKE: only makes the planner run (borrowing resumes)
             while arr < n and jobs[arr].submit_s <= t:
                 self._enqueue(arr + 1, t)
                 arr += 1
@@ -437,6 +458,7 @@ class _Engine:
                 used=self.used[tid],
                 weight=q.weight,
                 usage_history=self.usage[tid],
+                borrow_paused=self.paused_until.get(tid, -INF) > t,
             )
             for tid, q in self.quota.items()
         )
@@ -519,6 +541,7 @@ class _Engine:
             end=end,
             slots=slots,
             attempt=attempt,
+            expected=expected,
             view=RunningView(
                 id=jid,
                 team_id=tid,
@@ -530,8 +553,7 @@ class _Engine:
             ),
         )
         self.running_dirty = True
-        self.seq += 1
-        heapq.heappush(self.events, (end, self.seq, _COMPLETE, jid, attempt))
+        self._push(end, _COMPLETE, jid, attempt)
         interval = self.cfg.checkpoint_interval_s
         if interval > 0 and t + interval < end:
             heapq.heappush(self.checkpoints, (t + interval, jid, attempt))
@@ -551,24 +573,55 @@ class _Engine:
         if run is None or run.attempt != attempt:
             return
         self._release(run, jid)
+        self.open_requests.pop(jid, None)
         self.remaining[jid - 1] = 0.0
         self.finish[jid - 1] = t
 
+    def _push(self, t: float, kind: int, jid: int, attempt: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, jid, attempt))
+
     def _preempt(self, proposal, t: float) -> None:
+        """As the live system: one open request per victim; reclaims are carried out at once,
+        priority preemptions when their approval deadline passes (no admin in a simulation)."""
         self.preemptions["proposed"] += 1
-        run = self.running.get(proposal.victim_job_id)
-        if run is None or run.stopping_at is not None:
-            self.preemptions["ignored"] += 1  # not running, or already stopping
+        jid = proposal.victim_job_id
+        run = self.running.get(jid)
+        if run is None or jid in self.open_requests:
+            self.preemptions["duplicate"] += 1
             return
-        kind = getattr(proposal, "kind", "?")
+        kind = proposal.kind
         self.preemptions_by_kind[kind] = self.preemptions_by_kind.get(kind, 0) + 1
+        self.open_requests[jid] = (proposal.claimant_job_id, kind)
+        if kind == "reclaim" or self.cfg.approval_delay_s <= 0:
+            self._execute(jid, t)
+        else:
+            self._push(t + self.cfg.approval_delay_s, _APPROVE, jid, run.attempt)
+
+    def _approve(self, jid: int, attempt: int, t: float) -> None:
+        run = self.running.get(jid)
+        if run is None or run.attempt != attempt or jid not in self.open_requests:
+            self.open_requests.pop(jid, None)
+            return
+        if self.open_requests[jid][0] not in self.queue:
+            self.preemptions["withdrawn"] += 1
+            del self.open_requests[jid]
+            return
+        self._execute(jid, t)
+
+    def _execute(self, jid: int, t: float) -> None:
+        """Checkpoint-and-stop with a grace deadline; the victim's team stops borrowing."""
+        run = self.running[jid]
+        _, kind = self.open_requests[jid]
+        self.preemptions["executed"] += 1
+        if kind == "reclaim" and self.cfg.reclaim_backoff_s > 0:
+            self.paused_until[run.view.team_id] = t + self.cfg.reclaim_backoff_s
+            self._push(t + self.cfg.reclaim_backoff_s, _WAKE, 0, 0)
         stop = t + self.cfg.grace_s
         run.stopping_at = stop
-        if stop < run.end:  # the victim tells the policy when its GPUs come back
-            run.view = replace(run.view, expected_end=_at(stop))
-            self.running_dirty = True
-        self.seq += 1
-        heapq.heappush(self.events, (stop, self.seq, _STOP, proposal.victim_job_id, run.attempt))
+        run.view = replace(run.view, stopping=True, expected_end=_at(min(run.expected, stop)))
+        self.running_dirty = True
+        self._push(stop, _STOP, jid, run.attempt)
 
     def _stop(self, jid: int, attempt: int, t: float) -> None:
         run = self.running.get(jid)
@@ -577,13 +630,19 @@ class _Engine:
         i = jid - 1
         interval = self.cfg.checkpoint_interval_s
         ran = t - run.start
-        saved = math.floor(ran / interval) * interval if interval > 0 else 0.0
+        if self.cfg.checkpoint_on_stop:
+            saved = ran
+        elif interval > 0:
+            saved = math.floor(ran / interval) * interval
+        else:
+            saved = 0.0
         saved = min(saved, self.remaining[i])
         self.lost_gpu_s += len(run.slots) * (ran - saved)
         self.remaining[i] -= saved
         self.attempt[i] += 1
         self.preempted[i] += 1
-        self.preemptions["executed"] += 1
+        self.preemptions["stopped"] += 1
+        self.open_requests.pop(jid, None)
         self._release(run, jid)
         self._enqueue(jid, t)
 
@@ -595,6 +654,17 @@ class _Engine:
             metrics=self.metrics(t0, t_end, wall),
             series=(self.series_t, self.series_busy, self.series_queued),
             waits=self._waits_by_class(),
+            records=[
+                (
+                    j.job_id,
+                    j.submit_s,
+                    j.gpus,
+                    self.first_start[i],
+                    self.finish[i],
+                    self.preempted[i],
+                )
+                for i, j in enumerate(self.jobs)
+            ],
         )
 
     def _waits_by_class(self) -> dict[str, list[float]]:
@@ -627,12 +697,12 @@ class _Engine:
             if wait > cfg.starve_factor * job.duration_s:
                 starved += 1
             share = self.quota[tid].quota
-            ideal = job.duration_s * max(1.0, job.gpus / share) if share > 0 else INF
-            ftf = jct / ideal if 0 < ideal < INF else (1.0 if jct == 0 else INF)
+            if share > 0:  # a team with no quota has no fair share to compare against
+                ideal = max(1.0, job.duration_s * max(1.0, job.gpus / share))
+                ftfs.append(jct / ideal)
+                by_team[tid].append(jct / ideal)
             jcts.append(jct)
             waits.append(wait)
-            ftfs.append(ftf)
-            by_team[tid].append(ftf)
             by_class[size_class(job.gpus)][0].append(wait)
             by_class[size_class(job.gpus)][1].append(jct)
         all_reclaims = [r for rs in self.reclaims.values() for r in rs]
@@ -696,7 +766,9 @@ class _Engine:
             "plans_missing_reasons": self.missing_reasons,
             "plan_calls": self.plan_calls,
             "plan_time_s": _r(self.plan_time, 3),
-            "plan_mean_ms": _r(1000 * self.plan_time / self.plan_calls if self.plan_calls else 0, 3),
+            "plan_mean_ms": _r(
+                1000 * self.plan_time / self.plan_calls if self.plan_calls else 0, 3
+            ),
             "plan_max_s": _r(self.plan_max, 4),
             "plan_max_queue": self.plan_max_queue,
             "wall_s": _r(wall, 2),
@@ -704,6 +776,9 @@ class _Engine:
                 "gpus_per_node": cfg.gpus_per_node,
                 "checkpoint_interval_s": cfg.checkpoint_interval_s,
                 "grace_s": cfg.grace_s,
+                "checkpoint_on_stop": cfg.checkpoint_on_stop,
+                "approval_delay_s": cfg.approval_delay_s,
+                "reclaim_backoff_s": cfg.reclaim_backoff_s,
                 "estimate_noise": cfg.estimate_noise,
                 "starve_factor": cfg.starve_factor,
                 "usage_half_life_s": cfg.usage_half_life_s,
@@ -721,9 +796,12 @@ def _mean(xs: Sequence[float]) -> float:
 
 def _pct(xs: Sequence[float], q: float) -> float:
     """Percentile with linear interpolation between closest ranks (numpy's default)."""
-    if not xs:
+    return pct_sorted(sorted(xs), q)
+
+
+def pct_sorted(s: Sequence[float], q: float) -> float:
+    if not s:
         return 0.0
-    s = sorted(xs)
     pos = (len(s) - 1) * q / 100
     lo = math.floor(pos)
     hi = min(lo + 1, len(s) - 1)
