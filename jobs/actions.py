@@ -187,6 +187,67 @@ def do_requeue_job(job: Job, *, now: datetime) -> bool:
 # --- the claim -----------------------------------------------------------------------------
 
 
+def _master_port(master: Node, attempt_id: int) -> int:
+    """A rendezvous port on the master node that no live attempt there uses: random within
+    [MASTER_PORT_BASE, +10000) so that two portals on one host rarely meet either."""
+    import random
+
+    base = lockstep_setting("MASTER_PORT_BASE")
+    taken = set(
+        Attempt.objects.filter(ended_at__isnull=True, master_addr=master.address).values_list(
+            "master_port", flat=True
+        )
+    )
+    rng = random.Random(f"{master.id}-{attempt_id}")
+    for _ in range(100):
+        port = base + rng.randrange(10_000)
+        if port not in taken:
+            return port
+    return base + attempt_id % 10_000
+
+
+def adopt_unreported_checkpoints(job: Job, *, now: datetime) -> list[Checkpoint]:
+    """Committed saves of ended attempts that the portal never heard of (rank 0's node was lost
+    before its agent reported them): the COMMITTED marker is the proof, so record them and
+    resume from the newest instead of redoing their steps."""
+    from trainer.checkpoint import read_marker
+
+    latest = latest_checkpoint(job.id)
+    known = set(Checkpoint.objects.filter(job=job).values_list("path", flat=True))
+    root = Path(lockstep_setting("CHECKPOINT_ROOT")).resolve() / f"job-{job.id}"
+    adopted = []
+    for attempt in job.attempts.filter(ended_at__isnull=False).order_by("number"):
+        directory = root / f"attempt-{attempt.number}"
+        if not directory.is_dir():
+            continue
+        for step_dir in sorted(directory.glob("step-*")):
+            marker = read_marker(step_dir)
+            if marker is None or str(step_dir) in known:
+                continue
+            step = int(marker.get("step", 0))
+            if latest is not None and step <= latest.step:
+                continue
+            size = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
+            checkpoint = Checkpoint.objects.create(
+                job=job,
+                attempt=attempt,
+                step=step,
+                path=str(step_dir),
+                bytes=size,
+                created_at=now,
+            )
+            adopted.append(checkpoint)
+            _event(
+                "checkpoint.recovered",
+                f"committed checkpoint at step {step} of attempt {attempt.number} found on "
+                "disk (its report was lost with its node)",
+                job=job,
+                attempt=attempt,
+                data={"step": step},
+            )
+    return adopted
+
+
 def latest_checkpoint(job_id: int) -> Checkpoint | None:
     return (
         Checkpoint.objects.filter(job_id=job_id, deleted_at__isnull=True)
@@ -226,6 +287,8 @@ def do_start_attempt(placement, *, now: datetime) -> Attempt:
     if not Job.objects.filter(pk=job.pk, state=Job.State.QUEUED).update(state=Job.State.STARTING):
         raise ClaimRejected(f"job {job.id} was claimed by someone else")
 
+    if job.attempts.exists():
+        adopt_unreported_checkpoints(job, now=now)
     checkpoint = latest_checkpoint(job.id)
     number = (job.attempts.aggregate(n=Max("number"))["n"] or 0) + 1
     master = nodes[placement.slots[0].node_id]
@@ -242,7 +305,7 @@ def do_start_attempt(placement, *, now: datetime) -> Attempt:
 
     attempt.checkpoint_interval_s = checkpoint_advice(job)["interval_s"]
     # A port per attempt so two rendezvous on one master node never meet.
-    attempt.master_port = lockstep_setting("MASTER_PORT_BASE") + attempt.id % 5000
+    attempt.master_port = _master_port(master, attempt.id)
     attempt.save(update_fields=["master_port", "checkpoint_interval_s"])
     # Sorted by GPU id so concurrent claimers lock index entries in one order (no deadlock).
     Allocation.objects.bulk_create(
@@ -639,6 +702,8 @@ def do_register_node(
                     attempt,
                     state=Attempt.State.LOST,
                     now=now,
+                    failed_at=node.last_heartbeat_at,
+                    blame_node=node,
                     reason=f"agent on {name} restarted; it killed {killed_orphans} worker(s) "
                     "left by its previous process (workers are not re-adopted)",
                 )
@@ -909,7 +974,7 @@ def do_request_stack_dump(attempt: Attempt, *, reason: str, now: datetime) -> bo
         return False
     _event(
         "attempt.hang_detected",
-        f"attempt {attempt.number} hung: {reason}; capturing stacks before restart",
+        f"attempt {attempt.number}: {reason}; capturing stacks before restart",
         job_id=attempt.job_id,
         attempt=attempt,
         data={"last_step": attempt.last_step},
@@ -939,13 +1004,22 @@ def stacks_since(attempt: Attempt, since: datetime, *, limit: int = 20_000) -> d
 def do_end_hung_attempt(attempt: Attempt, *, now: datetime) -> Attempt:
     stacks = stacks_since(attempt, attempt.dump_requested_at)
     reason = attempt.end_reason or "hung"
+    # A rank that could not even dump its stacks (stopped, stuck in the kernel) is the likely
+    # culprit: when such ranks sit on one node, that node takes the strike.
+    silent = attempt.allocations.exclude(rank__in=[int(r) for r in stacks]).select_related("node")
+    silent_nodes = {a.node for a in silent}
+    blame = silent_nodes.pop() if stacks and len(silent_nodes) == 1 else None
+    silent_ranks = sorted(a.rank for a in silent)
+    if stacks and silent_ranks:
+        reason += f"; no stacks from rank(s) {', '.join(map(str, silent_ranks))}"
     return do_end_attempt(
         attempt,
         state=Attempt.State.FAILED,
         now=now,
         reason=f"{reason} (stacks from {len(stacks)} of {attempt.job.gpus} ranks)",
         failed_at=attempt.last_progress_at or attempt.running_at,
-        data={"stacks": stacks},
+        blame_node=blame,
+        data={"stacks": stacks, "silent_ranks": silent_ranks},
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from statistics import median
 
-from django.db.models import Q
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 
 from jobs.conf import lockstep_setting
 from jobs.health import young_daly_interval
@@ -21,11 +21,16 @@ def _mtbf(attempts, prior_s: float) -> tuple[float | None, int]:
     Smoothed with one prior failure-free interval of `prior_s`: one early failure after a
     minute of running must not make the estimate "one failure a minute" (and the interval a
     few seconds); the estimate moves to the observed rate as running time accumulates.
+    One aggregate query: this runs for every claim.
     """
-    running, failures = 0.0, 0
-    for attempt in attempts.filter(running_at__isnull=False, ended_at__isnull=False):
-        running += (attempt.ended_at - attempt.running_at).total_seconds()
-        failures += attempt.state in FAILED
+    totals = attempts.filter(running_at__isnull=False, ended_at__isnull=False).aggregate(
+        running=Sum(
+            ExpressionWrapper(F("ended_at") - F("running_at"), output_field=DurationField())
+        ),
+        failures=Count("id", filter=Q(state__in=FAILED)),
+    )
+    failures = totals["failures"] or 0
+    running = totals["running"].total_seconds() if totals["running"] else 0.0
     return ((running + prior_s) / (failures + 1) if failures else None), failures
 
 

@@ -322,3 +322,70 @@ def test_teams_api_shows_usage_and_goodput_and_only_admins_change_quotas(setup, 
     stranger = APIClient()
     stranger.force_authenticate(make_user("nobody"))
     assert stranger.get(f"/api/v1/teams/{team['id']}/").status_code == 404
+
+
+@pytest.mark.django_db
+def test_a_committed_checkpoint_whose_report_was_lost_with_its_node_is_resumed_from(setup):
+    job, attempt, a, b, root = _run(setup)
+    beat(a, attempt, {0: None, 1: None}, records=[commit_checkpoint(root, job, 20)])
+    # Rank 0's node commits step 40, then goes silent before its agent reports it.
+    unreported = root / f"job-{job.id}" / "attempt-1" / "step-000040"
+    unreported.mkdir(parents=True)
+    (unreported / "COMMITTED").write_text('{"step": 40, "world_size": 4}')
+    actions.do_mark_node_lost(a, now=timezone.now(), reason="test")
+    Job.objects.filter(pk=job.pk).update(restart_after=timezone.now())
+    actions.do_heartbeat(a, {"boot_id": a.boot_id}, now=timezone.now())
+    run_pass()
+    second = live_attempt(job)
+    assert second.resumed_from_step == 40
+    assert Event.objects.filter(job=job, kind="checkpoint.recovered").count() == 1
+
+
+@pytest.mark.django_db
+def test_the_node_of_a_rank_that_cannot_dump_its_stacks_is_blamed_for_a_hang(setup, settings):
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "HANG_MIN_S": 20.0, "DUMP_WAIT_S": 3.0}
+    job, attempt, a, b, _ = _run(setup)
+    t0 = timezone.now()
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 10), now=t0)
+    t = t0 + timedelta(seconds=25)
+    for node, ranks in ((a, {0: None, 1: None}), (b, {2: None, 3: None})):
+        beat(node, attempt, ranks, now=t)
+    run_pass(now=t)
+    for rank in (0, 1, 2):  # rank 3 is stopped: no dump
+        LogChunk.objects.create(
+            attempt=attempt,
+            rank=rank,
+            created_at=t,
+            text="Current thread 0x1 (most recent call first):\n",
+        )
+    later = t + timedelta(seconds=4)
+    for node, ranks in ((a, {0: None, 1: None}), (b, {2: None, 3: None})):
+        beat(node, attempt, ranks, now=later)
+    run_pass(now=later)
+    attempt.refresh_from_db()
+    assert "no stacks from rank(s) 3" in attempt.end_reason
+    assert Event.objects.filter(node=b, kind="node.strike").count() == 1
+    assert not Event.objects.filter(node=a, kind="node.strike").exists()
+
+
+@pytest.mark.django_db
+def test_an_agent_restart_is_timed_from_its_last_heartbeat_and_strikes_its_node(setup):
+    job, attempt, a, b, _ = _run(setup)
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 3))
+    last = timezone.now()
+    actions.do_heartbeat(a, {"boot_id": a.boot_id}, now=last)
+    actions.do_register_node(
+        name=a.name, gpus=2, address="127.0.0.1", boot_id="reborn", now=last + timedelta(seconds=6)
+    )
+    event = Event.objects.get(attempt=attempt, kind="attempt.lost")
+    assert event.data["detect_s"] == pytest.approx(6, abs=0.01)
+    assert Event.objects.filter(node=a, kind="node.strike").count() == 1
+
+
+@pytest.mark.django_db
+def test_rendezvous_ports_of_live_attempts_on_one_master_differ(setup, make_nodes):
+    team, user, _, _ = setup
+    jobs = [submit(team, user, gpus=1) for _ in range(4)]
+    run_pass()
+    ports = [live_attempt(j).master_port for j in jobs]
+    assert len(set(ports)) == 4

@@ -58,17 +58,20 @@ def detect_hangs(now: datetime, *, heard_since: datetime) -> None:
 def detect_stragglers(now: datetime) -> None:
     every = timedelta(seconds=lockstep_setting("STRAGGLER_CHECK_S"))
     window = lockstep_setting("STRAGGLER_WINDOW_STEPS")
+    warmup = 5  # the first steps after a (re)start include compilation and bucket rebuilds
     for attempt in Attempt.objects.filter(
-        ended_at__isnull=True, state=Attempt.State.RUNNING, last_step__gte=window
+        ended_at__isnull=True, state=Attempt.State.RUNNING
     ).select_related("job"):
-        if attempt.job.gpus < 2:
+        if attempt.job.gpus < 2 or attempt.last_step - attempt.resumed_from_step < window + warmup:
             continue
         if attempt.straggler_checked_at and now - attempt.straggler_checked_at < every:
             continue
         Attempt.objects.filter(pk=attempt.pk).update(straggler_checked_at=now)
         compute: dict[int, list[float]] = defaultdict(list)
         for rank, value in MetricPoint.objects.filter(
-            attempt=attempt, name="compute_s", step__gt=attempt.last_step - window
+            attempt=attempt,
+            name="compute_s",
+            step__gt=max(attempt.last_step - window, attempt.resumed_from_step + warmup),
         ).values_list("rank", "value"):
             compute[rank].append(value)
         flagged = find_stragglers(

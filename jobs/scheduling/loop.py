@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 
 import redis
 from django.db import close_old_connections
-from django.db.models import Max
+from django.db.models import Max, Min
 from django.utils import timezone
 
 from jobs import actions
@@ -150,7 +150,15 @@ def run_forever(*, tick_s: float | None = None, once: bool = False) -> None:
             log.exception("scheduler pass failed")
         if once:
             return
-        pubsub = _wait_for_wake(pubsub, tick_s)
+        pubsub = _wait_for_wake(pubsub, _next_wait(tick_s))
+
+
+def _next_wait(tick_s: float) -> float:
+    """Sleep until the tick, or until a restart's backoff ends if that comes first."""
+    due = Job.objects.filter(state=Job.State.RESTARTING).aggregate(due=Min("restart_after"))["due"]
+    if due is None:
+        return tick_s
+    return min(tick_s, max((due - timezone.now()).total_seconds(), 0.05))
 
 
 def _wait_for_wake(pubsub, tick_s: float):
