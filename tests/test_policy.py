@@ -256,8 +256,10 @@ def test_estimated_starts_run_the_policy_forward_on_a_virtual_clock():
     t = team()
     n = node("n1", 8, busy=8)
     runs = [running(10, n, range(8), team_id=t.id, ends_in=600)]
-    jobs = [job(1, 8, team_id=t.id, submitted=0, estimate=1200),
-            job(2, 4, team_id=t.id, submitted=1, estimate=60)]
+    jobs = [
+        job(1, 8, team_id=t.id, submitted=0, estimate=1200),
+        job(2, 4, team_id=t.id, submitted=1, estimate=60),
+    ]
     starts = estimate_starts(snapshot([n], jobs, [t], runs))
     assert starts[1] == T0 + timedelta(seconds=600)  # when the running job ends
     assert starts[2] == T0 + timedelta(seconds=1800)  # after job 1 (it holds the node)
