@@ -34,20 +34,41 @@ def _mtbf(attempts, prior_s: float) -> tuple[float | None, int]:
     return ((running + prior_s) / (failures + 1) if failures else None), failures
 
 
+_fleet_cache: dict = {"at": 0.0}
+FLEET_CACHE_S = 30.0
+
+
+def _fleet(prior_s: float) -> tuple[list[float], float | None, int]:
+    """The fleet's recent save stalls and MTBF, cached briefly: they change slowly and every
+    claim asks for them."""
+    import time
+
+    if time.monotonic() - _fleet_cache["at"] > FLEET_CACHE_S:
+        saves = list(Checkpoint.objects.order_by("-id").values_list("save_s", flat=True)[:200])
+        mtbf, failures = _mtbf(Attempt.objects.all(), prior_s)
+        _fleet_cache.update(at=time.monotonic(), saves=saves, mtbf=mtbf, failures=failures)
+    return _fleet_cache["saves"], _fleet_cache["mtbf"], _fleet_cache["failures"]
+
+
 def checkpoint_advice(job: Job) -> dict:
-    saves = list(
-        Checkpoint.objects.filter(job=job).order_by("-id").values_list("save_s", flat=True)[:20]
+    prior = lockstep_setting("DEFAULT_MTBF_S")
+    fresh = job.first_started_at is None  # no attempts, no checkpoints of its own yet
+    saves = (
+        []
+        if fresh
+        else list(
+            Checkpoint.objects.filter(job=job).order_by("-id").values_list("save_s", flat=True)[:20]
+        )
     )
     stall_source = "job"
-    if not saves:
-        saves = list(Checkpoint.objects.order_by("-id").values_list("save_s", flat=True)[:200])
-        stall_source = "fleet"
-    prior = lockstep_setting("DEFAULT_MTBF_S")
-    mtbf, failures = _mtbf(Attempt.objects.filter(job=job), prior)
+    mtbf, failures = (None, 0) if fresh else _mtbf(Attempt.objects.filter(job=job), prior)
     mtbf_source = "job"
-    if mtbf is None:
-        mtbf, failures = _mtbf(Attempt.objects.filter(~Q(job=job)), prior)
-        mtbf_source = "fleet"
+    if not saves or mtbf is None:
+        fleet_saves, fleet_mtbf, fleet_failures = _fleet(prior)
+        if not saves:
+            saves, stall_source = fleet_saves, "fleet"
+        if mtbf is None:
+            mtbf, failures, mtbf_source = fleet_mtbf, fleet_failures, "fleet"
     if mtbf is None:
         mtbf, mtbf_source = prior, "default"
     stall = median(saves) if saves else None
