@@ -116,13 +116,28 @@ def housekeeping(now) -> None:
         )
 
 
+ESTIMATE_HEAD = 300  # queued jobs given a start estimate each pass (in policy order)
+
+
+def head_of_queue(snapshot):
+    """The snapshot with only the first ESTIMATE_HEAD queued jobs: estimates replay plan()
+    many times, so they are kept to the jobs people are waiting on first."""
+    from dataclasses import replace
+
+    from jobs.scheduling.policy import job_order_key
+
+    teams = {t.id: t for t in snapshot.teams}
+    ordered = sorted(snapshot.queued, key=lambda j: job_order_key(j, teams))
+    return replace(snapshot, queued=tuple(ordered[:ESTIMATE_HEAD]))
+
+
 def run_pass(now=None) -> tuple[PassReport, ApplyResult]:
     started = time.monotonic()
     now = now or timezone.now()
     housekeeping(now)
     snapshot = take_snapshot(now)
     decided = plan(snapshot)
-    estimates = estimate_starts(snapshot) if decided.reasons else {}
+    estimates = estimate_starts(head_of_queue(snapshot)) if decided.reasons else {}
     result = apply_plan(decided, now=now, estimates=estimates)
     report = PassReport(
         len(result.applied), len(result.rejected), len(snapshot.queued), time.monotonic() - started
