@@ -141,21 +141,17 @@ def bench_apply(args) -> dict:
     """Gangs per second committed by apply_plan on the configured database (a fresh one)."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
     import django
-    from django.test.utils import setup_test_environment  # noqa: F401
 
     django.setup()
     from django.contrib.auth import get_user_model
     from django.db import connection
-    from django.test.utils import get_runner  # noqa: F401
     from django.utils import timezone
 
     from jobs import actions
-    from jobs.models import Job
+    from jobs.models import Allocation, Attempt, Job
     from jobs.scheduling.apply import apply_plan
     from jobs.scheduling.snapshot import take_snapshot
     from teams.actions import do_create_team
-
-    from django.core.management import call_command
 
     creation = connection.creation
     test_db = creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
@@ -186,8 +182,6 @@ def bench_apply(args) -> dict:
             seconds += time.perf_counter() - started
             total += len(result.applied)
             Job.objects.filter(state=Job.State.QUEUED).update(state=Job.State.CANCELLED)
-            from jobs.models import Allocation, Attempt
-
             Allocation.objects.filter(released_at__isnull=True).update(released_at=timezone.now())
             Attempt.objects.filter(ended_at__isnull=True).update(ended_at=timezone.now())
         return {
@@ -198,7 +192,6 @@ def bench_apply(args) -> dict:
         }
     finally:
         creation.destroy_test_db(test_db, verbosity=0)
-        del call_command
 
 
 if __name__ == "__main__":
