@@ -1,5 +1,5 @@
-"""The `lockstep` command: run the platform (`up`, `agent`, `scheduler`) and use it (`submit`,
-`jobs`, `status`, `cancel`, `logs`)."""
+"""The `lockstep` command: run the platform (`up`, `agent`, `scheduler`), use it (`submit`,
+`jobs`, `status`, `cancel`, `logs`) and replay traces through the scheduler (`simulate`)."""
 
 from __future__ import annotations
 
@@ -111,6 +111,168 @@ def cmd_logs(args) -> int:
     return 0
 
 
+def _print_simulation(m: dict) -> None:
+    rows = [
+        ("policy", m["policy"]),
+        ("cluster", f"{m['gpus']} GPUs on {m['nodes']} nodes"),
+        ("jobs", f"{m['jobs']} simulated, {m['dropped']} dropped (larger than the cluster)"),
+        ("makespan", f"{m['makespan_s'] / 86400:.2f} days"),
+        ("utilization", f"{m['utilization']:.1%}"),
+        (
+            "utilization when backlogged",
+            f"{m['utilization_when_backlogged']:.1%} (queue non-empty "
+            f"{m['backlogged_fraction']:.1%} of the time)",
+        ),
+        (
+            "wait mean / median / p99",
+            "{wait_mean_s} / {wait_median_s} / {wait_p99_s} s".format(**m),
+        ),
+        ("JCT mean / median / p99", "{jct_mean_s} / {jct_median_s} / {jct_p99_s} s".format(**m)),
+        ("finish-time fairness max / p99", f"{m['ftf_max']} / {m['ftf_p99']}"),
+        ("reclaim time max / p99", "{reclaim_max_s} / {reclaim_p99_s} s".format(**m)),
+        (
+            "preemptions",
+            f"{m['preemptions']['executed']} executed, {m['preempted_gpu_hours']} GPU-hours lost",
+        ),
+        ("starved", f"{m['starved']} ({m['never_started']} never started)"),
+        (
+            "plan() calls",
+            f"{m['plan_calls']} in {m['plan_time_s']} s (max {m['plan_max_s']} s "
+            f"with {m['plan_max_queue']} queued)",
+        ),
+        ("wall time", f"{m['wall_s']} s"),
+    ]
+    if m["rejected_placements"] or m["plans_missing_reasons"]:
+        rows.append(
+            (
+                "plan errors",
+                f"{m['rejected_placements']} placements rejected, "
+                f"{m['plans_missing_reasons']} plans left a queued job without a reason",
+            )
+        )
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    print(f"\n{'size':>6} {'jobs':>7} {'wait mean s':>12} {'wait p99 s':>12} {'JCT mean s':>12}")
+    for cls, s in m["by_size"].items():
+        print(
+            f"{cls:>6} {s['jobs']:>7} {s['wait_mean_s']:>12} {s['wait_p99_s']:>12} "
+            f"{s['jct_mean_s']:>12}"
+        )
+    print()
+
+
+def cmd_simulate(args) -> int:
+    """Replay a trace through a planner on a virtual clock; needs no database or settings."""
+    from jobs.scheduling.simulate import POLICIES, SimConfig, load_quotas, load_trace, run
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    if args.policy == "all":
+        policies = list(POLICIES)
+    if any(p not in POLICIES for p in policies) or not policies:
+        print(f"lockstep: --policy must be one of {', '.join(POLICIES)}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.limit is not None and (args.start_s is not None or args.end_s is not None):
+        print("lockstep: give --start-s/--end-s or --limit, not both", file=sys.stderr)
+        return EXIT_USAGE
+    trace = load_trace(
+        args.trace,
+        team=args.team,
+        start_s=args.start_s,
+        end_s=args.end_s,
+        limit=args.limit,
+        load_scale=args.load_scale,
+    )
+    config = SimConfig(
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        racks=args.racks,
+        quotas=load_quotas(args.quotas) if args.quotas else None,
+        checkpoint_interval_s=args.checkpoint_interval_s,
+        grace_s=args.grace_s,
+        estimate_noise=args.estimate_noise,
+        seed=args.seed,
+        checkpoint_on_stop=args.checkpoint_on_stop,
+        approval_delay_s=args.approval_delay_s,
+        reclaim_backoff_s=args.reclaim_backoff_s,
+    )
+
+    def progress(status: dict) -> None:
+        print("simulate: " + json.dumps(status), file=sys.stderr, flush=True)
+
+    results = [
+        run(trace, policy, config, progress if args.progress else None) for policy in policies
+    ]
+    if args.report:
+        from jobs.scheduling.report import write_report
+
+        title = f"{os.path.basename(args.trace)} on {args.gpus} GPUs"
+        write_report(results, args.report, title=title)
+    if args.json or args.sim_json:
+        metrics = [r.metrics for r in results]
+        out = metrics[0] if len(metrics) == 1 else {"policies": {m["policy"]: m for m in metrics}}
+        print(json.dumps(out))
+    else:
+        for result in results:
+            _print_simulation(result.metrics)
+        if args.report:
+            print(f"report: {args.report}")
+    return 0
+
+
+def _add_simulate(sub) -> None:
+    sim = sub.add_parser(
+        "simulate",
+        help="replay a job trace through a scheduling policy on a virtual clock",
+        description="Replay a trace (job_id,submit_s,gpus,duration_s,team,status[,priority]) "
+        "through fifo, backfill or the lockstep policy. See docs/simulator.md.",
+    )
+    sim.add_argument("--trace", required=True, help="trace CSV")
+    sim.add_argument("--gpus", type=int, required=True, help="GPUs in the simulated cluster")
+    sim.add_argument("--gpus-per-node", type=int, default=8)
+    sim.add_argument("--racks", type=int, default=None, help="default: one per 32 nodes")
+    sim.add_argument(
+        "--policy", default="lockstep", help="fifo, backfill, lockstep, a comma list, or all"
+    )
+    sim.add_argument("--quotas", help="CSV team,quota,borrow_limit,weight (default: equal shares)")
+    sim.add_argument("--json", dest="sim_json", action="store_true", help="one JSON object")
+    sim.add_argument("--report", help="write an HTML report here")
+    sim.add_argument("--team", help="only this team's jobs (e.g. one msft cluster: cluster04)")
+    sim.add_argument("--start-s", type=float, help="only jobs submitted at or after this time")
+    sim.add_argument("--end-s", type=float, help="only jobs submitted before this time")
+    sim.add_argument("--limit", type=int, help="only the first N jobs")
+    sim.add_argument(
+        "--load-scale", type=float, default=1.0, help="divide inter-arrival times by this"
+    )
+    sim.add_argument("--checkpoint-interval-s", type=float, default=1800.0)
+    sim.add_argument("--grace-s", type=float, default=60.0)
+    sim.add_argument(
+        "--estimate-noise",
+        type=float,
+        default=0.0,
+        help="sigma of a log-normal error on runtime estimates (default 0: exact)",
+    )
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--checkpoint-on-stop",
+        action="store_true",
+        help="a preempted job saves when told to stop (the trainer does): it loses nothing",
+    )
+    sim.add_argument(
+        "--approval-delay-s",
+        type=float,
+        default=300.0,
+        help="priority preemptions auto-approve after this (reclaims are immediate)",
+    )
+    sim.add_argument(
+        "--reclaim-backoff-s",
+        type=float,
+        default=300.0,
+        help="a team whose GPUs were reclaimed may not borrow for this long",
+    )
+    sim.add_argument("--progress", action="store_true", help="status lines on stderr")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "agent":
@@ -147,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "logs":
             p.add_argument("--rank", type=int, default=0)
             p.add_argument("--tail", type=int, default=100)
+    _add_simulate(sub)
     args = parser.parse_args(argv)
     if args.cmd == "submit" and args.command[:1] == ["--"]:
         args.command = args.command[1:]
@@ -162,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         "status": cmd_status,
         "cancel": cmd_cancel,
         "logs": cmd_logs,
+        "simulate": cmd_simulate,
     }[args.cmd](args)
 
 

@@ -13,102 +13,142 @@ one node (best fit: the fullest node it fits on); a larger job takes whole idle 
 from __future__ import annotations
 
 import math
-from bisect import insort
 from collections import defaultdict
+from operator import attrgetter
 
 from jobs.scheduling.policy import Placement, Plan, Slot
 from jobs.scheduling.snapshot import JobView, NodeView, Snapshot
 
-
-def fifo_key(job: JobView):
-    return (job.submitted_at, job.id)
+fifo_key = attrgetter("submitted_at", "id")  # C-level: the queue is sorted at every event
+_ids = attrgetter("id")
 
 
 class _Free:
-    """Free GPUs per node for one pass, bucketed by free count so best fit is O(GPUs per node)."""
+    """Free GPUs per node for one pass, bucketed by free count so best fit is O(GPUs per node).
+
+    Built with a few comprehensions over the nodes (the planner runs at every event, mostly to
+    place one job); a bucket is sorted by node name and a node's free list is sorted only when
+    a job looks at it.
+    """
 
     def __init__(self, nodes: list[NodeView]):
-        self.nodes = {n.id: n for n in nodes}
-        self.free = {n.id: sorted(n.free) for n in nodes}
-        self.largest = max((n.total for n in nodes), default=0)
-        self.capacity = sum(n.total for n in nodes)
-        self.buckets: list[list[tuple[str, int]]] = [[] for _ in range(self.largest + 1)]
-        for n in nodes:
-            insort(self.buckets[len(self.free[n.id])], (n.name, n.id))
-        self.idle = {n.id for n in nodes if n.total and len(self.free[n.id]) == n.total}
-        self.idle_gpus = sum(self.nodes[i].total for i in self.idle)
-        self.total_free = sum(len(f) for f in self.free.values())
-        self.max_free = max((k for k, b in enumerate(self.buckets) if b), default=0)
+        self.nodes = nodes
+        self.counts = [len(n.free) for n in nodes]
+        self.totals = [len(n.gpu_ids) for n in nodes]
+        self.lists: dict[int, list[int]] = {}  # node index -> sorted free GPU indices
+        self.buckets: dict[int, list[int]] = defaultdict(list)  # free count -> node indices
+        for i, k in enumerate(self.counts):
+            self.buckets[k].append(i)
+        self.sorted_buckets: set[int] = set()
+        self._idle: set[int] | None = None  # indices of nodes with every GPU free, when needed
+        self.idle_gpus = 0
+        self.total_free = sum(self.counts)
+        self.capacity = sum(self.totals)
+        self.largest = max(self.totals, default=0)
+        self.max_free = max((k for k, b in self.buckets.items() if b), default=0)
+
+    @property
+    def index(self) -> dict[int, int]:
+        if not hasattr(self, "_index"):
+            self._index = {n.id: i for i, n in enumerate(self.nodes)}
+        return self._index
+
+    @property
+    def idle(self) -> set[int]:
+        if self._idle is None:
+            counts, totals = self.counts, self.totals
+            self._idle = {i for i in range(len(counts)) if counts[i] == totals[i] and totals[i]}
+            self.idle_gpus = sum(totals[i] for i in self._idle)
+        return self._idle
+
+    def _bucket(self, k: int) -> list[int]:
+        bucket = self.buckets[k]
+        if k not in self.sorted_buckets:
+            bucket.sort(key=lambda i: self.nodes[i].name)
+            self.sorted_buckets.add(k)
+        return bucket
 
     def single(self, gpus: int, avoid: frozenset[int]) -> int | None:
-        """Best fit: the fullest node with room (by name on ties), not in `avoid`."""
+        """Best fit: the fullest node with room (by name on ties), not in `avoid` (node ids)."""
         if gpus > self.max_free:
             return None
         for k in range(gpus, self.max_free + 1):
-            for _, node_id in self.buckets[k]:
-                if node_id not in avoid:
-                    return node_id
+            for i in self._bucket(k):
+                if self.nodes[i].id not in avoid:
+                    return i
         return None
 
     def whole(self, gpus: int, avoid: frozenset[int]) -> list[tuple[int, int]] | None:
         """Whole idle nodes, racks with the most idle GPUs first, bigger nodes first."""
-        if gpus > self.idle_gpus:
+        if gpus > self.total_free or gpus > (len(self.idle) and self.idle_gpus):
             return None
-        by_rack: dict[str, list[NodeView]] = defaultdict(list)
-        for node_id in self.idle - avoid:
-            node = self.nodes[node_id]
-            by_rack[node.rack].append(node)
-        racks = sorted(by_rack.values(), key=lambda ns: (-sum(n.total for n in ns), ns[0].rack))
+        by_rack: dict[str, list[int]] = defaultdict(list)
+        for i in self.idle:
+            if self.nodes[i].id not in avoid:
+                by_rack[self.nodes[i].rack].append(i)
+        racks = sorted(
+            by_rack.values(),
+            key=lambda ns: (-sum(self.totals[i] for i in ns), self.nodes[ns[0]].rack),
+        )
         chosen, need = [], gpus
         for rack_nodes in racks:
-            for node in sorted(rack_nodes, key=lambda n: (-n.total, n.name)):
+            for i in sorted(rack_nodes, key=lambda i: (-self.totals[i], self.nodes[i].name)):
                 if need <= 0:
                     break
-                take = min(need, node.total)
-                chosen.append((node.id, take))
+                take = min(need, self.totals[i])
+                chosen.append((i, take))
                 need -= take
         return chosen if need <= 0 else None
 
     def place(self, job: JobView, avoid: frozenset[int] = frozenset()):
-        """[(node id, [GPU indices])] taken from the free map, or None if it does not fit now."""
+        """[(node index, [GPU indices])] taken from the free map, or None if it does not fit."""
         if job.gpus > self.total_free:
             return None
         if job.gpus <= self.largest:
-            node_id = self.single(job.gpus, avoid)
-            shape = None if node_id is None else [(node_id, job.gpus)]
+            i = self.single(job.gpus, avoid)
+            shape = None if i is None else [(i, job.gpus)]
         else:
             shape = self.whole(job.gpus, avoid)
         if shape is None:
             return None
-        return [(node_id, self.take(node_id, count)) for node_id, count in shape]
+        return [(i, self.take(i, count)) for i, count in shape]
 
-    def take(self, node_id: int, count: int) -> list[int]:
-        node, free = self.nodes[node_id], self.free[node_id]
+    def free_list(self, i: int) -> list[int]:
+        if i not in self.lists:
+            self.lists[i] = sorted(self.nodes[i].free)
+        return self.lists[i]
+
+    def take(self, i: int, count: int) -> list[int]:
+        free = self.free_list(i)
         before = len(free)
-        self.buckets[before].remove((node.name, node_id))
-        taken, self.free[node_id] = free[:count], free[count:]
-        insort(self.buckets[before - count], (node.name, node_id))
-        if node_id in self.idle:
-            self.idle.discard(node_id)
-            self.idle_gpus -= node.total
+        self._bucket(before).remove(i)
+        taken, self.lists[i] = free[:count], free[count:]
+        self.counts[i] = before - count
+        bucket = self.buckets[before - count]
+        bucket.append(i)
+        if before - count in self.sorted_buckets:
+            bucket.sort(key=lambda j: self.nodes[j].name)
+        if self._idle is not None and i in self._idle:
+            self._idle.discard(i)
+            self.idle_gpus -= self.totals[i]
         self.total_free -= count
         while self.max_free and not self.buckets[self.max_free]:
             self.max_free -= 1
         return taken
 
 
-def _placement(job: JobView, choice, nodes: dict[int, NodeView]) -> Placement:
+def _placement(job: JobView, choice, free: _Free) -> Placement:
     slots, rank = [], 0
-    for group_rank, (node_id, indices) in enumerate(choice):
-        node = nodes[node_id]
+    for group_rank, (i, indices) in enumerate(choice):
+        node = free.nodes[i]
         for local_rank, index in enumerate(indices):
-            slots.append(Slot(node_id, node.gpu_ids[index], index, rank, local_rank, group_rank))
+            slots.append(Slot(node.id, node.gpu_ids[index], index, rank, local_rank, group_rank))
             rank += 1
     return Placement(job.id, job.team_id, tuple(slots))
 
 
 def _nodes(snapshot: Snapshot) -> list[NodeView]:
-    return sorted((n for n in snapshot.nodes if n.schedulable), key=lambda n: n.name)
+    return [n for n in snapshot.nodes if n.schedulable]
 
 
 def _too_big(job: JobView, capacity: int) -> str:
@@ -131,9 +171,9 @@ def fifo(snapshot: Snapshot) -> Plan:
                 f"head of the FIFO queue: waiting for {job.gpus} GPUs; {free.total_free} free"
             )
             behind = f"behind job {job.id} at the head of the FIFO queue"
-            reasons.update(dict.fromkeys((j.id for j in queue[k + 1 :]), behind))
+            reasons.update(dict.fromkeys(map(_ids, queue[k + 1 :]), behind))
             break
-        placements.append(_placement(job, choice, free.nodes))
+        placements.append(_placement(job, choice, free))
     return Plan(placements=tuple(placements), reasons=reasons)
 
 
@@ -146,33 +186,33 @@ def _seconds_until(when, now) -> float:
 def _shadow(
     job: JobView, snapshot: Snapshot, free: _Free, started: list[tuple[list, float]]
 ) -> tuple[float, frozenset[int]]:
-    """When (seconds from now) the head can start, and the nodes it will take then.
+    """When (seconds from now) the head can start, and the node ids it will take then.
 
     Each GPU frees at its holder's expected end (unknown: never); GPUs free now at 0.
     """
-    times: dict[int, list[float]] = {node_id: [0.0] * len(f) for node_id, f in free.free.items()}
+    times = [[0.0] * k for k in free.counts]
     for run in snapshot.running:
         end = _seconds_until(run.expected_end, snapshot.now)
         for node_id, _ in run.slots:
-            if node_id in times:
-                times[node_id].append(end)
+            i = free.index.get(node_id)
+            if i is not None:
+                times[i].append(end)
     for choice, end in started:
-        for node_id, indices in choice:
-            times[node_id].extend([end] * len(indices))
+        for i, indices in choice:
+            times[i].extend([end] * len(indices))
+    nodes = free.nodes
     if job.gpus <= free.largest:
         best = min(
             (
-                (sorted(ts)[job.gpus - 1], free.nodes[node_id].name, node_id)
-                for node_id, ts in times.items()
-                if free.nodes[node_id].total >= job.gpus
+                (sorted(ts)[job.gpus - 1], nodes[i].name, nodes[i].id)
+                for i, ts in enumerate(times)
+                if free.totals[i] >= job.gpus
             ),
             default=None,
         )
         return (math.inf, frozenset()) if best is None else (best[0], frozenset({best[2]}))
     drained = sorted(
-        (max(ts), free.nodes[node_id].name, node_id, free.nodes[node_id].total)
-        for node_id, ts in times.items()
-        if ts
+        (max(ts), nodes[i].name, nodes[i].id, free.totals[i]) for i, ts in enumerate(times) if ts
     )
     chosen, need, when = [], job.gpus, math.inf
     for end, _, node_id, total in drained:
@@ -194,6 +234,7 @@ def backfill(snapshot: Snapshot) -> Plan:
     head: JobView | None = None
     shadow, reserved = math.inf, frozenset()
     reservation = None
+    behind = ""
     for k, job in enumerate(queue):
         if job.gpus > free.capacity:
             reasons[job.id] = _too_big(job, free.capacity)
@@ -202,30 +243,30 @@ def backfill(snapshot: Snapshot) -> Plan:
         if head is None:
             choice = free.place(job)
             if choice is not None:
-                placements.append(_placement(job, choice, free.nodes))
+                placements.append(_placement(job, choice, free))
                 started.append((choice, math.inf if estimate is None else estimate))
                 continue
             head = job
             shadow, reserved = _shadow(job, snapshot, free, started)
             reservation = (job.id, tuple(sorted(reserved)))
-            names = ", ".join(sorted(free.nodes[i].name for i in reserved))
+            names = ", ".join(sorted(free.nodes[free.index[n]].name for n in reserved))
             when = "at an unknown time" if math.isinf(shadow) else f"in about {shadow:.0f}s"
             reasons[job.id] = (
                 f"head of the queue: waiting for {job.gpus} GPUs; {free.total_free} free now; "
                 f"reserved {names or 'nothing'} {when}"
             )
+            behind = (
+                f"waiting behind job {head.id}: does not fit now without delaying its reservation"
+            )
             continue
         if free.total_free == 0:
             full = f"waiting for GPUs behind job {head.id}; no GPUs free"
-            reasons.update(dict.fromkeys((j.id for j in queue[k:]), full))
+            reasons.update(dict.fromkeys(map(_ids, queue[k:]), full))
             break
         ends_first = estimate is not None and estimate <= shadow < math.inf
         choice = free.place(job, frozenset() if ends_first else reserved)
         if choice is None:
-            reasons[job.id] = (
-                f"waiting for {job.gpus} GPUs behind job {head.id}; "
-                "cannot start now without delaying its reservation"
-            )
+            reasons[job.id] = behind  # one string for all: long queues are scanned every event
             continue
-        placements.append(_placement(job, choice, free.nodes))
+        placements.append(_placement(job, choice, free))
     return Plan(placements=tuple(placements), reasons=reasons, reservation=reservation)

@@ -8,6 +8,7 @@ definitions are in docs/simulator.md and on `metrics()`.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import heapq
 import math
@@ -201,10 +202,15 @@ class SimConfig:
     seed: int = 0
     usage_half_life_s: float = 86400.0  # decay of TeamView.usage_history (LOCKSTEP setting)
     starve_factor: float = 10.0  # starved: waited more than this many times its duration
+    max_preemptions: int = 100  # of one job: more means the policy is in a preemption loop
 
 
 # ---------------------------------------------------------------------------------------------
 # The engine
+
+
+class SimulationError(RuntimeError):
+    """The planner drove the simulation somewhere it cannot finish (e.g. a preemption loop)."""
 
 
 @dataclass
@@ -246,10 +252,17 @@ def _at(t: float) -> datetime:
 
 
 class _Engine:
-    def __init__(self, trace: Sequence[TraceJob], plan_fn: PlanFn, name: str, cfg: SimConfig):
+    def __init__(
+        self,
+        trace: Sequence[TraceJob],
+        plan_fn: PlanFn,
+        name: str,
+        cfg: SimConfig,
+        progress: Callable[[dict], None] | None = None,
+    ):
         if cfg.gpus <= 0 or cfg.gpus_per_node <= 0:
             raise ValueError("gpus and gpus_per_node must be positive")
-        self.cfg, self.plan_fn, self.name = cfg, plan_fn, name
+        self.cfg, self.plan_fn, self.name, self.progress = cfg, plan_fn, name, progress
         # Cluster: nodes of gpus_per_node GPUs (the last one smaller if N does not divide).
         n_nodes = -(-cfg.gpus // cfg.gpus_per_node)
         racks = cfg.racks or max(1, -(-n_nodes // 32))
@@ -300,7 +313,11 @@ class _Engine:
         self.quota = {self.team_id[n]: q for n, q in quotas.items()}
         self.used = dict.fromkeys(self.quota, 0)
         self.usage = dict.fromkeys(self.quota, 0.0)
-        self.team_queue: dict[int, dict[int, None]] = {tid: {} for tid in self.quota}
+        # Per team, its queued jobs in the policy's order: (-priority, submit, job id, GPUs).
+        self.team_queue: dict[int, list[tuple[int, float, int, int]]] = {
+            tid: [] for tid in self.quota
+        }
+        self.team_sizes: dict[int, dict[int, int]] = {tid: {} for tid in self.quota}
         self.unclocked = dict.fromkeys(self.quota, 0)  # queued jobs whose reclaim clock is off
         self.job_team = [self.team_id[j.team] for j in self.jobs]
 
@@ -310,7 +327,7 @@ class _Engine:
         self.running_dirty = True
         self.running_tuple: tuple[RunningView, ...] = ()
         self.events: list[tuple[float, int, int, int, int]] = []  # t, seq, kind, job id, attempt
-        self.checkpoints: list[tuple[float, int, int]] = []  # t, job id, attempt
+        self.checkpoints: list[tuple[float, int, int, int]] = []  # t, job id, attempt, number
         self.seq = 0
         self.busy = 0
         self.queued_gpus = 0
@@ -336,6 +353,7 @@ class _Engine:
         self.plan_time = 0.0
         self.plan_max = 0.0
         self.plan_max_queue = 0
+        self.queue_max = 0
         self.series_t: list[float] = []
         self.series_busy: list[int] = []
         self.series_queued: list[int] = []
@@ -347,7 +365,23 @@ class _Engine:
         jobs, n, arr = self.jobs, len(self.jobs), 0
         t_prev = jobs[0].submit_s if jobs else 0.0
         t0 = t_prev
+        next_report = wall + 10.0
         while True:
+            if self.progress and time.perf_counter() > next_report:
+                next_report = time.perf_counter() + 10.0
+                self.progress(
+                    {
+                        "policy": self.name,
+                        "t_days": round(t_prev / 86400, 2),
+                        "arrived": arr,
+                        "of": n,
+                        "queued": len(self.queue),
+                        "running": len(self.running),
+                        "plan_calls": self.plan_calls,
+                        "plan_s": round(self.plan_time, 1),
+                        "wall_s": round(time.perf_counter() - wall, 1),
+                    }
+                )
             t_arr = jobs[arr].submit_s if arr < n else INF
             t_ev = self.events[0][0] if self.events else INF
             t = min(t_arr, t_ev)
@@ -389,6 +423,8 @@ class _Engine:
             self.usage[tid] = self.usage[tid] * decay + used * gain
 
     def _record(self, t: float) -> None:
+        if len(self.queue) > self.queue_max:
+            self.queue_max = len(self.queue)
         if self.series_t and self.series_t[-1] == t:
             self.series_busy[-1], self.series_queued[-1] = self.busy, len(self.queue)
             return
@@ -413,28 +449,32 @@ class _Engine:
         )
         self.queued_since[i] = t
         self.queued_gpus += job.gpus
-        self.team_queue[self.job_team[i]][jid] = None
-        self.unclocked[self.job_team[i]] += 1
+        tid = self.job_team[i]
+        bisect.insort(self.team_queue[tid], (-job.priority, job.submit_s, jid, job.gpus))
+        sizes = self.team_sizes[tid]
+        sizes[job.gpus] = sizes.get(job.gpus, 0) + 1
+        self.unclocked[tid] += 1
 
     def _reclaim_clocks(self, t: float) -> None:
         """Start the reclaim clock of each queued job its team's quota has room for.
 
-        Room is counted in the policy's order (priority, then submit time): GPUs in use, plus
-        the queued jobs ahead of it that fit, plus its own must stay within the quota.
+        Room is counted in the policy's order (priority, then submit time), greedily: GPUs in
+        use, plus the team's queued jobs ahead of it that fit, plus its own must stay within the
+        quota.
         """
         for tid, members in self.team_queue.items():
             room = self.quota[tid].quota - self.used[tid]
             if room <= 0 or not self.unclocked[tid]:
                 continue
-            views = sorted(
-                (self.queue[j] for j in members), key=lambda v: (-v.priority, v.submitted_at, v.id)
-            )
-            for view in views:
-                if view.gpus > room:
+            smallest = min(self.team_sizes[tid])
+            for _, _, jid, gpus in members:
+                if room < smallest:
+                    break
+                if gpus > room:
                     continue
-                room -= view.gpus
-                if self.reclaim_start[view.id - 1] is None:
-                    self.reclaim_start[view.id - 1] = t
+                room -= gpus
+                if self.reclaim_start[jid - 1] is None:
+                    self.reclaim_start[jid - 1] = t
                     self.unclocked[tid] -= 1
 
     # -- planning ------------------------------------------------------------------------------
@@ -473,16 +513,17 @@ class _Engine:
     def _due_checkpoints(self, t: float) -> None:
         interval = self.cfg.checkpoint_interval_s
         while self.checkpoints and self.checkpoints[0][0] <= t:
-            _, jid, attempt = heapq.heappop(self.checkpoints)
+            _, jid, attempt, k = heapq.heappop(self.checkpoints)
             run = self.running.get(jid)
             if run is None or run.attempt != attempt:
                 continue
-            k = math.floor((t - run.start) / interval)
+            while run.start + (k + 1) * interval <= t:  # several came due since the last pass
+                k += 1
             run.view = replace(run.view, last_checkpoint_at=_at(run.start + k * interval))
             self.running_dirty = True
             nxt = run.start + (k + 1) * interval
             if nxt < run.end:
-                heapq.heappush(self.checkpoints, (nxt, jid, attempt))
+                heapq.heappush(self.checkpoints, (nxt, jid, attempt, k + 1))
 
     def _plan(self, t: float) -> None:
         snap = self._snapshot(t)
@@ -521,7 +562,13 @@ class _Engine:
             self.nodes_dirty.add(n)
         i, tid = jid - 1, view.team_id
         del self.queue[jid]
-        del self.team_queue[tid][jid]
+        members = self.team_queue[tid]
+        key = (-view.priority, self.jobs[i].submit_s, jid, view.gpus)
+        del members[bisect.bisect_left(members, key)]
+        sizes = self.team_sizes[tid]
+        sizes[view.gpus] -= 1
+        if not sizes[view.gpus]:
+            del sizes[view.gpus]
         self.queued_gpus -= view.gpus
         self.busy += view.gpus
         self.used[tid] += view.gpus
@@ -556,7 +603,7 @@ class _Engine:
         self._push(end, _COMPLETE, jid, attempt)
         interval = self.cfg.checkpoint_interval_s
         if interval > 0 and t + interval < end:
-            heapq.heappush(self.checkpoints, (t + interval, jid, attempt))
+            heapq.heappush(self.checkpoints, (t + interval, jid, attempt, 1))
 
     def _release(self, run: _Run, jid: int) -> None:
         for n, g in run.slots:
@@ -633,7 +680,7 @@ class _Engine:
         if self.cfg.checkpoint_on_stop:
             saved = ran
         elif interval > 0:
-            saved = math.floor(ran / interval) * interval
+            saved = math.floor(ran / interval + 1e-9) * interval  # float times: a save at t counts
         else:
             saved = 0.0
         saved = min(saved, self.remaining[i])
@@ -641,6 +688,11 @@ class _Engine:
         self.remaining[i] -= saved
         self.attempt[i] += 1
         self.preempted[i] += 1
+        if self.preempted[i] >= self.cfg.max_preemptions:
+            raise SimulationError(
+                f"job {self.jobs[i].job_id} preempted {self.preempted[i]} times by t={t:.0f}: "
+                f"the policy {self.name!r} is in a preemption loop"
+            )
         self.preemptions["stopped"] += 1
         self.open_requests.pop(jid, None)
         self._release(run, jid)
@@ -764,6 +816,7 @@ class _Engine:
             "rejected_placements": len(self.rejected),
             "rejected_examples": self.rejected[:5],
             "plans_missing_reasons": self.missing_reasons,
+            "queue_max_jobs": self.queue_max,
             "plan_calls": self.plan_calls,
             "plan_time_s": _r(self.plan_time, 3),
             "plan_mean_ms": _r(
@@ -812,10 +865,15 @@ def pct_sorted(s: Sequence[float], q: float) -> float:
 # Entry points
 
 
-def run(trace: Sequence[TraceJob], policy: str | PlanFn, config: SimConfig) -> SimResult:
-    """Replay `trace` through one planner."""
+def run(
+    trace: Sequence[TraceJob],
+    policy: str | PlanFn,
+    config: SimConfig,
+    progress: Callable[[dict], None] | None = None,
+) -> SimResult:
+    """Replay `trace` through one planner; `progress` gets a status dict every ~10 s."""
     name, fn = resolve_policy(policy)
-    return _Engine(trace, fn, name, config).run()
+    return _Engine(trace, fn, name, config, progress).run()
 
 
 def simulate(
