@@ -204,8 +204,8 @@ class LiveCluster:
     def _portal_up(self) -> bool:
         self.check_alive()
         try:
-            return requests.get(self.url + "/login/", timeout=2).status_code == 200
-        except requests.ConnectionError:
+            return requests.get(self.url + "/login/", timeout=5).status_code == 200
+        except requests.RequestException:  # refused, or too slow to answer yet: keep waiting
             return False
 
     def check_alive(self) -> None:
