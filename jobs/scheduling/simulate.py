@@ -734,6 +734,7 @@ class _Engine:
         by_class: dict[str, tuple[list[float], list[float]]] = {c: ([], []) for c in SIZE_CLASSES}
         by_team: dict[int, list[float]] = {tid: [] for tid in self.quota}
         starved = never_started = unfinished = 0
+        reclaims = {tid: list(rs) for tid, rs in self.reclaims.items()}
         for i, job in enumerate(self.jobs):
             tid = self.job_team[i]
             if self.first_start[i] is None:
@@ -742,7 +743,7 @@ class _Engine:
                 unfinished += 1
                 starved += 1
                 if self.reclaim_start[i] is not None:  # censored at the end of the run
-                    self.reclaims[tid].append(t_end - self.reclaim_start[i])
+                    reclaims[tid].append(t_end - self.reclaim_start[i])
                 continue
             jct = self.finish[i] - job.submit_s
             wait = self.wait[i]
@@ -757,7 +758,7 @@ class _Engine:
             waits.append(wait)
             by_class[size_class(job.gpus)][0].append(wait)
             by_class[size_class(job.gpus)][1].append(jct)
-        all_reclaims = [r for rs in self.reclaims.values() for r in rs]
+        all_reclaims = [r for rs in reclaims.values() for r in rs]
         teams = {}
         for tid, q in self.quota.items():
             team_jobs = sum(1 for x in self.job_team if x == tid)
@@ -767,9 +768,9 @@ class _Engine:
                 "jobs": team_jobs,
                 "quota": q.quota,
                 "ftf_max": _r(max(by_team[tid], default=0.0)),
-                "reclaim_max_s": _r(max(self.reclaims[tid], default=0.0)),
-                "reclaim_p99_s": _r(_pct(self.reclaims[tid], 99)),
-                "reclaims": len(self.reclaims[tid]),
+                "reclaim_max_s": _r(max(reclaims[tid], default=0.0)),
+                "reclaim_p99_s": _r(_pct(reclaims[tid], 99)),
+                "reclaims": len(reclaims[tid]),
             }
         gpus = cfg.gpus
         return {
