@@ -189,10 +189,11 @@ def do_requeue_job(job: Job, *, now: datetime) -> bool:
 
 def _master_port(master: Node, attempt_id: int) -> int:
     """A rendezvous port on the master node that no live attempt there uses: random within
-    [MASTER_PORT_BASE, +10000) so that two portals on one host rarely meet either."""
+    [MASTER_PORT_BASE, +MASTER_PORT_SPAN) so that two portals on one host rarely meet either."""
     import random
 
     base = lockstep_setting("MASTER_PORT_BASE")
+    span = max(int(lockstep_setting("MASTER_PORT_SPAN")), 1)
     taken = set(
         Attempt.objects.filter(ended_at__isnull=True, master_addr=master.address).values_list(
             "master_port", flat=True
@@ -200,10 +201,10 @@ def _master_port(master: Node, attempt_id: int) -> int:
     )
     rng = random.Random(f"{master.id}-{attempt_id}")
     for _ in range(100):
-        port = base + rng.randrange(10_000)
+        port = base + rng.randrange(span)
         if port not in taken:
             return port
-    return base + attempt_id % 10_000
+    return base + attempt_id % span
 
 
 def adopt_unreported_checkpoints(job: Job, *, now: datetime) -> list[Checkpoint]:
@@ -632,8 +633,9 @@ def _ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[d
             elif kind == "start" and rank == 0:
                 _event(
                     "attempt.trainer_started",
-                    f"trainer up: world size {record.get('world_size')}, resumed from step "
-                    f"{record.get('resumed_from_step', 0)}",
+                    f"trainer up: world size {record.get('world_size')}"
+                    + (f" on {record['device']}" if record.get("device") else "")
+                    + f", resumed from step {record.get('resumed_from_step', 0)}",
                     job_id=attempt.job_id,
                     attempt=attempt,
                 )

@@ -212,7 +212,12 @@ LOCKSTEP = {
     "RESTART_BACKOFF_MAX_S": float(os.environ.get("LOCKSTEP_RESTART_BACKOFF_MAX_S", "300")),
     "START_TIMEOUT_S": float(os.environ.get("LOCKSTEP_START_TIMEOUT_S", "300")),
     "STOP_GRACE_S": float(os.environ.get("LOCKSTEP_STOP_GRACE_S", "60")),
+    # Rendezvous ports are drawn from [BASE, BASE + SPAN). The default range ends below 32768,
+    # where Linux's ephemeral ports begin: a port in that range can be held by any outgoing
+    # connection on the master node (a database client, an HTTP request), and the attempt's
+    # TCPStore then dies with EADDRINUSE before its first step.
     "MASTER_PORT_BASE": int(os.environ.get("LOCKSTEP_MASTER_PORT_BASE", "29400")),
+    "MASTER_PORT_SPAN": int(os.environ.get("LOCKSTEP_MASTER_PORT_SPAN", "3000")),
     "ALLOWED_DATASET_SCHEMES": ["synthetic", "file", "s3", "gs", "hf", "nfs"],
     # Failure detection (DESIGN.md section 8). A job is hung after max(HANG_MIN_S,
     # HANG_STEP_FACTOR x its p95 step time) without a step.

@@ -110,7 +110,9 @@ class LiveCluster:
             LOCKSTEP_SCHEDULER_TICK_S="1",
             LOCKSTEP_RESTART_BACKOFF_S="1",
             LOCKSTEP_STOP_GRACE_S="20",
-            LOCKSTEP_MASTER_PORT_BASE=str(free_port() % 20000 + 20000),
+            # Below the ephemeral range (32768+), where the suite's own client sockets live.
+            LOCKSTEP_MASTER_PORT_BASE=str(20000 + free_port() % 9000),
+            LOCKSTEP_MASTER_PORT_SPAN="3000",
             PYTHONUNBUFFERED="1",
         )
 

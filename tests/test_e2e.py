@@ -165,6 +165,9 @@ def test_sigkilled_worker_restarts_from_checkpoint_succeeds_and_registers(cluste
         return state == "SUCCEEDED"
 
     wait_for(finished, 300, "the job to succeed")
+    final = api.get(f"/api/v1/jobs/{job}/").json()["attempts"]
+    history = "; ".join(f"#{a['number']} {a['state']}: {a['ended']}" for a in final)
+    assert len(final) == 2, f"one restart, not more: {history}\n{cluster.logs()}"
     second = api.get(
         f"/api/v1/jobs/{job}/metrics/?name=loss&rank=0&attempt=2&max_points=100000"
     ).json()
@@ -448,7 +451,9 @@ def test_quota_reclaim_checkpoints_the_borrower_runs_the_owner_then_resumes_the_
     assert first["state"] == "preempted" and "reclaim" in first["ended"]["reason"]
     (saved,) = cluster.mallory.get(f"/api/v1/jobs/{borrower}/checkpoints/").json()
     assert saved["step"] == first["last_step"] > 5  # saved at the step boundary after SIGTERM
-    (request,) = admin.get("/api/v1/preemptions/").json()["results"]
+    requests_made = admin.get("/api/v1/preemptions/").json()["results"]
+    assert len(requests_made) == 1, f"one reclaim, not {requests_made}\n{cluster.logs()}"
+    (request,) = requests_made
     assert (request["kind"], request["state"], request["victim"], request["claimant"]) == (
         "reclaim",
         "executed",

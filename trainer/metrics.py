@@ -33,8 +33,10 @@ class MetricsWriter:
         self._file.flush()
         return record
 
-    def start(self, *, world_size: int, resumed_from_step: int) -> None:
-        self.write("start", world_size=world_size, resumed_from_step=resumed_from_step)
+    def start(self, *, world_size: int, resumed_from_step: int, device: str = "") -> None:
+        self.write(
+            "start", world_size=world_size, resumed_from_step=resumed_from_step, device=device
+        )
 
     def step(
         self,
