@@ -114,14 +114,29 @@ def do_cancel_job(job: Job, *, actor, now: datetime, reason: str = "") -> Job:
     return job
 
 
+def run_seconds(job_ids, *, now: datetime, live: bool = True) -> dict[int, float]:
+    """Seconds each job has held GPUs so far, summed over its attempts (the live one up to
+    `now` unless live=False). Time spent queued, preempted or backing off is not counted."""
+    totals: dict[int, float] = {}
+    attempts = Attempt.objects.filter(job_id__in=job_ids)
+    if not live:
+        attempts = attempts.filter(ended_at__isnull=False)
+    for job_id, started, ended in attempts.values_list("job_id", "created_at", "ended_at"):
+        totals[job_id] = totals.get(job_id, 0.0) + max(
+            ((ended or now) - started).total_seconds(), 0.0
+        )
+    return totals
+
+
 @transaction.atomic
 def do_enforce_time_limit(job: Job, *, now: datetime) -> bool:
     """A job past its time limit is stopped checkpoint-first and ends FAILED, like Slurm's
-    TIMEOUT; the limit counts wall time since the job first started."""
+    TIMEOUT. The limit counts the job's run time over all its attempts: a job that waited
+    through a preemption or a failure does not lose that time from its limit."""
     job = Job.objects.select_for_update().get(pk=job.pk)
     if job.is_terminal or not job.time_limit_s or job.first_started_at is None:
         return False
-    if (now - job.first_started_at).total_seconds() < job.time_limit_s:
+    if run_seconds([job.id], now=now).get(job.id, 0.0) < job.time_limit_s:
         return False
     why = f"time limit of {job.time_limit_s}s reached"
     attempt = job.attempts.filter(ended_at__isnull=True).first()

@@ -30,6 +30,7 @@ DEFAULTS = {
     "DEFAULT_MTBF_S": 86400.0,
     "PREEMPTION_APPROVAL_DELAY_S": 300.0,
     "RECLAIM_BACKOFF_S": 300.0,
+    "PREEMPT_EXEMPT_S": 600.0,
     "USAGE_HALF_LIFE_S": 86400.0,
     "ALLOWED_DATASET_SCHEMES": ["synthetic", "file", "s3", "gs", "hf", "nfs"],
 }

@@ -243,6 +243,9 @@ LOCKSTEP = {
         os.environ.get("LOCKSTEP_PREEMPTION_APPROVAL_DELAY_S", "300")
     ),
     "RECLAIM_BACKOFF_S": float(os.environ.get("LOCKSTEP_RECLAIM_BACKOFF_S", "300")),
+    # Victims that started less than this long ago are preempted last (a preference, not an
+    # exemption: the reclaim bound still holds).
+    "PREEMPT_EXEMPT_S": float(os.environ.get("LOCKSTEP_PREEMPT_EXEMPT_S", "600")),
     "USAGE_HALF_LIFE_S": float(os.environ.get("LOCKSTEP_USAGE_HALF_LIFE_S", "86400")),
 }
 

@@ -149,6 +149,44 @@ def test_time_limit_stops_the_job_checkpoint_first_and_fails_it(setup):
 
 
 @pytest.mark.django_db
+def test_time_limit_counts_run_time_so_time_spent_requeued_is_not_charged(setup):
+    from jobs.models import Attempt
+    from jobs.scheduling.snapshot import take_snapshot
+
+    team, user, (a, b), _ = setup
+    job = submit(team, user, time_limit_s=60, max_restarts=2)
+    t0 = timezone.now()
+    run_pass(now=t0)
+    first = live_attempt(job)
+    # It ran 20 s, failed, and then waited 100 s before the next attempt.
+    beat(a, first, {0: None, 1: None})
+    beat(b, first, {2: -9, 3: None})
+    Attempt.objects.filter(pk=first.pk).update(created_at=t0, ended_at=t0 + timedelta(seconds=20))
+    queued_at = t0 + timedelta(seconds=120)
+    run_pass(now=queued_at)  # backoff over: requeued, and in the same pass placed again
+    second = live_attempt(job)
+    Attempt.objects.filter(pk=second.pk).update(created_at=queued_at)
+    (run,) = take_snapshot(queued_at).running
+    # 40 s of the limit are left, counted from the second attempt's start.
+    assert run.expected_end == queued_at + timedelta(seconds=40)
+
+    def beat_both(at):
+        for node in (a, b):
+            actions.do_heartbeat(node, {"boot_id": node.boot_id}, now=at)
+
+    at = queued_at + timedelta(seconds=35)  # 55 s of run time; 155 s of wall time
+    beat_both(at)
+    run_pass(now=at)
+    job.refresh_from_db()
+    assert job.state in ("STARTING", "RUNNING"), job.reason
+    at = queued_at + timedelta(seconds=41)  # 61 s of run time
+    beat_both(at)
+    run_pass(now=at)
+    job.refresh_from_db()
+    assert job.state == "FAILED" and job.reason == "time limit of 60s reached"
+
+
+@pytest.mark.django_db
 def test_scheduler_pass_writes_wait_reasons_for_jobs_left_queued(setup):
     team, user, _, _ = setup
     first = submit(team, user, gpus=4)

@@ -263,3 +263,71 @@ def test_estimated_starts_run_the_policy_forward_on_a_virtual_clock():
     starts = estimate_starts(snapshot([n], jobs, [t], runs))
     assert starts[1] == T0 + timedelta(seconds=600)  # when the running job ends
     assert starts[2] == T0 + timedelta(seconds=1800)  # after job 1 (it holds the node)
+
+
+def test_a_job_blocked_by_its_teams_cap_is_not_overtaken_by_the_teams_later_jobs():
+    # The simulator's case: quota 8 on one 8-GPU node, a 4-GPU job runs for 100 more seconds;
+    # b (8 GPUs) is blocked by the cap; c (2 GPUs, 50 s) may pass because it ends before the
+    # team's GPUs free up; d (2 GPUs, 500 s) and e (no estimate) may not.
+    t = team("nlp", quota=8, used=4)
+    n = node("n1", 8, busy=4)
+    runs = [running(10, n, range(4), team_id=t.id, ends_in=100)]
+    jobs = [
+        job(2, 8, team_id=t.id, submitted=1),
+        job(3, 2, team_id=t.id, submitted=2, estimate=50),
+        job(4, 2, team_id=t.id, submitted=3, estimate=500),
+        job(5, 2, team_id=t.id, submitted=4),
+    ]
+    p = plan(snapshot([n], jobs, [t], runs))
+    assert list(placed(p)) == [3]
+    assert "at its limit" in p.reasons[2]
+    for waiting in (4, 5):
+        assert p.reasons[waiting].startswith("behind job 2 of team nlp"), p.reasons[waiting]
+
+
+def test_a_cap_hold_never_blocks_other_teams():
+    nlp = team("nlp", quota=8, used=8)
+    vision = team("vision", quota=8, used=0)
+    n1, n2 = node("n1", 8, busy=8), node("n2", 8)
+    runs = [running(10, n1, range(8), team_id=nlp.id)]
+    jobs = [job(1, 8, team_id=nlp.id, submitted=0), job(2, 4, team_id=vision.id, submitted=5)]
+    p = plan(snapshot([n1, n2], jobs, [nlp, vision], runs))
+    assert list(placed(p)) == [2]
+    assert "at its limit" in p.reasons[1]
+
+
+def test_a_job_larger_than_its_teams_cap_holds_nothing():
+    # It can never run under today's limits, so it must not block the team's other work.
+    t = team("nlp", quota=4, used=0)
+    p = plan(snapshot([node("n1", 8)], [job(1, 8, team_id=t.id), job(2, 2, team_id=t.id)], [t]))
+    assert list(placed(p)) == [2]
+
+
+def test_reclaim_prefers_a_victim_that_has_run_past_its_exempt_time_over_one_just_resumed():
+    owner = team("owner", quota=4, used=0)
+    guest = team("guest", quota=0, borrow=16, used=8)
+    n = node("n1", 8, busy=8)
+    runs = [
+        # Just resumed from a preemption: an old checkpoint, but only 60 s of work at risk.
+        running(10, n, range(4), team_id=guest.id, started_ago=60, checkpoint_age=3000),
+        running(11, n, range(4, 8), team_id=guest.id, started_ago=7200, checkpoint_age=300),
+    ]
+    p = plan(snapshot([n], [job(1, 4, team_id=owner.id)], [owner, guest], runs))
+    (pre,) = p.preemptions
+    assert (pre.victim_job_id, pre.kind) == (11, "reclaim")
+    # Without the exempt-time preference the least work at risk (60 s < 300 s) would win.
+    bare = snapshot([n], [job(1, 4, team_id=owner.id)], [owner, guest], runs)
+    from dataclasses import replace
+
+    (pre,) = plan(replace(bare, preempt_exempt_s=0)).preemptions
+    assert pre.victim_job_id == 10
+
+
+def test_a_just_resumed_victim_is_still_taken_when_nothing_else_frees_enough():
+    owner = team("owner", quota=8, used=0)
+    guest = team("guest", quota=0, borrow=8, used=8)
+    n = node("n1", 8, busy=8)
+    runs = [running(10, n, range(8), team_id=guest.id, started_ago=30)]
+    p = plan(snapshot([n], [job(1, 8, team_id=owner.id)], [owner, guest], runs))
+    (pre,) = p.preemptions
+    assert (pre.victim_job_id, pre.kind) == (10, "reclaim")  # the reclaim bound holds

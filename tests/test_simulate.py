@@ -77,6 +77,17 @@ def test_backfill_does_not_trust_jobs_without_an_estimate_on_the_reserved_node()
     assert run(one_node, "backfill", noisy).starts()["c"] in (2, 200)
 
 
+def test_lockstep_holds_a_teams_next_gpus_for_its_cap_blocked_job():
+    # One team, quota = the 8-GPU node. b (8 GPUs) is blocked by the team's cap while a runs;
+    # c ends before a does and may pass; d (500 s) must not, or b would wait for it too.
+    one_team = jobs(
+        ("a", 0, 4, 100, "t"), ("b", 1, 8, 100, "t"), ("c", 2, 2, 50, "t"), ("d", 3, 2, 500, "t")
+    )
+    starts = run(one_team, "lockstep", SimConfig(gpus=8)).starts()
+    assert starts["b"] == 100 and starts["c"] == 2
+    assert starts["d"] == 200  # after b, not before it
+
+
 def test_utilization_jct_and_wait_match_a_hand_computation():
     # One 8-GPU node, FIFO: j1 runs 0-100 on all 8 GPUs; j2 (4 GPUs, 50 s) and j3 (4 GPUs,
     # 100 s) both start at 100 and end at 150 and 200.

@@ -10,9 +10,12 @@ Rules (DESIGN.md section 6):
    on); a larger job takes whole nodes, racks with the most idle nodes first.
 4. No starvation: the highest-ordered job that cannot fit reserves the nodes it will need;
    later jobs may use them only if their runtime estimate ends before those nodes free up
-   (EASY backfill); elsewhere they start freely.
+   (EASY backfill); elsewhere they start freely. Likewise inside a team: its first job blocked
+   by the team's cap holds the team's next freed GPUs, and the team's later jobs start only
+   if they end before then.
 5. Reclaim: a guaranteed job that cannot fit takes back GPUs lent to other teams: victims on
-   borrowed GPUs, lowest priority first, then least work lost since their last checkpoint.
+   borrowed GPUs, lowest priority first, then those that did not just (re)start, then least
+   work lost since their last checkpoint.
    Higher-priority jobs blocked by lower-priority ones get priority preemption proposals.
 6. Every job left queued gets a reason a person can read.
 """
@@ -172,8 +175,61 @@ def _victims(
 
 
 def _work_at_risk(run: RunningView, now) -> float:
-    since = run.last_checkpoint_at or run.started_at
+    """Seconds of work a stop now would throw away: since the last checkpoint, or since this
+    attempt started if it resumed from an older one (nothing before the resume is at risk)."""
+    since = max(run.last_checkpoint_at or run.started_at, run.started_at)
     return (now - since).total_seconds()
+
+
+def _victim_order(now, exempt_s: float):
+    """Lowest priority first; then victims past their exempt time before those that just
+    (re)started; then least work at risk; then the most recently started."""
+
+    def key(run: RunningView):
+        fresh = (now - run.started_at).total_seconds() < exempt_s
+        return (run.priority, fresh, _work_at_risk(run, now), -run.started_at.timestamp())
+
+    return key
+
+
+def _fifo_key(job: JobView):
+    return (-job.priority, job.submitted_at, job.id)
+
+
+def _team_holds(snapshot: Snapshot, runs_by_team) -> dict[int, tuple[int, float | None, tuple]]:
+    """team id -> (job id, shadow, its FIFO key) for each team whose first job in priority and
+    submit order is blocked by the team's cap (and could fit under it). That job holds the
+    team's next freed GPUs: the team's later jobs start only if they end before then (EASY
+    backfill inside the team), so a stream of small jobs cannot starve a large one. Without
+    it, "guaranteed before borrowed" would let any job small enough to fit under the quota
+    now go first, forever."""
+    by_team: dict[int, list[JobView]] = defaultdict(list)
+    for job in snapshot.queued:
+        by_team[job.team_id].append(job)
+    holds = {}
+    for team in snapshot.teams:
+        if team.borrow_paused:  # its cap is lowered for a short while; no hold on that basis
+            continue
+        for job in sorted(by_team.get(team.id, ()), key=_fifo_key):
+            if team.used + job.gpus > team.cap and job.gpus <= team.cap:
+                shadow = _team_shadow(team, job, team.used, runs_by_team.get(team.id, []))
+                holds[team.id] = (job.id, shadow, _fifo_key(job))
+                break
+    return holds
+
+
+def _team_shadow(team: TeamView, job: JobView, held: int, runs: list[RunningView]):
+    """When enough of the team's running jobs are expected to end for `job` to fit under the
+    team's cap (epoch seconds), or None if that is unknown."""
+    need = held + job.gpus - team.cap
+    freed = 0
+    for run in sorted(runs, key=lambda r: r.expected_end.timestamp() if r.expected_end else 1e18):
+        if run.expected_end is None:
+            return None
+        freed += run.gpus
+        if freed >= need:
+            return run.expected_end.timestamp()
+    return None
 
 
 def plan(snapshot: Snapshot) -> Plan:
@@ -198,6 +254,16 @@ def plan(snapshot: Snapshot) -> Plan:
     largest = max((n.total for n in nodes), default=0)
     all_usable, unreserved = nodes, nodes
     smallest_failed: dict[tuple[bool, bool], int] = {}
+    # Per team, its running jobs in victim order, built once: the in-team priority search
+    # runs for every job blocked by its team's cap (it was 56 % of a pass in the simulator).
+    victim_key = _victim_order(now, snapshot.preempt_exempt_s)
+    team_runs: dict[int, list[RunningView]] = defaultdict(list)
+    for run in sorted(running, key=victim_key):
+        team_runs[run.team_id].append(run)
+    team_all_runs: dict[int, list[RunningView]] = defaultdict(list)
+    for run in snapshot.running:
+        team_all_runs[run.team_id].append(run)
+    team_hold = _team_holds(snapshot, team_all_runs)
     free_cache: dict[int, int] = {}
     version = [0]  # bumped on every placement, to cache free counts between them
 
@@ -214,16 +280,28 @@ def plan(snapshot: Snapshot) -> Plan:
             reasons[job.id] = "team not found"
             ahead += 1
             continue
+        hold = team_hold.get(team.id)
+        if hold is not None and _fifo_key(job) > hold[2]:
+            held_by, team_shadow, _ = hold
+            if not (
+                team_shadow is not None
+                and job.runtime_estimate_s is not None
+                and now.timestamp() + job.runtime_estimate_s <= team_shadow
+            ):
+                reasons[job.id] = (
+                    f"behind job {held_by} of team {team.name}, which waits for the team's "
+                    f"GPUs to free up under its limit ({team.cap} GPUs)"
+                    + ("" if team_shadow is None else "; only jobs that end before then may pass")
+                )
+                ahead += 1
+                continue
         if used[team.id] + job.gpus > team.cap:
             # Priority inside a team: its own lower-priority jobs may make room (a proposal).
-            own = sorted(
-                (
-                    r
-                    for r in running
-                    if r.team_id == team.id and r.priority < job.priority and r.id not in taken
-                ),
-                key=lambda r: (r.priority, _work_at_risk(r, now)),
-            )
+            own = [
+                r
+                for r in team_runs.get(team.id, ())
+                if r.priority < job.priority and r.id not in taken
+            ]
             over = used[team.id] + job.gpus - team.cap
             found = (
                 _victims(
@@ -297,7 +375,7 @@ def plan(snapshot: Snapshot) -> Plan:
             if reservation is None:
                 guaranteed = used[team.id] + job.gpus <= team.quota
                 claimed = _claim(
-                    job, team, guaranteed, running, taken, teams, used, free, nodes, now
+                    job, team, guaranteed, running, taken, teams, used, free, nodes, victim_key
                 )
                 if claimed is not None:
                     victims, choice, kind = claimed
@@ -352,10 +430,9 @@ def plan(snapshot: Snapshot) -> Plan:
     )
 
 
-def _claim(job, team, guaranteed, running, taken, teams, used, free, nodes, now):
+def _claim(job, team, guaranteed, running, taken, teams, used, free, nodes, order):
     """Victims for a blocked job: a reclaim if it is within its team's quota, else a priority
     preemption of strictly lower-priority work. (victims, placement, kind) or None."""
-    order = lambda r: (r.priority, _work_at_risk(r, now), -r.started_at.timestamp())  # noqa: E731
     if guaranteed:
         lent: dict[int, int] = {}
 

@@ -69,6 +69,10 @@ class Snapshot:
     queued: tuple[JobView, ...]
     teams: tuple[TeamView, ...] = field(default=())
     running: tuple[RunningView, ...] = field(default=())
+    # A victim that started (or resumed) less than this long ago is taken only when no
+    # longer-running one will do: without it, a just-resumed job - little work at risk - is
+    # the cheapest victim again and again (Slurm's PreemptExemptTime, as a preference).
+    preempt_exempt_s: float = 600.0
 
     def team(self, team_id: int) -> TeamView:
         for team in self.teams:
@@ -83,6 +87,7 @@ def take_snapshot(now: datetime) -> Snapshot:
 
     from django.db.models import Count, Max, Q
 
+    from jobs.actions import run_seconds
     from jobs.conf import lockstep_setting
     from jobs.models import GPU, PRIORITY_RANK, Allocation, Attempt, Job, Node, PreemptionRequest
     from teams.models import Team
@@ -109,6 +114,20 @@ def take_snapshot(now: datetime) -> Snapshot:
                 schedulable=node.state == Node.State.UP,
             )
         )
+    queued_jobs = list(
+        Job.objects.filter(state=Job.State.QUEUED).only(
+            "id",
+            "team_id",
+            "gpus",
+            "priority",
+            "submitted_at",
+            "name",
+            "time_limit_s",
+            "first_started_at",
+        )
+    )
+    # A requeued job's limit is what is left of it (limits count run time, not wall time).
+    ran = run_seconds([j.id for j in queued_jobs if j.time_limit_s and j.first_started_at], now=now)
     queued = tuple(
         JobView(
             id=j.id,
@@ -117,11 +136,11 @@ def take_snapshot(now: datetime) -> Snapshot:
             priority=PRIORITY_RANK[j.priority],
             submitted_at=j.submitted_at,
             name=j.name,
-            runtime_estimate_s=j.time_limit_s,
+            runtime_estimate_s=max(j.time_limit_s - ran.get(j.id, 0.0), 1.0)
+            if j.time_limit_s
+            else None,
         )
-        for j in Job.objects.filter(state=Job.State.QUEUED).only(
-            "id", "team_id", "gpus", "priority", "submitted_at", "name", "time_limit_s"
-        )
+        for j in queued_jobs
     )
     slots: dict[int, list[tuple[int, int]]] = {}
     for _, attempt_id, node_id, index in live:
@@ -131,6 +150,10 @@ def take_snapshot(now: datetime) -> Snapshot:
         .annotate(last=Max("checkpoints__created_at"))
         .values_list("id", "last")
     )
+    live_attempts = list(Attempt.objects.filter(ended_at__isnull=True).select_related("job"))
+    ran_before = run_seconds(
+        [a.job_id for a in live_attempts if a.job.time_limit_s], now=now, live=False
+    )
     running = tuple(
         RunningView(
             id=a.job_id,
@@ -139,13 +162,15 @@ def take_snapshot(now: datetime) -> Snapshot:
             priority=PRIORITY_RANK[a.job.priority],
             slots=tuple(slots.get(a.id, ())),
             started_at=a.created_at,
-            expected_end=(a.job.first_started_at + timedelta(seconds=a.job.time_limit_s))
-            if a.job.time_limit_s and a.job.first_started_at
+            # The limit's remainder, counted from this attempt's start.
+            expected_end=a.created_at
+            + timedelta(seconds=max(a.job.time_limit_s - ran_before.get(a.job_id, 0.0), 0.0))
+            if a.job.time_limit_s
             else None,
             last_checkpoint_at=last_saves.get(a.job_id),
             stopping=a.state == Attempt.State.STOPPING,
         )
-        for a in Attempt.objects.filter(ended_at__isnull=True).select_related("job")
+        for a in live_attempts
     )
     backoff = now - timedelta(seconds=lockstep_setting("RECLAIM_BACKOFF_S"))
     paused = set(
@@ -172,7 +197,14 @@ def take_snapshot(now: datetime) -> Snapshot:
             )
         )
     )
-    return Snapshot(now=now, nodes=tuple(nodes), queued=queued, teams=teams, running=running)
+    return Snapshot(
+        now=now,
+        nodes=tuple(nodes),
+        queued=queued,
+        teams=teams,
+        running=running,
+        preempt_exempt_s=lockstep_setting("PREEMPT_EXEMPT_S"),
+    )
 
 
 def _usage_history(now: datetime, half_life_s: float) -> dict[int, float]:
