@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,7 +30,7 @@ from trainer.checkpoint import (
     read_marker,
     resolve_resume,
 )
-from trainer.data import AdditionDataset, build_dataset
+from trainer.data import AdditionDataset, BatchPlan, GlobalSampler, build_dataset
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -119,22 +120,38 @@ def losses(path: Path) -> dict[int, float]:
 # --- pure pieces (no processes) -------------------------------------------------------------
 
 
-def test_batches_are_a_pure_function_of_seed_step_rank_and_world_size():
-    data = build_dataset("synthetic://addition")
-    kw = dict(batch_size=4, block_size=16)
-    x1, y1 = data.batch(seed=1, step=7, rank=0, world_size=2, **kw)
-    x2, y2 = data.batch(seed=1, step=7, rank=0, world_size=2, **kw)
-    assert torch.equal(x1, x2) and torch.equal(y1, y2)
-    for other in (dict(seed=2, step=7, rank=0), dict(seed=1, step=8, rank=0),
-                  dict(seed=1, step=7, rank=1)):  # fmt: skip
-        x3, _ = data.batch(world_size=2, **other, **kw)
-        assert not torch.equal(x1, x3), other
+def test_samples_are_a_pure_function_of_their_id_and_epochs_are_seeded_permutations():
+    data = build_dataset("synthetic://addition?epoch=50")
+    assert data.num_samples(16) == 50
+    x1, y1 = data.samples(np.array([3, 7, 3]), block_size=16)
+    assert torch.equal(x1[0], x1[2]) and torch.equal(y1[0], y1[2])
+    assert not torch.equal(x1[0], x1[1])
+    sampler = GlobalSampler(50, seed=1)
+    epochs, ids = sampler.lookup(0, 120)  # two epochs and a fifth of a third
+    assert epochs.tolist() == [0] * 50 + [1] * 50 + [2] * 20
+    assert sorted(ids[:50]) == list(range(50)) == sorted(ids[50:100])
+    assert ids[:50].tolist() != ids[50:100].tolist()  # a new order each epoch
+    assert ids[:50].tolist() != GlobalSampler(50, seed=2).lookup(0, 50)[1].tolist()
+    assert sampler.lookup(37, 64)[1].tolist() == ids[37:64].tolist()
+
+
+def test_batch_plan_splits_the_global_batch_into_equal_micro_batch_counts():
+    plan = BatchPlan(global_batch=24, dp_size=3, micro_batch=6)
+    assert plan.accum_steps == 2
+    assert [plan.micro_ranges(r) for r in range(3)] == [
+        [(0, 4), (4, 8)], [(8, 12), (12, 16)], [(16, 20), (20, 24)],
+    ]  # fmt: skip
+    uneven = BatchPlan(global_batch=10, dp_size=3, micro_batch=4)  # ranks get 4, 3, 3 rows
+    ranges = [r for rank in range(3) for r in uneven.micro_ranges(rank)]
+    assert uneven.accum_steps == 1 and ranges == [(0, 4), (4, 7), (7, 10)]
+    with pytest.raises(ValueError):
+        BatchPlan(global_batch=2, dp_size=3, micro_batch=4)
 
 
 def test_addition_rows_hold_correct_sums_and_only_answers_are_scored():
     data = AdditionDataset(digits=3)
     # 38 inputs + 1 last target = 39 characters = 3 problems of 13 ("123+456=0579\n").
-    x, y = data.batch(seed=0, step=1, rank=0, world_size=1, batch_size=8, block_size=38)
+    x, y = data.samples(np.arange(8), block_size=38)
     for row_x, row_y in zip(x.tolist(), y.tolist(), strict=True):
         full = data.decode(row_x) + "\n"
         problems = full.splitlines()
@@ -365,7 +382,8 @@ def test_text_file_dataset_trains_on_local_bytes(tmp_path):
     assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
     # A plain path works too; targets are the inputs shifted by one byte.
     data = build_dataset(str(text))
-    x, y = data.batch(seed=0, step=1, rank=0, world_size=1, batch_size=2, block_size=8)
+    assert data.num_samples(8) == (len(text.read_bytes()) - 1) // 8
+    x, y = data.samples(np.array([0, 5]), block_size=8)
     assert data.vocab_size == 256 and torch.equal(x[:, 1:], y[:, :-1])
 
 

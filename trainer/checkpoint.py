@@ -3,20 +3,31 @@ torch.distributed.checkpoint (DCP) under constant keys, with a commit marker.
 
 Layout: ``<checkpoint_dir>/step-000050/`` holds DCP's files (``.metadata`` and one
 ``__<rank>_0.distcp`` per writing rank) plus ``COMMITTED``, a JSON marker
-(``{"step", "world_size", "time", ...}``) written last. Step S means S optimizer steps are done;
-a run resumed from it starts with step S + 1 (and, since batches are a function of the step,
-with step S + 1's batch).
+(``{"step", "world_size", "time", "train_state", ...}``) written last. Step S means S optimizer
+steps are done; a run resumed from it starts with step S + 1 and with the sample at the saved
+data position (``TrainState.sample_position``).
 
 Commit protocol (DESIGN.md invariant 5): every rank returns from ``dcp.save``; a barrier; only
 then rank 0 writes the marker atomically (temporary file, fsync, ``os.replace``, fsync of the
 directory) and then appends the ``checkpoint`` metric record. A directory without the marker is
 a save that may have been killed half-way and is never used: not by ``latest_committed`` and not
-for resume. DCP reshards on load, so a checkpoint written by N ranks resumes on M ranks.
+for resume. DCP reshards on load, so a checkpoint written by N ranks resumes on M ranks, and
+the model and optimizer state dicts have the same FQN keys under every parallel mode
+(trainer/parallel.py), so one saved under FSDP loads under DDP or ZeRO-1 and back.
+
+Asynchronous saves (``async_save=True``): ``save`` stages the state (a copy to host memory, the
+only part the loop waits for) and hands the write to DCP's background process (or thread). The
+commit protocol is the same, only later: the loop calls ``poll`` at each step boundary with a vote
+of every rank; once no rank's write is still running, rank 0 writes the marker. ``wait`` blocks
+until the in-flight save is written and committed; it runs before the next save and before the
+process exits (finish or preemption), so a SIGTERM never leaves a save behind. A save killed
+half-way has no marker and is never resumed from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -29,12 +40,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from trainer.distributed import DistInfo
 from trainer.metrics import MetricsWriter
+from trainer.parallel import load_state_dicts, load_templates, state_dicts
 
 MARKER = "COMMITTED"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -43,6 +57,57 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 MODEL_KEY = "model"
 OPTIM_KEY = "optimizer"
 TRAIN_KEY = "train_state"
+
+
+@dataclasses.dataclass
+class TrainState:
+    """The loop's own state, saved with the model (as 0-d tensors) and echoed in the marker."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    sample_position: int = 0
+    """Global sample positions consumed (trainer/data.py): the next step starts here."""
+    epoch: int = 0
+    """sample_position // samples per epoch, for people reading the marker."""
+    global_batch: int = 0
+    """Sequences per optimizer step when saved."""
+    reference_global_batch: int = 0
+    """The global batch of the first start, which the learning rate was set for."""
+    lr_scale_from: float = 1.0
+    lr_scale_to: float = 1.0
+    lr_ramp_start: int = 0
+    """The lr multiplier moves linearly from lr_scale_from to lr_scale_to over the warm-up
+    steps after step lr_ramp_start (the linear scaling rule after a batch change)."""
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            k: torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int64)
+            for k, v in dataclasses.asdict(self).items()
+        }
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> TrainState:
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        return cls(
+            **{
+                k: (float(t.item()) if kinds[k] == "float" else int(t.item()))
+                for k, t in tensors.items()
+                if k in kinds
+            }
+        )
+
+
+class _SlowWriter(FileSystemWriter):
+    """Fault injection only: a storage writer that sleeps before writing (to widen the window
+    in which a background save can be killed)."""
+
+    def __init__(self, path: str, delay_s: float) -> None:
+        super().__init__(path)
+        self.delay_s = delay_s
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        time.sleep(self.delay_s)
+        return super().write_data(plan, planner)
 
 
 def step_dir_name(step: int) -> str:
@@ -152,6 +217,9 @@ class CheckpointManager:
         metrics: MetricsWriter,
         marker_extra: Mapping[str, Any] | None = None,
         commit_delay_s: float = 0.0,
+        async_save: bool = False,
+        async_type: str = "process",
+        save_delay_s: float = 0.0,
     ) -> None:
         self.root = Path(checkpoint_dir).expanduser().resolve()
         self.every = every
@@ -163,6 +231,14 @@ class CheckpointManager:
         # Fault injection only: widens the window between "data written" and "committed" so a
         # test can kill a save half-way and check it never becomes the resume point.
         self.commit_delay_s = commit_delay_s
+        self.save_delay_s = save_delay_s
+        self.async_save = async_save
+        self.async_type = async_type
+        self._pg: dist.ProcessGroup | None = None
+        if async_save and dist_info.distributed and dist_info.device.type == "cuda":
+            # async_save needs a CPU-capable group for its background collectives; NCCL is not.
+            self._pg = dist.new_group(backend="gloo")
+        self._pending: _Pending | None = None
 
     def step_dir(self, step: int) -> Path:
         return self.root / step_dir_name(step)
@@ -173,18 +249,27 @@ class CheckpointManager:
     def has_committed(self, step: int) -> bool:
         return is_committed(self.step_dir(step))
 
-    def _state(self, step: int) -> dict[str, Any]:
-        # get_state_dict strips DDP's "module." prefix and gives the optimizer state FQN keys,
-        # so the saved layout is the same for 1 or N ranks. On a fresh optimizer it also
-        # creates the (zero) state, which dcp.load then fills in place.
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        train_sd = {"step": torch.tensor(step, dtype=torch.int64)}
-        return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd, TRAIN_KEY: train_sd}
+    @property
+    def in_flight(self) -> bool:
+        """An async save has been started and not committed yet (same on every rank)."""
+        return self._pending is not None
 
-    def save(self, step: int) -> Path:
-        """Save and commit step `step` (a collective: every rank must call it)."""
-        started = time.perf_counter()
-        path = self.step_dir(step)
+    def writing(self) -> bool:
+        """This rank's part of the in-flight save is still being written."""
+        return self._pending is not None and not self._pending.future.done()
+
+    def _state(self, train_state: TrainState, *, for_load: bool = False) -> dict[str, Any]:
+        # FQN keys and full (unsharded-looking) shapes in every mode, so the saved layout is the
+        # same for 1 or N ranks and any parallelism. On a fresh optimizer this also creates the
+        # (zero) state, which dcp.load then fills in place.
+        dicts = load_templates if for_load else state_dicts
+        model_sd, optim_sd = dicts(self.model, self.optimizer)
+        return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd, TRAIN_KEY: train_state.to_tensors()}
+
+    def _writer(self, path: Path) -> FileSystemWriter | None:
+        return _SlowWriter(str(path), self.save_delay_s) if self.save_delay_s else None
+
+    def _prepare_dir(self, path: Path) -> None:
         if self.dist.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             if path.exists():
@@ -195,30 +280,102 @@ class CheckpointManager:
                 _fsync_dir(path)
                 shutil.rmtree(path)
         self.dist.barrier()
+
+    def save(self, train_state: TrainState) -> Path:
+        """Save (and, unless async, commit) train_state.step: a collective, all ranks call it.
+
+        Async: wait for any earlier save first (one in flight at a time), stage, return; the
+        commit comes from a later `poll` or `wait`."""
+        self.wait()
+        step = train_state.step
+        started = time.perf_counter()
+        path = self.step_dir(step)
+        self._prepare_dir(path)
+        state = self._state(train_state)
+        if not self.async_save:
+            with _single_process_ok():
+                dcp.save(
+                    state,
+                    checkpoint_id=str(path),
+                    storage_writer=self._writer(path),
+                    no_dist=not self.dist.distributed,
+                )
+            stall = time.perf_counter() - started
+            self._commit(path, train_state, stall_s=stall, background_s=0.0)
+            return path
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        kind = (
+            AsyncCheckpointerType.PROCESS
+            if self.async_type == "process"
+            else AsyncCheckpointerType.THREAD
+        )
         with _single_process_ok():
-            dcp.save(self._state(step), checkpoint_id=str(path), no_dist=not self.dist.distributed)
+            future = dcp.async_save(
+                state,
+                checkpoint_id=str(path),
+                storage_writer=self._writer(path),
+                process_group=self._pg,
+                async_checkpointer_type=kind,
+                no_dist=not self.dist.distributed,
+            )
+        if not hasattr(future, "done"):  # AsyncSaveResponse (only with an async_stager)
+            future = future.upload_completion
+        pending = _Pending(path, train_state, future, stall_s=time.perf_counter() - started)
+        future.add_done_callback(pending.mark_done)
+        self._pending = pending
+        return path
+
+    def poll(self, any_rank_writing: bool) -> Path | None:
+        """Commit the in-flight save if no rank is still writing it (every rank calls this with
+        the same vote); returns the committed path, if any."""
+        if self._pending is None or any_rank_writing:
+            return None
+        return self.wait()
+
+    def wait(self) -> Path | None:
+        """Block until the in-flight save (if any) is written, then commit it (a collective)."""
+        pending = self._pending
+        if pending is None:
+            return None
+        self._pending = None
+        pending.future.result()  # re-raises a failed write: no commit, the job restarts
+        background = (pending.done_at or time.perf_counter()) - pending.staged_at
+        self._commit(pending.path, pending.train_state, pending.stall_s, background)
+        return pending.path
+
+    def _commit(
+        self, path: Path, train_state: TrainState, stall_s: float, background_s: float
+    ) -> None:
         # Every rank's part is written (DCP fsyncs its files) before anyone commits.
         self.dist.barrier()
         if self.commit_delay_s:
             time.sleep(self.commit_delay_s)
         if self.dist.is_main:
             marker = {
-                "step": step,
+                "step": train_state.step,
                 "world_size": self.dist.world_size,
                 "time": time.time(),
+                "train_state": dataclasses.asdict(train_state),
                 **self.marker_extra,
             }
             _write_marker(path, marker)
-            self.metrics.checkpoint(
-                step=step,
+            size = dir_bytes(path)
+            # Fields beyond MetricsWriter.checkpoint's (save_stall_s, ...): written directly.
+            self.metrics.write(
+                "checkpoint",
+                step=train_state.step,
                 path=str(path),
-                bytes=dir_bytes(path),
-                save_s=time.perf_counter() - started,
+                bytes=size,
+                # save_s is what the portal's interval policy takes for the save stall.
+                save_s=stall_s,
+                save_stall_s=stall_s,
+                save_background_s=background_s,
+                save_bytes=size,
             )
         # No rank runs ahead (or exits) before the commit, so "all ranks exited after a
         # preemption save" implies "the checkpoint is committed".
         self.dist.barrier()
-        return path
 
     def resolve_resume(self, resume_from: str | Path | None) -> Path | None:
         """resolve_resume() decided on rank 0 and shared, so every rank loads the same step."""
@@ -226,22 +383,43 @@ class CheckpointManager:
         choice = self.dist.broadcast_object(str(choice) if choice else "")
         return Path(choice) if choice else None
 
-    def load(self, step_dir: str | Path) -> int:
-        """Load model, optimizer and train state from a committed step dir; return its step."""
+    def load(self, step_dir: str | Path) -> TrainState:
+        """Load model, optimizer and train state from a committed step dir."""
         path = Path(step_dir)
         marker = read_marker(path)
         if marker is None:
             raise RuntimeError(f"refusing to load {path}: it has no {MARKER} marker")
-        state = self._state(0)
+        # -1 marks train-state fields an older checkpoint did not have.
+        template = TrainState(**{f.name: -1 for f in dataclasses.fields(TrainState)})
+        state = self._state(template, for_load=True)
+        train_sd = state.pop(TRAIN_KEY)
         with _single_process_ok():
             dcp.load(state, checkpoint_id=str(path), no_dist=not self.dist.distributed)
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state[MODEL_KEY],
-            optim_state_dict=state[OPTIM_KEY],
-        )
-        step = int(state[TRAIN_KEY]["step"].item())
-        if step != marker["step"]:
-            raise RuntimeError(f"{path}: saved step {step} but the marker says {marker['step']}")
-        return step
+            dcp.load(
+                {TRAIN_KEY: train_sd},
+                checkpoint_id=str(path),
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+                no_dist=not self.dist.distributed,
+            )
+        load_state_dicts(self.model, self.optimizer, state[MODEL_KEY], state[OPTIM_KEY])
+        train_state = TrainState.from_tensors(train_sd)
+        if train_state.step != marker["step"]:
+            raise RuntimeError(
+                f"{path}: saved step {train_state.step} but the marker says {marker['step']}"
+            )
+        return train_state
+
+
+@dataclasses.dataclass
+class _Pending:
+    """An async save between staging and commit."""
+
+    path: Path
+    train_state: TrainState
+    future: Any
+    stall_s: float
+    staged_at: float = dataclasses.field(default_factory=time.perf_counter)
+    done_at: float | None = None
+
+    def mark_done(self, _future: Any) -> None:
+        self.done_at = time.perf_counter()

@@ -51,6 +51,30 @@ class OptimArgs:
         return self.lr
 
 
+PARALLEL_MODES = ("ddp", "zero1", "fsdp", "fsdp-noreshard")
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@dataclass
+class ParallelArgs:
+    """How the model and optimizer are spread over the ranks (docs/training.md)."""
+
+    mode: str = "ddp"
+    """ddp (replicated), zero1 (DDP + optimizer state sharded), fsdp (FSDP2, parameters,
+    gradients and optimizer state sharded, ZeRO-3), fsdp-noreshard (FSDP2 keeping parameters
+    gathered between forward and backward, ZeRO-2-like)."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size: each bucket's all-reduce starts as soon as its gradients are
+    ready, overlapping the rest of the backward pass."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass."""
+    tp: int = 1
+    """Tensor-parallel degree (ranks that split every block's matmuls); needs fsdp modes when
+    the data-parallel degree world_size / tp is above 1."""
+    precision: str = "auto"
+    """auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16 (autocast, or FSDP's mixed precision)."""
+
+
 @dataclass
 class TrainArgs:
     """Loop length, data, logging and checkpointing."""
@@ -58,7 +82,14 @@ class TrainArgs:
     steps: int = 1000
     """Total optimizer steps of the job (a resumed run continues up to this count)."""
     batch_size: int = 32
-    """Sequences per step per rank (the global batch is batch_size * world_size)."""
+    """Sequences per rank per forward pass (the micro-batch; the most a rank's memory takes)."""
+    global_batch_size: int = 0
+    """Sequences per optimizer step over all ranks; 0 = the resumed checkpoint's, or
+    batch_size * data-parallel ranks at a fresh start. Kept across world-size changes by
+    gradient accumulation."""
+    allow_batch_change: bool = False
+    """On a resume at another world size keep batch_size per rank instead (no accumulation):
+    the global batch changes and the learning rate follows it linearly (with a warm-up)."""
     seed: int = 0
     """Seed for the initial weights and every batch."""
     dataset: str = DEFAULT_DATASET
@@ -70,6 +101,11 @@ class TrainArgs:
     checkpoint_interval_s: float = 0.0
     """Also save when this many seconds passed since the last save (0 = off); rank 0's clock
     decides so every rank saves at the same step."""
+    async_checkpoint: bool = False
+    """Save with DCP async_save: the loop blocks only to stage the state; the commit marker is
+    written at a later step boundary, once every rank's background write has finished."""
+    async_checkpoint_type: str = "process"
+    """process (a background process per rank, no GIL contention) or thread."""
     checkpoint_dir: str = "checkpoints"
     """Where step-NNNNNN/ checkpoint directories are written."""
     resume_from: str = ""
@@ -84,6 +120,11 @@ class TrainArgs:
     fault_slow_ms: int = 0
     fault_commit_delay_ms: int = 0
     """Fault injection: pause between writing a checkpoint's data and committing it."""
+    fault_save_delay_ms: int = 0
+    """Fault injection: a checkpoint's storage writer sleeps this long before writing."""
+    record_samples: str = ""
+    """Debug/test: append every consumed sample (step, epoch, id) as JSON lines to this path
+    ({rank} is replaced by the rank)."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True): bit-exact reruns, possibly slower."""
 
@@ -95,6 +136,7 @@ class JobConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
+    parallel: ParallelArgs = field(default_factory=ParallelArgs)
 
     def __post_init__(self) -> None:
         positive = {
@@ -117,6 +159,20 @@ class JobConfig:
             raise ValueError("--lr must be > 0")
         if self.model.n_embd % self.model.n_head:
             raise ValueError("--n-embd must be divisible by --n-head")
+        if self.train.global_batch_size < 0:
+            raise ValueError("--global-batch-size must be >= 0")
+        if self.train.async_checkpoint_type not in ("process", "thread"):
+            raise ValueError("--async-checkpoint-type must be process or thread")
+        if self.parallel.mode not in PARALLEL_MODES:
+            raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}")
+        if self.parallel.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}")
+        if self.parallel.bucket_cap_mb <= 0:
+            raise ValueError("--bucket-cap-mb must be > 0")
+        if self.parallel.tp < 1:
+            raise ValueError("--tp must be >= 1")
+        if self.model.n_head % self.parallel.tp:
+            raise ValueError("--n-head must be divisible by --tp")
 
 
 def _env(name: str, default: str) -> str:
@@ -132,7 +188,27 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         description="Train a small GPT under the Lockstep launch contract (or torchrun, or alone).",
     )
     p.add_argument("--steps", type=int, default=t.steps, help="total optimizer steps")
-    p.add_argument("--batch-size", type=int, default=t.batch_size, help="sequences per rank")
+    p.add_argument(
+        "--batch-size", type=int, default=t.batch_size, help="sequences per rank per micro-batch"
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=t.global_batch_size,
+        help="sequences per step over all ranks (0: the checkpoint's, or batch size x ranks)",
+    )
+    p.add_argument(
+        "--allow-batch-change",
+        action="store_true",
+        help="on a world-size change keep --batch-size per rank and scale the lr linearly",
+    )
+    par = p.add_argument_group("parallelism", "docs/training.md")
+    pa = ParallelArgs()
+    par.add_argument("--parallel", choices=PARALLEL_MODES, default=pa.mode)
+    par.add_argument("--bucket-cap-mb", type=float, default=pa.bucket_cap_mb, help="DDP buckets")
+    par.add_argument("--activation-checkpointing", action="store_true")
+    par.add_argument("--tp", type=int, default=pa.tp, help="tensor-parallel degree")
+    par.add_argument("--precision", choices=PRECISIONS, default=pa.precision)
     p.add_argument("--lr", type=float, default=o.lr, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=o.warmup_steps)
     p.add_argument("--n-layer", type=int, default=m.n_layer)
@@ -145,6 +221,14 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         type=float,
         default=float(_env("LOCKSTEP_CHECKPOINT_INTERVAL_S", "0")),
         help="also save every this many seconds (default: $LOCKSTEP_CHECKPOINT_INTERVAL_S or off)",
+    )
+    p.add_argument(
+        "--async-checkpoint",
+        action="store_true",
+        help="DCP async_save: block only to stage; commit once every rank's write is done",
+    )
+    p.add_argument(
+        "--async-checkpoint-type", choices=("process", "thread"), default=t.async_checkpoint_type
     )
     p.add_argument("--seed", type=int, default=t.seed)
     p.add_argument(
@@ -179,6 +263,17 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         default=0,
         help="pause between a checkpoint's data being written and its commit",
     )
+    faults.add_argument(
+        "--fault-save-delay-ms",
+        type=int,
+        default=0,
+        help="a checkpoint's storage writer sleeps this long before writing",
+    )
+    p.add_argument(
+        "--record-samples",
+        default="",
+        help="debug: append each consumed sample (step, epoch, id) to this path ({rank} = rank)",
+    )
     p.add_argument("--log-every", type=int, default=t.log_every, help="steps between prints")
     p.add_argument("--deterministic", action="store_true", help="deterministic torch kernels")
     a = p.parse_args(argv)
@@ -190,6 +285,10 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         train=TrainArgs(
             steps=a.steps,
             batch_size=a.batch_size,
+            global_batch_size=a.global_batch_size,
+            allow_batch_change=a.allow_batch_change,
+            async_checkpoint=a.async_checkpoint,
+            async_checkpoint_type=a.async_checkpoint_type,
             seed=a.seed,
             dataset=a.dataset,
             log_every=a.log_every,
@@ -204,5 +303,14 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             fault_slow_rank=a.fault_slow_rank,
             fault_slow_ms=a.fault_slow_ms,
             fault_commit_delay_ms=a.fault_commit_delay_ms,
+            fault_save_delay_ms=a.fault_save_delay_ms,
+            record_samples=a.record_samples,
+        ),
+        parallel=ParallelArgs(
+            mode=a.parallel,
+            bucket_cap_mb=a.bucket_cap_mb,
+            activation_checkpointing=a.activation_checkpointing,
+            tp=a.tp,
+            precision=a.precision,
         ),
     )

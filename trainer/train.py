@@ -12,24 +12,29 @@ node agent) and the process keeps running; see `install_stack_dump_handler`.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
+import json
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from types import FrameType
+from typing import TextIO
 
 import numpy as np
 import torch
 
-from trainer.checkpoint import CheckpointManager
-from trainer.config import JobConfig, OptimArgs, TrainArgs, parse_args
-from trainer.data import AdditionDataset, Dataset, build_dataset
-from trainer.distributed import DistInfo, apply_ddp, close_distributed, init_distributed
+from trainer.checkpoint import CheckpointManager, TrainState
+from trainer.config import JobConfig, TrainArgs, parse_args
+from trainer.data import AdditionDataset, BatchPlan, Dataset, GlobalSampler, build_dataset
+from trainer.distributed import DistInfo, close_distributed, init_distributed
 from trainer.metrics import MetricsWriter
 from trainer.model import GPT, GPTConfig
+from trainer.parallel import Parallelized, clip_grad_norm
 
 
 class StopFlag:
@@ -159,10 +164,103 @@ def build_model(cfg: JobConfig, vocab_size: int, info: DistInfo) -> GPT:
     return GPT(model_cfg).to(info.device)
 
 
-def build_optimizer(model: torch.nn.Module, optim: OptimArgs) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        model.parameters(), lr=optim.lr, betas=(0.9, 0.99), weight_decay=optim.weight_decay
-    )
+class DataFeed:
+    """This rank's micro-batches of each step's global batch (the global sample order of
+    trainer/data.py), and the optional record of every sample consumed (tests, debugging)."""
+
+    def __init__(
+        self, dataset: Dataset, cfg: JobConfig, plan: BatchPlan, dp_rank: int, rank: int
+    ) -> None:
+        self.dataset = dataset
+        self.block_size = cfg.model.block_size
+        self.sampler = GlobalSampler(dataset.num_samples(self.block_size), cfg.train.seed)
+        self.plan = plan
+        self.dp_rank = dp_rank
+        self.ranges = plan.micro_ranges(dp_rank)
+        self.rows = sum(stop - start for start, stop in self.ranges)
+        self.rank = rank
+        path = cfg.train.record_samples
+        self._record: TextIO | None = None
+        if path:
+            target = Path(path.replace("{rank}", str(rank)))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._record = open(target, "a", encoding="utf-8")  # noqa: SIM115
+
+    def epoch_of(self, position: int) -> int:
+        return position // self.sampler.num_samples
+
+    def micro_batches(
+        self, step: int, position: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """[(x, y, rows)] for the global batch that starts at sample `position`."""
+        out = []
+        for start, stop in self.ranges:
+            epochs, ids = self.sampler.lookup(position + start, position + stop)
+            x, y = self.dataset.samples(ids, block_size=self.block_size)
+            out.append((x, y, stop - start))
+            if self._record is not None:
+                self._record.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "rank": self.rank,
+                            "dp_rank": self.dp_rank,
+                            "positions": [position + start, position + stop],
+                            "epochs": epochs.tolist(),
+                            "ids": ids.tolist(),
+                        }  # fmt: skip
+                    )
+                    + "\n"
+                )
+        if self._record is not None:
+            self._record.flush()
+        return out
+
+    def close(self) -> None:
+        if self._record is not None:
+            self._record.close()
+
+
+def lr_scale_at(state: TrainState, step: int, warmup_steps: int) -> float:
+    """The linear-scaling multiplier for `step`: a ramp after a batch change, then constant."""
+    if warmup_steps <= 0 or step >= state.lr_ramp_start + warmup_steps:
+        return state.lr_scale_to
+    frac = max(0, step - state.lr_ramp_start) / warmup_steps
+    return state.lr_scale_from + (state.lr_scale_to - state.lr_scale_from) * frac
+
+
+def resolve_batch(cfg: JobConfig, dp: int, resumed: TrainState | None, tag: str = "") -> TrainState:
+    """The train state to continue with: the global batch, its reference, the lr ramp and the
+    data position, reconciled with this launch's world size and flags."""
+    t = cfg.train
+    if resumed is None:
+        g = t.global_batch_size or t.batch_size * dp
+        return TrainState(global_batch=g, reference_global_batch=g)
+    state = dataclasses.replace(resumed)
+    if state.global_batch < 1:
+        # A checkpoint from before the data position was saved: its steps used this batch.
+        state.global_batch = t.global_batch_size or t.batch_size * dp
+        state.reference_global_batch = state.global_batch
+        state.sample_position = state.step * state.global_batch
+        state.lr_scale_from = state.lr_scale_to = 1.0
+        state.lr_ramp_start = 0
+    if t.allow_batch_change:
+        wanted = t.global_batch_size or t.batch_size * dp
+        if wanted != state.global_batch:
+            # Linear scaling rule (Goyal et al. 2017) with a warm-up from the current scale.
+            now = lr_scale_at(state, state.step, cfg.optim.warmup_steps)
+            state.lr_scale_from = now
+            state.lr_scale_to = wanted / state.reference_global_batch
+            state.lr_ramp_start = state.step
+            print(
+                f"{tag}trainer: global batch {state.global_batch} -> {wanted}; lr scale "
+                f"{now:.3g} -> {state.lr_scale_to:.3g} over {cfg.optim.warmup_steps} steps",
+                flush=True,
+            )
+            state.global_batch = wanted
+    elif t.global_batch_size:
+        state.global_batch = t.global_batch_size
+    return state
 
 
 def train(cfg: JobConfig) -> int:
@@ -185,35 +283,46 @@ def train(cfg: JobConfig) -> int:
 
     dataset = build_dataset(cfg.train.dataset)
     model = build_model(cfg, dataset.vocab_size, info)
-    optimizer = build_optimizer(model, cfg.optim)
-    train_model = apply_ddp(model, info)
+    par = Parallelized(model, cfg.parallel, info)
+    optimizer = par.build_optimizer(cfg.optim)
     metrics_path = cfg.train.metrics_path or f"metrics-rank{info.rank}.jsonl"
     metrics = MetricsWriter(metrics_path, info.rank)
     ckpt = CheckpointManager(
         cfg.train.checkpoint_dir,
         every=cfg.train.checkpoint_every,
-        model=train_model,
+        model=par.module,
         optimizer=optimizer,
         dist_info=info,
         metrics=metrics,
         marker_extra={"dataset": dataset.uri, "config": asdict(cfg)},
         commit_delay_s=cfg.train.fault_commit_delay_ms / 1000,
+        async_save=cfg.train.async_checkpoint,
+        async_type=cfg.train.async_checkpoint_type,
+        save_delay_s=cfg.train.fault_save_delay_ms / 1000,
     )
 
     resume_dir = ckpt.resolve_resume(cfg.train.resume_from)
-    start_step = ckpt.load(resume_dir) if resume_dir else 0
-    # The newest step known to be committed in our own checkpoint dir, tracked in memory so
+    resumed = ckpt.load(resume_dir) if resume_dir else None
+    state = resolve_batch(cfg, par.dims.dp, resumed, tag)
+    start_step = state.step
+    plan = BatchPlan(state.global_batch, par.dims.dp, cfg.train.batch_size)
+    feed = DataFeed(dataset, cfg, plan, par.dims.dp_rank, info.rank)
+    # The newest step known to be saved in our own checkpoint dir, tracked in memory so
     # every rank makes the same save decision without re-reading the filesystem.
     saved_step = start_step if resume_dir == ckpt.step_dir(start_step) else -1
     metrics.start(world_size=info.world_size, resumed_from_step=start_step, device=str(info.device))
     print(
         f"{tag}trainer: {model.num_params():,} params, dataset {dataset.uri}, "
         f"world size {info.world_size}, device {info.device}, "
+        f"parallel {cfg.parallel.mode} (dp {par.dims.dp} x tp {par.dims.tp}, {par.dtype}), "
+        f"global batch {plan.global_batch} = {plan.dp_size} x {plan.accum_steps} micro-batches "
+        f"of <= {plan.micro_batch}, sample {state.sample_position} "
+        f"(epoch {feed.epoch_of(state.sample_position)}), "
         + (f"resumed from {resume_dir} (step {start_step})" if resume_dir else "fresh start"),
         flush=True,
     )
 
-    B, T = cfg.train.batch_size, cfg.model.block_size
+    T = cfg.model.block_size
     step = start_step
     preempted = False
     interval = cfg.train.checkpoint_interval_s
@@ -221,94 +330,121 @@ def train(cfg: JobConfig) -> int:
     time_due = False
     clock = ComputeClock(info.device)
     while step < cfg.train.steps:
-        # Cheap collective every step: all ranks stop (or save on rank 0's clock) after the same
-        # step or none does.
-        stop_now, time_due = info.any_rank_each(
+        # Cheap collective every step: all ranks stop (or save on rank 0's clock, or commit an
+        # async save everyone has finished writing) after the same step or none does.
+        stop_now, time_due, writing = info.any_rank_each(
             stop.requested,
             info.is_main and interval > 0 and time.monotonic() - last_save >= interval,
+            ckpt.writing(),
         )
+        if ckpt.in_flight:
+            committed = ckpt.poll(writing)
+            if committed and info.is_main:
+                print(f"{tag}checkpoint committed: {committed}", flush=True)
         if stop_now:
             preempted = True
             break
         started = time.perf_counter()
         clock.start()
         step += 1
-        lr = cfg.optim.lr_at(step)
+        lr = cfg.optim.lr_at(step) * lr_scale_at(state, step, cfg.optim.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss = train_step(train_model, optimizer, dataset, cfg, info, step, clock, fault)
+        loss = train_step(
+            par, optimizer, feed, cfg, info, step, state.sample_position, clock, fault
+        )
+        state.step = step
+        state.sample_position += plan.global_batch
+        state.epoch = feed.epoch_of(state.sample_position)
         step_time = time.perf_counter() - started
         # Under DDP every rank's step_time is the same: fast ranks wait in the gradient
         # all-reduce for the slowest. A straggler shows in the time spent before that
         # collective (data + forward), so compute_s is what tells the ranks apart.
+        tokens = feed.rows * T
         metrics.step(
             step=step,
             loss=loss,
-            tokens_per_s=B * T / step_time,
+            tokens_per_s=tokens / step_time,
             step_time_s=step_time,
             compute_s=clock.seconds(),
         )
         if step % cfg.train.log_every == 0 or step == start_step + 1:
             print(
                 f"{tag}step {step}/{cfg.train.steps} loss {loss:.4f} lr {lr:.2e} "
-                f"{step_time * 1000:.1f} ms/step {B * T / step_time:,.0f} tok/s",
+                f"{step_time * 1000:.1f} ms/step {tokens / step_time:,.0f} tok/s",
                 flush=True,
             )
         if ckpt.due(step) or time_due:
-            path = ckpt.save(step)
+            path = ckpt.save(dataclasses.replace(state))
             saved_step = step
             last_save = time.monotonic()
-            if info.is_main:
+            if info.is_main and not ckpt.in_flight:
                 print(f"{tag}checkpoint committed: {path}", flush=True)
 
     if step > 0 and saved_step != step:
-        path = ckpt.save(step)
-        if info.is_main:
-            print(f"{tag}checkpoint committed: {path}", flush=True)
+        ckpt.save(dataclasses.replace(state))
+    # Finished or preempted: an async save still in flight is written and committed before
+    # the process exits.
+    path = ckpt.wait() or (ckpt.step_dir(step) if step > 0 and saved_step != step else None)
+    if path and info.is_main:
+        print(f"{tag}checkpoint committed: {path}", flush=True)
     reason = "preempted" if preempted else "finished"
     metrics.end(step=step, reason=reason)
-    if info.is_main and not preempted and isinstance(dataset, AdditionDataset):
+    if (
+        info.is_main
+        and not preempted
+        and isinstance(dataset, AdditionDataset)
+        and par.dims.tp == 1
+        and not cfg.parallel.mode.startswith("fsdp")
+    ):
         print(f"{tag}addition accuracy: {addition_accuracy(model, dataset, info):.1%}", flush=True)
     print(f"{tag}trainer: {reason} at step {step}", flush=True)
+    feed.close()
     metrics.close()
     close_distributed(info)
     return 0
 
 
 def train_step(
-    model: torch.nn.Module,
+    par: Parallelized,
     optimizer: torch.optim.Optimizer,
-    dataset: Dataset,
+    feed: DataFeed,
     cfg: JobConfig,
     info: DistInfo,
     step: int,
+    position: int,
     clock: ComputeClock | None = None,
     fault: Callable[[int], None] | None = None,
 ) -> float:
-    """One optimizer step on this rank's batch for `step`; returns this rank's loss.
+    """One optimizer step on this rank's share of the global batch that starts at sample
+    `position`; returns this rank's mean loss.
 
-    `clock` is told when the forward pass and loss are done (before backward and its
-    all-reduce); `fault` is the test-only hook of `_test_faults`."""
+    Each micro-batch's loss is weighted by its share of the global batch (rows * dp / global),
+    so the data-parallel gradient average is the gradient of the global batch's mean loss
+    whatever the split. Only the last micro-batch synchronises gradients. `clock` is told when
+    the first forward pass and loss are done (before backward and its all-reduce); `fault` is
+    the test-only hook of `_test_faults`."""
     if fault is not None:
         fault(step)
-    x, y = dataset.batch(
-        seed=cfg.train.seed,
-        step=step,
-        rank=info.rank,
-        world_size=info.world_size,
-        batch_size=cfg.train.batch_size,
-        block_size=cfg.model.block_size,
-    )
-    x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
-    _, loss = model(x, y)
-    if clock is not None:
-        clock.forward_done()
+    plan = feed.plan
+    micro = feed.micro_batches(step, position)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()  # DDP all-reduces the gradients here
+    total = 0.0
+    for i, (x, y, rows) in enumerate(micro):
+        x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
+        last = i == len(micro) - 1
+        with par.grad_sync(last):
+            with par.autocast():
+                _, loss = par.module(x, y)
+            if clock is not None and i == 0:
+                clock.forward_done()
+            weight = rows * plan.dp_size / plan.global_batch
+            (loss * weight).backward()  # DDP/FSDP reduce the gradients here on the last one
+        total += loss.detach().float() * rows
     if cfg.optim.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        clip_grad_norm(list(par.base.parameters()), cfg.optim.grad_clip)
     optimizer.step()
-    return loss.item()  # also waits for the device, so the measured step time is real
+    return total.item() / feed.rows  # also waits for the device: the step time is real
 
 
 @torch.no_grad()
