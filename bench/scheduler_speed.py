@@ -1,10 +1,22 @@
 """Scheduler speed: one plan() pass over 10,000 queued jobs and 512 nodes (goal < 1 s), beside
 the first version's policy as the baseline in the same run; and gangs applied per second on the
-database (goal >= 200/s on PostgreSQL).
+database, sustained over consecutive passes (goal >= 200/s on PostgreSQL).
 
     .venv/bin/python bench/scheduler_speed.py                # plan() only (pure, no database)
-    DATABASE_URL=postgres://postgres@127.0.0.1:5432/test \\
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/test REDIS_URL=redis://127.0.0.1:6379/0 \\
         .venv/bin/python bench/scheduler_speed.py --apply    # + apply_plan on that server
+        [--apply-only] [--no-baseline] [--compare-ref HEAD~1]
+
+The apply benchmark runs on a fresh test database (LOCKSTEP_TEST_DB_NAME names it). Each pass
+queues a batch of jobs (1-16 GPUs) on an idle cluster, takes the snapshot and plans (not timed),
+then times `apply_plan` on that plan: claims, attempts, allocations, events, wait reasons, the
+commit and the on-commit websocket pushes. Between passes the leftovers are cancelled and the
+GPUs released (not timed). Modes, interleaved pass by pass on the same workload: `batched` (the
+applier as it is) and `per_gang` (chunk=1: a savepoint and a claim per gang, the structure of
+the applier before batching). `--compare-ref REF` also runs this benchmark on the code at git
+REF (extracted with `git archive` to a temporary directory) and stores its result beside.
+`reasons` times writing 9,000 changed wait reasons: the former one-UPDATE-per-job loop, then
+the bulk write, on the same rows.
 """
 
 from __future__ import annotations
@@ -116,6 +128,16 @@ def main() -> int:
     parser.add_argument("--teams", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--apply", action="store_true", help="also measure apply_plan")
+    parser.add_argument("--apply-only", action="store_true", help="measure apply_plan only")
+    parser.add_argument("--apply-nodes", type=int, default=128)
+    parser.add_argument("--apply-jobs", type=int, default=600, help="jobs queued per pass")
+    parser.add_argument("--apply-passes", type=int, default=12)
+    parser.add_argument("--reasons", type=int, default=9000, help="wait reasons to write")
+    parser.add_argument(
+        "--big-pass", type=int, default=10_000, help="queued jobs of the one big pass (0: none)"
+    )
+    parser.add_argument("--no-baseline", action="store_true", help="skip the per-gang mode")
+    parser.add_argument("--compare-ref", help="also run the apply benchmark on this git ref")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "scheduler-speed.json"))
     args = parser.parse_args()
     results = {
@@ -125,73 +147,303 @@ def main() -> int:
         "teams": args.teams,
         "python": sys.version.split()[0],
     }
-    for label, busy in (("cluster_90pct_busy", 0.9), ("cluster_empty", 0.0)):
-        snap = build(args.nodes, args.gpus_per_node, args.queued, args.teams, busy, seed=1)
-        results[label] = time_plan(snap, args.repeats)
-        print(f"plan() {label}: {results[label]}")
-    if args.apply:
+    out = Path(args.out)
+    if args.apply_only:
+        results = json.loads(out.read_text()) if out.exists() else results
+    else:
+        for label, busy in (("cluster_90pct_busy", 0.9), ("cluster_empty", 0.0)):
+            snap = build(args.nodes, args.gpus_per_node, args.queued, args.teams, busy, seed=1)
+            results[label] = time_plan(snap, args.repeats)
+            print(f"plan() {label}: {results[label]}")
+    if args.apply or args.apply_only:
         results["apply"] = bench_apply(args)
-        print(f"apply_plan: {results['apply']}")
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+        print(f"apply_plan: {json.dumps(results['apply'], indent=1)}")
+        if args.compare_ref:
+            results["apply_at_ref"] = bench_ref(args)
+            print(f"apply_plan at {args.compare_ref}: {results['apply_at_ref']}")
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 
-def bench_apply(args) -> dict:
-    """Gangs per second committed by apply_plan on the configured database (a fresh one)."""
+def _setup_django():
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
     import django
 
     django.setup()
+
+
+def _queue_jobs(team, user, sizes: list[int], now) -> None:
+    """Queued jobs as a submit leaves them (bulk: submitting is not what is measured)."""
+    from jobs.models import Job
+
+    Job.objects.bulk_create(
+        [
+            Job(
+                name=f"b{i}",
+                team=team,
+                owner=user,
+                image="x",
+                command=["true"],
+                gpus=gpus,
+                submitted_at=now,
+                state=Job.State.QUEUED,
+                reason="queued; waiting for the scheduler's next pass",
+            )
+            for i, gpus in enumerate(sizes)
+        ],
+        batch_size=1000,
+    )
+
+
+def bench_apply(args) -> dict:
+    """Gangs per second committed by apply_plan, sustained over consecutive passes, on the
+    configured database (a fresh test database)."""
+    import inspect
+
+    _setup_django()
     from django.contrib.auth import get_user_model
     from django.db import connection
     from django.utils import timezone
 
     from jobs import actions
     from jobs.models import Allocation, Attempt, Job
-    from jobs.scheduling.apply import apply_plan
+    from jobs.scheduling import apply as applier
     from jobs.scheduling.snapshot import take_snapshot
     from teams.actions import do_create_team
+
+    batched = "chunk" in inspect.signature(applier.apply_plan).parameters
+    modes = {"batched": {}} if batched else {"apply_plan": {}}
+    if batched and not args.no_baseline:
+        modes["per_gang"] = {"chunk": 1}
+    queries = [0]
+
+    def count(execute, sql, params, many, context):
+        queries[0] += 1
+        return execute(sql, params, many, context)
 
     creation = connection.creation
     test_db = creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
     try:
-        team = do_create_team("bench", quota=100_000)
+        team = do_create_team("bench", quota=1_000_000)
         user = get_user_model().objects.create(username="bench")
-        for n in range(64):
+        for n in range(args.apply_nodes):
             actions.do_register_node(
-                name=f"bench-{n:03d}", gpus=8, address="127.0.0.1", boot_id="b", now=timezone.now()
+                name=f"bench-{n:03d}",
+                gpus=8,
+                address=f"10.0.{n // 250}.{n % 250}",
+                rack=f"rack-{n // 16}",
+                boot_id="b",
+                now=timezone.now(),
             )
-        rng = random.Random(2)
-        total, seconds = 0, 0.0
-        for _ in range(5):
-            for j in range(300):
-                actions.do_submit_job(
-                    owner=user,
-                    team=team,
-                    now=timezone.now(),
-                    name=f"b{j}",
-                    image="x",
-                    command=["true"],
-                    gpus=rng.choice([1, 2, 4, 8]),
+        passes = {mode: [] for mode in modes}
+        for number in range(args.apply_passes):
+            for mode, kwargs in modes.items():
+                rng = random.Random(1000 + number)  # the same workload for every mode
+                sizes = [rng.choice([1, 1, 2, 4, 8, 8, 16]) for _ in range(args.apply_jobs)]
+                _queue_jobs(team, user, sizes, timezone.now())
+                decided = plan(take_snapshot(timezone.now()))
+                queries[0] = 0
+                with connection.execute_wrapper(count):
+                    started = time.perf_counter()
+                    result = applier.apply_plan(decided, now=timezone.now(), **kwargs)
+                    seconds = time.perf_counter() - started
+                passes[mode].append(
+                    {
+                        "gangs": len(result.applied),
+                        "rejected": len(result.rejected),
+                        "reasons": len(decided.reasons),
+                        "seconds": round(seconds, 4),
+                        "queries": queries[0],
+                    }
                 )
-            snap = take_snapshot(timezone.now())
-            decided = plan(snap)
-            started = time.perf_counter()
-            result = apply_plan(decided, now=timezone.now())
-            seconds += time.perf_counter() - started
-            total += len(result.applied)
-            Job.objects.filter(state=Job.State.QUEUED).update(state=Job.State.CANCELLED)
-            Allocation.objects.filter(released_at__isnull=True).update(released_at=timezone.now())
-            Attempt.objects.filter(ended_at__isnull=True).update(ended_at=timezone.now())
-        return {
+                print(f"  pass {number} {mode}: {passes[mode][-1]}", flush=True)
+                now = timezone.now()
+                Job.objects.filter(state=Job.State.QUEUED).update(state=Job.State.CANCELLED)
+                Job.objects.filter(state=Job.State.STARTING).update(state=Job.State.SUCCEEDED)
+                Allocation.objects.filter(released_at__isnull=True).update(released_at=now)
+                Attempt.objects.filter(ended_at__isnull=True).update(
+                    ended_at=now, state=Attempt.State.SUCCEEDED
+                )
+        out = {
             "database": connection.vendor,
-            "gangs": total,
-            "seconds": round(seconds, 3),
-            "gangs_per_s": round(total / seconds, 1),
+            "nodes": args.apply_nodes,
+            "gpus_per_node": 8,
+            "jobs_per_pass": args.apply_jobs,
+            "passes": args.apply_passes,
         }
+        for mode, rows in passes.items():
+            gangs = sum(r["gangs"] for r in rows)
+            seconds = sum(r["seconds"] for r in rows)
+            rates = [r["gangs"] / r["seconds"] for r in rows if r["seconds"]]
+            out[mode] = {
+                "gangs": gangs,
+                "seconds": round(seconds, 3),
+                "gangs_per_s": round(gangs / seconds, 1),
+                "pass_gangs_per_s_min": round(min(rates), 1),
+                "pass_gangs_per_s_median": round(statistics.median(rates), 1),
+                "gangs_per_pass_median": statistics.median(r["gangs"] for r in rows),
+                "queries_per_pass_median": statistics.median(r["queries"] for r in rows),
+                "queries_per_gang": round(sum(r["queries"] for r in rows) / max(gangs, 1), 2),
+            }
+        if args.big_pass:
+            out["big_pass"] = big_pass(args, modes, team, user, count, queries)
+        if batched and args.reasons:
+            out["reasons"] = bench_reasons(args.reasons, team, user)
+        return out
     finally:
         creation.destroy_test_db(test_db, verbosity=0)
+
+
+def big_pass(args, modes: dict, team, user, count, queries) -> dict:
+    """One pass as large as the plan() benchmark's: `--big-pass` jobs queued (its sizes, 1 to 64
+    GPUs) on 512 idle nodes, planned and estimated as the loop does; then apply_plan timed,
+    with its ~800 gangs and ~9,000 wait reasons. Once per mode, from the same state."""
+    from django.db import connection
+    from django.utils import timezone
+
+    from jobs import actions
+    from jobs.models import Allocation, Attempt, Job, Node
+    from jobs.scheduling import apply as applier
+    from jobs.scheduling.estimate import estimate_starts
+    from jobs.scheduling.loop import head_of_queue
+    from jobs.scheduling.snapshot import take_snapshot
+
+    for n in range(Node.objects.count(), 512):
+        actions.do_register_node(
+            name=f"bench-{n:03d}",
+            gpus=8,
+            address=f"10.0.{n // 250}.{n % 250}",
+            rack=f"rack-{n // 16}",
+            boot_id="b",
+            now=timezone.now(),
+        )
+    out = {"nodes": 512, "queued": args.big_pass}
+    sizes_pool = [1] * 50 + [2] * 6 + [4] * 6 + [8] * 25 + [16] * 6 + [32] * 4 + [64] * 3
+    for mode, kwargs in modes.items():
+        rng = random.Random(7)
+        _queue_jobs(
+            team, user, [rng.choice(sizes_pool) for _ in range(args.big_pass)], timezone.now()
+        )
+        snapshot = take_snapshot(timezone.now())
+        decided = plan(snapshot)
+        estimates = estimate_starts(head_of_queue(snapshot))
+        queries[0] = 0
+        with connection.execute_wrapper(count):
+            started = time.perf_counter()
+            result = applier.apply_plan(decided, now=timezone.now(), estimates=estimates, **kwargs)
+            seconds = time.perf_counter() - started
+        out[mode] = {
+            "gangs": len(result.applied),
+            "rejected": len(result.rejected),
+            "reasons": len(decided.reasons),
+            "seconds": round(seconds, 3),
+            "gangs_per_s": round(len(result.applied) / seconds, 1),
+            "queries": queries[0],
+        }
+        print(f"  big pass {mode}: {out[mode]}", flush=True)
+        now = timezone.now()
+        Job.objects.filter(state=Job.State.QUEUED).update(state=Job.State.CANCELLED)
+        Job.objects.filter(state=Job.State.STARTING).update(state=Job.State.SUCCEEDED)
+        Allocation.objects.filter(released_at__isnull=True).update(released_at=now)
+        Attempt.objects.filter(ended_at__isnull=True).update(
+            ended_at=now, state=Attempt.State.SUCCEEDED
+        )
+    return out
+
+
+def bench_reasons(count: int, team, user) -> dict:
+    """Wait reasons of `count` queued jobs, all changed: the former loop (one UPDATE per job)
+    beside the bulk write, then the bulk write again with nothing changed."""
+    from django.db import connection, transaction
+    from django.utils import timezone
+
+    from jobs.models import Job
+    from jobs.scheduling.apply import ApplyResult, _write_reasons
+    from jobs.scheduling.policy import Plan
+
+    _queue_jobs(team, user, [10_000] * count, timezone.now())
+    ids = list(Job.objects.filter(state=Job.State.QUEUED).values_list("id", flat=True))
+
+    def per_row(plan: Plan) -> int:  # the applier's reason writing before it was batched
+        current = dict(
+            Job.objects.filter(id__in=plan.reasons, state=Job.State.QUEUED).values_list(
+                "id", "reason"
+            )
+        )
+        written = 0
+        for job_id, why in plan.reasons.items():
+            if job_id in current and current[job_id] != why:
+                written += Job.objects.filter(id=job_id, state=Job.State.QUEUED).update(
+                    reason=why, estimated_start_at=None
+                )
+        return written
+
+    out = {"jobs": count, "database": connection.vendor}
+    for label, version, write in (
+        ("per_row", "a", per_row),
+        ("bulk", "b", lambda p: _write_reasons(p, ApplyResult(), {})),
+        ("bulk_unchanged", "b", lambda p: _write_reasons(p, ApplyResult(), {})),
+    ):
+        reasons = Plan(placements=(), reasons={i: f"waits ({version}) for {i % 97}" for i in ids})
+        started = time.perf_counter()
+        with transaction.atomic():
+            written = write(reasons)
+        out[label] = {"seconds": round(time.perf_counter() - started, 3), "written": written}
+        print(f"  reasons {label}: {out[label]}", flush=True)
+    Job.objects.filter(id__in=ids).update(state=Job.State.CANCELLED)
+    return out
+
+
+def bench_ref(args) -> dict:
+    """This benchmark (apply part) run on the code at git `args.compare_ref`."""
+    import io
+    import shutil
+    import subprocess
+    import tarfile
+    import tempfile
+
+    sha = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", args.compare_ref],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", sha], capture_output=True, check=True
+    ).stdout
+    tmp = Path(tempfile.mkdtemp(prefix="lockstep-ref-"))
+    try:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tmp, filter="data")
+        shutil.copy(Path(__file__), tmp / "bench" / "scheduler_speed.py")
+        out = tmp / "ref.json"
+        env = {
+            **os.environ,
+            "LOCKSTEP_TEST_DB_NAME": os.environ.get("LOCKSTEP_TEST_DB_NAME", "bench") + "_ref",
+        }
+        subprocess.run(
+            [
+                sys.executable,
+                str(tmp / "bench" / "scheduler_speed.py"),
+                "--apply-only",
+                "--no-baseline",
+                "--reasons=0",
+                f"--apply-nodes={args.apply_nodes}",
+                f"--apply-jobs={args.apply_jobs}",
+                f"--apply-passes={args.apply_passes}",
+                f"--big-pass={args.big_pass}",
+                f"--out={out}",
+            ],
+            cwd=tmp,
+            env=env,
+            check=True,
+        )
+        result = json.loads(out.read_text())["apply"]
+        result["ref"] = f"{args.compare_ref} ({sha[:10]})"
+        return result
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

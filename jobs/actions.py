@@ -202,18 +202,14 @@ def do_requeue_job(job: Job, *, now: datetime) -> bool:
 # --- the claim -----------------------------------------------------------------------------
 
 
-def _master_port(master: Node, attempt_id: int) -> int:
-    """A rendezvous port on the master node that no live attempt there uses: random within
-    [MASTER_PORT_BASE, +MASTER_PORT_SPAN) so that two portals on one host rarely meet either."""
+def _master_port(master: Node, attempt_id: int, taken: set[int]) -> int:
+    """A rendezvous port on the master node that no live attempt there uses (`taken`: the
+    ports of the live attempts on its address): random within [MASTER_PORT_BASE,
+    +MASTER_PORT_SPAN) so that two portals on one host rarely meet either."""
     import random
 
     base = lockstep_setting("MASTER_PORT_BASE")
     span = max(int(lockstep_setting("MASTER_PORT_SPAN")), 1)
-    taken = set(
-        Attempt.objects.filter(ended_at__isnull=True, master_addr=master.address).values_list(
-            "master_port", flat=True
-        )
-    )
     rng = random.Random(f"{master.id}-{attempt_id}")
     for _ in range(100):
         port = base + rng.randrange(span)
@@ -272,58 +268,178 @@ def latest_checkpoint(job_id: int) -> Checkpoint | None:
     )
 
 
+class ClaimConflict(Exception):
+    """A batch of claims met a concurrent change after its checks: retry it in smaller batches."""
+
+
 def do_start_attempt(placement, *, now: datetime) -> Attempt:
     """Claim a whole gang for a queued job, or raise ClaimRejected and change nothing.
 
-    Must run inside a transaction (the applier's savepoint). Safe against concurrent claimers:
-    the job moves QUEUED -> STARTING by a conditional update (only one claimer wins), the team
-    row is locked while its usage is re-checked, and every GPU is taken by inserting into
-    Allocation, whose partial unique index lets a GPU be held by one live allocation only; a
-    claimer that loses any GPU gets IntegrityError and its savepoint rolls the gang back.
+    The one-gang form of `do_start_attempts`; the same rules and the same transaction needs.
     """
-    assert transaction.get_connection().in_atomic_block, "claims run inside a transaction"
-    team = Team.objects.select_for_update().get(pk=placement.team_id)
-    job = Job.objects.get(pk=placement.job_id)
-    if job.state != Job.State.QUEUED:
-        raise ClaimRejected(f"job {job.id} is {job.state}, not QUEUED")
-    if len(placement.slots) != job.gpus:
-        raise ClaimRejected(f"placement has {len(placement.slots)} GPUs, job needs {job.gpus}")
-    used = Allocation.objects.filter(
-        released_at__isnull=True, attempt__job__team_id=team.id
-    ).count()
-    if used + job.gpus > team.gpu_cap:
-        raise ClaimRejected(f"team {team.name} would exceed {team.gpu_cap} GPUs")
-    node_ids = {slot.node_id for slot in placement.slots}
-    nodes = {n.id: n for n in Node.objects.filter(id__in=node_ids, state=Node.State.UP)}
-    if len(nodes) != len(node_ids):
-        raise ClaimRejected("a node of the placement is no longer up")
-    gpu_ids = [slot.gpu_id for slot in placement.slots]
-    if GPU.objects.filter(id__in=gpu_ids, node_id__in=node_ids).count() != len(set(gpu_ids)):
-        raise ClaimRejected("a GPU of the placement does not exist")
-    if not Job.objects.filter(pk=job.pk, state=Job.State.QUEUED).update(state=Job.State.STARTING):
-        raise ClaimRejected(f"job {job.id} was claimed by someone else")
+    started, rejected = do_start_attempts([placement], now=now)
+    if placement.job_id in rejected:
+        raise ClaimRejected(rejected[placement.job_id])
+    return started[placement.job_id]
 
-    if job.attempts.exists():
-        adopt_unreported_checkpoints(job, now=now)
-    checkpoint = latest_checkpoint(job.id)
-    number = (job.attempts.aggregate(n=Max("number"))["n"] or 0) + 1
-    master = nodes[placement.slots[0].node_id]
-    attempt = Attempt.objects.create(
-        job=job,
-        number=number,
-        created_at=now,
-        master_addr=master.address,
-        master_port=0,
-        resumed_from=checkpoint,
-        resumed_from_step=checkpoint.step if checkpoint else 0,
+
+def _held_gpus(gpu_ids) -> set[int]:
+    """GPUs (of these) in a live allocation, as committed so far (or written by this
+    transaction)."""
+    return set(
+        Allocation.objects.filter(released_at__isnull=True, gpu_id__in=gpu_ids).values_list(
+            "gpu_id", flat=True
+        )
     )
+
+
+def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt], dict[int, str]]:
+    """Claim many gangs at once, each whole or not at all: ({job id: attempt} started,
+    {job id: why} rejected). A rejected job changes nothing and stays queued.
+
+    Set-based, so the cost of a scheduling pass does not grow by a round trip per gang: the
+    teams, then the jobs of all the gangs are locked in two queries (`SELECT ... FOR NO KEY
+    UPDATE`, in id order: concurrent claimers of a team queue up behind one another, never in
+    a cycle, while rows that merely reference a team or job, a submit or an event, still go
+    in); the team usage,
+    nodes, GPUs and the GPUs already held are read in one query each; every gang is checked in
+    memory in plan order (job still QUEUED, size, the team's cap, nodes up, GPUs exist and are
+    free, not given twice in the batch); then attempts, allocations and events of all the
+    accepted gangs are written in bulk.
+
+    Must run inside a transaction, and in its own savepoint: the checks see what other
+    transactions have committed, so a GPU claimed by a concurrent scheduler after the check
+    makes the allocation insert fail on the `gpu_held_once` index (IntegrityError; or a
+    deadlock error), and a job changed under us raises ClaimConflict. Either way the caller
+    rolls the savepoint back and retries the gangs in smaller batches, down to one gang each,
+    so only the gang that lost the race is rejected.
+    """
+    from django.db.models import Count
+
+    from jobs.bulk import bulk_set
     from jobs.checkpoint_policy import checkpoint_advice
 
-    attempt.checkpoint_interval_s = checkpoint_advice(job)["interval_s"]
-    # A port per attempt so two rendezvous on one master node never meet.
-    attempt.master_port = _master_port(master, attempt.id)
-    attempt.save(update_fields=["master_port", "checkpoint_interval_s"])
+    assert transaction.get_connection().in_atomic_block, "claims run inside a transaction"
+    placements = list(placements)
+    started: dict[int, Attempt] = {}
+    rejected: dict[int, str] = {}
+    if not placements:
+        return started, rejected
+    team_ids = sorted({p.team_id for p in placements})
+    teams = {
+        t.id: t
+        for t in Team.objects.select_for_update(no_key=True).filter(id__in=team_ids).order_by("id")
+    }
+    jobs = {
+        j.id: j
+        for j in Job.objects.select_for_update(no_key=True)
+        .filter(id__in={p.job_id for p in placements})
+        .order_by("id")
+    }
+    used = dict(
+        Allocation.objects.filter(released_at__isnull=True, attempt__job__team_id__in=team_ids)
+        .order_by()
+        .values("attempt__job__team_id")
+        .annotate(n=Count("id"))
+        .values_list("attempt__job__team_id", "n")
+    )
+    nodes = {
+        n.id: n
+        for n in Node.objects.filter(
+            id__in={s.node_id for p in placements for s in p.slots}, state=Node.State.UP
+        )
+    }
+    all_gpus = {s.gpu_id for p in placements for s in p.slots}
+    gpu_node = dict(GPU.objects.filter(id__in=all_gpus).values_list("id", "node_id"))
+    held = _held_gpus(all_gpus)
+
+    accepted = []  # (placement, job, team), in plan order
+    given: set[int] = set()  # GPUs given to an earlier gang of this batch
+    claimed: set[int] = set()  # jobs accepted so far
+    for placement in placements:
+        job, team = jobs.get(placement.job_id), teams.get(placement.team_id)
+        gpu_ids = [slot.gpu_id for slot in placement.slots]
+        if job is None or team is None or job.team_id != team.id:
+            why = f"job {placement.job_id} of team {placement.team_id} does not exist"
+        elif job.id in rejected or job.id in claimed:
+            why = f"job {job.id} is placed twice in one plan"
+        elif job.state != Job.State.QUEUED:
+            why = f"job {job.id} is {job.state}, not QUEUED"
+        elif len(placement.slots) != job.gpus:
+            why = f"placement has {len(placement.slots)} GPUs, job needs {job.gpus}"
+        elif used.get(team.id, 0) + job.gpus > team.gpu_cap:
+            why = f"team {team.name} would exceed {team.gpu_cap} GPUs"
+        elif any(slot.node_id not in nodes for slot in placement.slots):
+            why = "a node of the placement is no longer up"
+        elif len(set(gpu_ids)) != len(gpu_ids) or any(
+            gpu_node.get(slot.gpu_id) != slot.node_id for slot in placement.slots
+        ):
+            why = "a GPU of the placement does not exist"
+        elif held.intersection(gpu_ids):
+            why = f"claim lost a race: GPU {min(held.intersection(gpu_ids))} is held"
+        elif given.intersection(gpu_ids):
+            why = f"GPU {min(given.intersection(gpu_ids))} is given to another job of the plan"
+        else:
+            accepted.append((placement, job, team))
+            used[team.id] = used.get(team.id, 0) + job.gpus
+            given.update(gpu_ids)
+            claimed.add(job.id)
+            continue
+        rejected[placement.job_id] = why
+    if not accepted:
+        return started, rejected
+
+    # Jobs that ran before: adopt committed checkpoints nobody reported, resume from the newest.
+    ids = [job.id for _, job, _ in accepted]
+    numbers = dict(
+        Attempt.objects.filter(job_id__in=ids)
+        .order_by()
+        .values("job_id")
+        .annotate(n=Max("number"))
+        .values_list("job_id", "n")
+    )
+    latest: dict[int, tuple[int, int]] = {}  # job id -> (checkpoint id, step)
+    if numbers:
+        for _, job, _ in accepted:
+            if job.id in numbers:
+                adopt_unreported_checkpoints(job, now=now)
+        for job_id, checkpoint_id, step in (
+            Checkpoint.objects.filter(job_id__in=list(numbers), deleted_at__isnull=True)
+            .order_by("job_id", "-step", "-id")
+            .values_list("job_id", "id", "step")
+        ):
+            latest.setdefault(job_id, (checkpoint_id, step))
+    attempts = Attempt.objects.bulk_create(
+        [
+            Attempt(
+                job=job,
+                number=numbers.get(job.id, 0) + 1,
+                created_at=now,
+                master_addr=nodes[placement.slots[0].node_id].address,
+                master_port=0,
+                resumed_from_id=latest[job.id][0] if job.id in latest else None,
+                resumed_from_step=latest[job.id][1] if job.id in latest else 0,
+                # Before first_started_at is set: a fresh job's advice needs no queries.
+                checkpoint_interval_s=checkpoint_advice(job)["interval_s"],
+            )
+            for placement, job, _ in accepted
+        ],
+        batch_size=500,
+    )
+    # A port per attempt so two rendezvous on one master node never meet, including two
+    # started by this batch.
+    ports: dict[str, set[int]] = {}
+    for addr, port in Attempt.objects.filter(
+        ended_at__isnull=True, master_addr__in={a.master_addr for a in attempts}
+    ).values_list("master_addr", "master_port"):
+        ports.setdefault(addr, set()).add(port)
+    for (placement, _, _), attempt in zip(accepted, attempts, strict=True):
+        taken = ports.setdefault(attempt.master_addr, set())
+        attempt.master_port = _master_port(nodes[placement.slots[0].node_id], attempt.id, taken)
+        taken.add(attempt.master_port)
+    bulk_set(Attempt, ["master_port"], [(a.id, a.master_port) for a in attempts])
     # Sorted by GPU id so concurrent claimers lock index entries in one order (no deadlock).
+    # A GPU claimed concurrently since `held` was read fails here, on gpu_held_once.
     Allocation.objects.bulk_create(
         sorted(
             (
@@ -336,25 +452,58 @@ def do_start_attempt(placement, *, now: datetime) -> Attempt:
                     group_rank=slot.group_rank,
                     claimed_at=now,
                 )
+                for (placement, _, _), attempt in zip(accepted, attempts, strict=True)
                 for slot in placement.slots
             ),
             key=lambda a: a.gpu_id,
+        ),
+        batch_size=1000,
+    )
+    for (placement, job, _), attempt in zip(accepted, attempts, strict=True):
+        slots = placement.slots
+        where = ", ".join(
+            f"{nodes[nid].name}[{','.join(str(s.index) for s in slots if s.node_id == nid)}]"
+            for nid in placement.node_ids
         )
+        resume = (
+            f"resuming from step {attempt.resumed_from_step}"
+            if attempt.resumed_from_id
+            else "fresh start"
+        )
+        job.state = Job.State.STARTING
+        job.reason = f"attempt {attempt.number} starting on {where}; {resume}"
+        if job.first_started_at is None:
+            job.first_started_at = now
+    # QUEUED -> STARTING, conditional although the rows are locked: a job that moved on
+    # anyway makes the count short, and the caller retries gang by gang.
+    moved = bulk_set(
+        Job,
+        ["state", "reason", "first_started_at"],
+        [(job.id, job.state, job.reason, job.first_started_at) for _, job, _ in accepted],
+        where={"state": Job.State.QUEUED},
     )
-    where = ", ".join(
-        f"{nodes[nid].name}[{','.join(str(s.index) for s in placement.slots if s.node_id == nid)}]"
-        for nid in dict.fromkeys(s.node_id for s in placement.slots)
+    if moved != len(accepted):
+        raise ClaimConflict(f"{len(accepted) - moved} job(s) left QUEUED during the claim")
+    Event.objects.bulk_create(
+        [
+            Event(
+                kind="attempt.started",
+                message=job.reason[:2000],
+                job=job,
+                attempt=attempt,
+                team=team,
+            )
+            for (_, job, team), attempt in zip(accepted, attempts, strict=True)
+        ],
+        batch_size=500,
     )
-    resume = f"resuming from step {checkpoint.step}" if checkpoint else "fresh start"
-    job.state = Job.State.STARTING
-    job.reason = f"attempt {number} starting on {where}; {resume}"
-    if job.first_started_at is None:
-        job.first_started_at = now
-    job.save(update_fields=["reason", "first_started_at"])
-    _event("attempt.started", job.reason, job=job, attempt=attempt, team=team)
+    by_job = {job.id: (job, team) for _, job, team in accepted}
     for request in PreemptionRequest.objects.filter(
-        claimant=job, state=PreemptionRequest.State.EXECUTED, claimant_started_at__isnull=True
+        claimant_id__in=ids,
+        state=PreemptionRequest.State.EXECUTED,
+        claimant_started_at__isnull=True,
     ):
+        job, team = by_job[request.claimant_id]
         request.claimant_started_at = now
         request.save(update_fields=["claimant_started_at"])
         _event(
@@ -365,8 +514,12 @@ def do_start_attempt(placement, *, now: datetime) -> Attempt:
             team=team,
             data={"request": request.id, "kind": request.kind, "reclaim_s": request.reclaim_s},
         )
-    _push_state(job)
-    return attempt
+    # Last, after every write that can fail: pushes queued in a savepoint that rolls back
+    # would otherwise go out for jobs that did not start.
+    for (_, job, _), attempt in zip(accepted, attempts, strict=True):
+        _push_state(job)
+        started[job.id] = attempt
+    return started, rejected
 
 
 # --- attempts ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from rest_framework.routers import DefaultRouter
 from jobs.agent_api import AgentHeartbeatView, AgentRegisterView
 from jobs.api import JobViewSet, ModelVersionViewSet, NodeViewSet
 from jobs.preemption_api import PreemptionViewSet
+from jobs.whatif_api import WhatIfViewSet
 from portal import views
 from portal.static_views import plotly_js
 from teams.api import TeamViewSet
@@ -16,6 +17,7 @@ router.register("models", ModelVersionViewSet, basename="modelversion")
 router.register("nodes", NodeViewSet, basename="node")
 router.register("teams", TeamViewSet, basename="team")
 router.register("preemptions", PreemptionViewSet, basename="preemption")
+router.register("whatif", WhatIfViewSet, basename="whatif")
 
 urlpatterns = [
     path("", views.home, name="home"),
@@ -29,6 +31,8 @@ urlpatterns = [
     path("cluster/", views.cluster, name="cluster"),
     path("console/teams/", views.team_quotas, name="team_quotas"),
     path("console/preemptions/", views.preemptions, name="preemptions"),
+    path("console/whatif/", views.whatif_form, name="whatif"),
+    path("console/whatif/<int:run_id>/", views.whatif_result, name="whatif_result"),
     path("vendor/plotly.min.js", plotly_js, name="plotly_js"),
     path("api/v1/agent/register/", AgentRegisterView.as_view(), name="agent-register"),
     path("api/v1/agent/heartbeat/", AgentHeartbeatView.as_view(), name="agent-heartbeat"),

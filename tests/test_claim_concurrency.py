@@ -10,55 +10,16 @@ from collections import Counter
 
 import pytest
 from django.db import connection, connections
-from django.db.models import Count, Q
 from django.utils import timezone
 
 from jobs import actions
-from jobs.models import GPU, Allocation, Attempt, Job
+from jobs.models import GPU, Allocation, Attempt
 from jobs.scheduling.apply import apply_plan
-from jobs.scheduling.policy import Placement, Plan, Slot
+from jobs.scheduling.policy import Plan
+from tests.claims import check_claim_invariants, placement_on
 
 CLAIMERS = 8
 ROUNDS = 25
-
-
-def _random_placement(job: Job, gpus: list[GPU], rng: random.Random) -> Placement:
-    chosen = rng.sample(gpus, job.gpus)
-    group = {}
-    slots = []
-    for rank, gpu in enumerate(chosen):
-        group.setdefault(gpu.node_id, len(group))
-        slots.append(
-            Slot(
-                node_id=gpu.node_id,
-                gpu_id=gpu.id,
-                index=gpu.index,
-                rank=rank,
-                local_rank=rank,
-                group_rank=group[gpu.node_id],
-            )
-        )
-    return Placement(job_id=job.id, team_id=job.team_id, slots=tuple(slots))
-
-
-def _check_invariants() -> None:
-    doubled = (
-        Allocation.objects.filter(released_at__isnull=True)
-        .values("gpu_id")
-        .annotate(n=Count("id"))
-        .filter(n__gt=1)
-    )
-    assert list(doubled) == [], "a GPU is held by two live allocations"
-    for attempt in (
-        Attempt.objects.filter(ended_at__isnull=True)
-        .select_related("job")
-        .annotate(held=Count("allocations", filter=Q(allocations__released_at__isnull=True)))
-    ):
-        assert attempt.held == attempt.job.gpus, f"partial gang: {attempt} holds {attempt.held}"
-    live_per_job = Counter(
-        Attempt.objects.filter(ended_at__isnull=True).values_list("job_id", flat=True)
-    )
-    assert all(n == 1 for n in live_per_job.values()), "a job has two live attempts"
 
 
 @pytest.mark.django_db(transaction=True)
@@ -84,7 +45,11 @@ def test_concurrent_claimers_never_share_a_gpu_nor_split_a_gang(make_team, make_
         ]
         # Each claimer proposes its own gangs over the same 16 GPUs, overlapping heavily.
         plans = [
-            Plan(placements=tuple(_random_placement(j, gpus, rng) for j in rng.sample(jobs, 6)))
+            Plan(
+                placements=tuple(
+                    placement_on(j, rng.sample(gpus, j.gpus)) for j in rng.sample(jobs, 6)
+                )
+            )
             for _ in range(CLAIMERS)
         ]
         barrier = threading.Barrier(CLAIMERS)
@@ -107,7 +72,7 @@ def test_concurrent_claimers_never_share_a_gpu_nor_split_a_gang(make_team, make_
             t.join(timeout=120)
         assert not errors, errors
         assert len(results) == CLAIMERS
-        _check_invariants()
+        check_claim_invariants()
         applied = sum(len(r.applied) for r in results)
         totals["applied"] += applied
         totals["rejected"] += sum(len(r.rejected) for r in results)

@@ -9,9 +9,14 @@ from datetime import datetime
 from django.db import DatabaseError, transaction
 
 from jobs.models import Job
-from jobs.scheduling.policy import Plan
+from jobs.scheduling.policy import Placement, Plan
 
 log = logging.getLogger(__name__)
+
+# Gangs claimed per set-based batch. A pass rarely places more, so it is usually one batch:
+# about 16 queries for the whole pass, whatever its size.
+CHUNK = 1000
+REASON_READ_BATCH = 5000
 
 
 @dataclass
@@ -19,31 +24,29 @@ class ApplyResult:
     applied: dict[int, int] = field(default_factory=dict)  # job id -> attempt id
     rejected: dict[int, str] = field(default_factory=dict)  # job id -> why
     preemptions: list[int] = field(default_factory=list)  # PreemptionRequest ids
+    reasons_written: int = 0  # queued jobs whose reason or start estimate changed
 
 
-def apply_plan(plan: Plan, *, now: datetime, estimates: dict | None = None) -> ApplyResult:
-    """Apply a plan in one transaction; each placement in its own savepoint.
+def apply_plan(
+    plan: Plan, *, now: datetime, estimates: dict | None = None, chunk: int = CHUNK
+) -> ApplyResult:
+    """Apply a plan in one transaction; the placements in batches, each in a savepoint.
 
-    A rejected placement (the job was claimed elsewhere, a GPU was taken, a node went down, the
-    team's cap would be crossed) rolls back only its own savepoint; the job stays queued and the
-    next pass plans it again. Nothing here raises for a lost race.
+    A batch claims its gangs set-based (`jobs.actions.do_start_attempts`: a few queries per
+    batch, not per gang) and rejects, alone, each gang that fails a check (the job was claimed
+    elsewhere, a GPU is held, a node went down, the team's cap would be crossed). When a batch
+    meets a concurrent change after its checks (a GPU claimed meanwhile by another scheduler
+    hits the allocation index, a deadlock victim, a job that moved on), its savepoint rolls
+    back and its halves are retried, down to one gang per savepoint: only the gang that lost
+    the race is rejected. Rejected jobs stay queued and the next pass plans them again.
+    Nothing here raises for a lost race. `chunk=1` applies gang by gang (the baseline).
     """
-    from jobs.actions import ClaimRejected, do_start_attempt
-
     result = ApplyResult()
+    placements = list(plan.placements)
     with transaction.atomic():
-        for placement in plan.placements:
-            try:
-                with transaction.atomic():
-                    attempt = do_start_attempt(placement, now=now)
-                result.applied[placement.job_id] = attempt.id
-            except ClaimRejected as exc:
-                result.rejected[placement.job_id] = str(exc)
-            except DatabaseError as exc:
-                # IntegrityError on the allocation index (a GPU taken concurrently) or a
-                # deadlock victim on PostgreSQL: the savepoint is rolled back, the gang with it.
-                result.rejected[placement.job_id] = f"claim lost a race: {exc.__class__.__name__}"
-        _write_reasons(plan, result, estimates or {})
+        for start in range(0, len(placements), max(chunk, 1)):
+            _apply_batch(placements[start : start + max(chunk, 1)], now, result)
+        result.reasons_written = _write_reasons(plan, result, estimates or {})
     # Outside the placement transaction: each proposal is its own small transaction, so a
     # victim that just ended is simply skipped.
     from jobs.actions import do_propose_preemption
@@ -63,25 +66,55 @@ def apply_plan(plan: Plan, *, now: datetime, estimates: dict | None = None) -> A
     return result
 
 
-def _write_reasons(plan: Plan, result: ApplyResult, estimates: dict) -> None:
+def _apply_batch(placements: list[Placement], now: datetime, result: ApplyResult) -> None:
+    from jobs.actions import ClaimConflict, do_start_attempts
+
+    try:
+        with transaction.atomic():
+            started, rejected = do_start_attempts(placements, now=now)
+    except (DatabaseError, ClaimConflict) as exc:
+        # IntegrityError on the allocation index (a GPU taken concurrently), a deadlock victim
+        # on PostgreSQL, or a job changed under us: the savepoint is rolled back, the whole
+        # batch with it. Halve it until the gang that lost the race is alone.
+        if len(placements) == 1:
+            result.rejected[placements[0].job_id] = f"claim lost a race: {exc.__class__.__name__}"
+            return
+        log.info(
+            "a batch of %d claims lost a race (%r); retrying it in halves", len(placements), exc
+        )
+        half = len(placements) // 2
+        _apply_batch(placements[:half], now, result)
+        _apply_batch(placements[half:], now, result)
+        return
+    result.applied.update((job_id, attempt.id) for job_id, attempt in started.items())
+    result.rejected.update(rejected)
+
+
+def _write_reasons(plan: Plan, result: ApplyResult, estimates: dict) -> int:
+    """Each queued job's wait reason and start estimate; only those that changed are written,
+    in bulk, and only onto jobs still QUEUED (the condition is in the UPDATE itself, so a job
+    that moved on meanwhile keeps its own reason). Returns how many rows were written."""
+    from jobs.bulk import bulk_set
+
     reasons = dict(plan.reasons)
     for job_id, why in result.rejected.items():
         reasons[job_id] = f"placement rejected ({why}); retrying next pass"
     if not reasons:
-        return
-    current = {
-        jid: (reason, start)
-        for jid, reason, start in Job.objects.filter(
-            id__in=reasons, state=Job.State.QUEUED
-        ).values_list("id", "reason", "estimated_start_at")
-    }
+        return 0
+    wanted = {}
     for job_id, why in reasons.items():
         start = estimates.get(job_id)
         if start is not None:
             why = f"{why}; est. start {start:%Y-%m-%d %H:%M} UTC"
-        why = why[:500]
-        if job_id in current and current[job_id] != (why, start):
-            # Conditional, so a reason never overwrites a job that moved on meanwhile.
-            Job.objects.filter(id=job_id, state=Job.State.QUEUED).update(
-                reason=why, estimated_start_at=start
-            )
+        wanted[job_id] = (why[:500], start)
+    ids = list(wanted)
+    changed = []
+    for offset in range(0, len(ids), REASON_READ_BATCH):
+        for job_id, reason, start in Job.objects.filter(
+            id__in=ids[offset : offset + REASON_READ_BATCH], state=Job.State.QUEUED
+        ).values_list("id", "reason", "estimated_start_at"):
+            if wanted[job_id] != (reason, start):
+                changed.append((job_id, *wanted[job_id]))
+    return bulk_set(
+        Job, ["reason", "estimated_start_at"], changed, where={"state": Job.State.QUEUED}
+    )
