@@ -365,3 +365,38 @@ class PreemptionRequest(models.Model):
         if self.claimant_started_at is None:
             return None
         return (self.claimant_started_at - self.created_at).total_seconds()
+
+
+class WhatIfRun(models.Model):
+    """An admin's what-if: the platform's recorded jobs of a window replayed by the simulator
+    under the current settings and under changed ones (jobs.whatif). Changes nothing else."""
+
+    class State(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"
+
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(help_text="Also the 'now' of the replay")
+    since = models.DateTimeField(help_text="Jobs submitted from here ...")
+    until = models.DateTimeField(help_text="... to here (exclusive)")
+    params = models.JSONField(
+        default=dict,
+        help_text="Inputs of both runs, current and changed: GPUs, GPUs per node, and per "
+        "team quota, borrow limit and weight",
+    )
+    jobs = models.PositiveIntegerField(default=0, help_text="Jobs submitted in the window")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    result = models.JSONField(default=dict, blank=True)
+    error = models.CharField(max_length=2000, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"what-if {self.id} ({self.state})"

@@ -65,3 +65,10 @@ def prune_checkpoints(job_id: int) -> list[int]:
     if pruned:
         log.info("job %s: pruned checkpoints at steps %s", job_id, pruned)
     return pruned
+
+
+def run_whatif(run_id: int) -> str:
+    """An admin's what-if too large to run inside the request (jobs.whatif)."""
+    from jobs.whatif import execute_whatif
+
+    return execute_whatif(run_id).state

@@ -6,7 +6,7 @@ import shlex
 from django import forms
 from django.core.exceptions import ValidationError
 
-from jobs import validation
+from jobs import validation, whatif
 from jobs.models import Priority
 from teams.models import Team
 
@@ -82,3 +82,65 @@ class RegisterModelForm(forms.Form):
         error_messages={"invalid": "Use letters, digits, '.', '_' and '-'."},
     )
     notes = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+
+
+class WhatIfForm(forms.Form):
+    """A what-if: a window of recorded jobs, the cluster's GPU count, and per-team quota,
+    borrow limit and weight, prefilled with today's values. Changes nothing when submitted."""
+
+    since = forms.DateTimeField(
+        label="From (UTC)",
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
+    )
+    until = forms.DateTimeField(
+        label="To (UTC)",
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
+    )
+    gpus = forms.IntegerField(min_value=1, max_value=whatif.MAX_GPUS, label="Cluster GPUs")
+
+    TEAM_FIELDS = ("quota", "borrow_limit", "weight")
+
+    def __init__(self, *args, teams, cluster, now, **kwargs):
+        since, until = whatif.default_window(now)
+        initial = {"since": since, "until": until, "gpus": cluster.gpus or None}
+        self.teams = list(teams)
+        for team in self.teams:
+            initial.update(
+                {
+                    f"team_{team.id}_quota": team.quota,
+                    f"team_{team.id}_borrow_limit": team.borrow_limit,
+                    f"team_{team.id}_weight": team.weight,
+                }
+            )
+        initial.update(kwargs.pop("initial", {}))
+        super().__init__(*args, initial=initial, **kwargs)
+        for team in self.teams:
+            # The same ranges as the team API's quota change (teams.api.TeamQuotaSerializer).
+            self.fields[f"team_{team.id}_quota"] = forms.IntegerField(
+                min_value=0, max_value=whatif.MAX_GPUS, label=f"{team.name} quota"
+            )
+            self.fields[f"team_{team.id}_borrow_limit"] = forms.IntegerField(
+                min_value=0, max_value=whatif.MAX_GPUS, label=f"{team.name} borrow limit"
+            )
+            self.fields[f"team_{team.id}_weight"] = forms.FloatField(
+                min_value=0.0, max_value=1000.0, label=f"{team.name} weight"
+            )
+
+    def team_rows(self):
+        """(team, its bound fields in TEAM_FIELDS order) for the template."""
+        return [(t, [self[f"team_{t.id}_{name}"] for name in self.TEAM_FIELDS]) for t in self.teams]
+
+    def clean(self):
+        data = super().clean()
+        if self.errors:
+            return data
+        for name, message in whatif.check_request(since=data["since"], until=data["until"]).items():
+            self.add_error(None if name == "__all__" else name, message)
+        return data
+
+    def overrides(self) -> dict[str, dict]:
+        """Per team name, the values given (the view compares them with today's)."""
+        return {
+            t.name: {name: self.cleaned_data[f"team_{t.id}_{name}"] for name in self.TEAM_FIELDS}
+            for t in self.teams
+        }

@@ -1,23 +1,35 @@
 """Server-rendered portal pages. State changes go through jobs.actions / teams.actions."""
 
 import json
+from datetime import timedelta
+from functools import wraps
 
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import login_required
+from django.contrib.auth.views import redirect_to_login
 from django.db.models import Count, Prefetch, Q
 from django.http import Http404
-from django.shortcuts import redirect, render
+from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from jobs import actions
+from jobs import actions, whatif
 from jobs.checkpoint_policy import checkpoint_advice
 from jobs.goodput import job_goodput
-from jobs.models import Allocation, Checkpoint, Job, ModelVersion, Node, PreemptionRequest
-from portal.forms import JobForm, RegisterModelForm, TeamQuotaForm
+from jobs.models import (
+    Allocation,
+    Checkpoint,
+    Job,
+    ModelVersion,
+    Node,
+    PreemptionRequest,
+    WhatIfRun,
+)
+from jobs.reclaim import KINDS, reclaim_bound_s, reclaim_summary
+from portal.forms import JobForm, RegisterModelForm, TeamQuotaForm, WhatIfForm
 from teams import actions as team_actions
-from teams.access import visible_jobs, visible_teams
+from teams.access import is_cluster_admin, visible_jobs, visible_teams
 from teams.models import Team
 
 
@@ -217,4 +229,164 @@ def preemptions(request):
     requests = PreemptionRequest.objects.select_related(
         "victim__team", "claimant__team", "decided_by"
     ).order_by("-id")[:200]
-    return render(request, "preemptions.html", {"requests": requests})
+    days = request.GET.get("days", "")
+    days = int(days) if days.isdigit() and 1 <= int(days) <= 365 else REPORT_DAYS
+    now = timezone.now()
+    reclaim = reclaim_summary(since=now - timedelta(days=days), now=now)
+    return render(
+        request,
+        "preemptions.html",
+        {
+            "requests": requests,
+            "reclaim": [
+                {
+                    **row,
+                    "median": _seconds(row["median_s"]),
+                    "max": _seconds(row["max_s"]),
+                    "oldest": _seconds(row["oldest_waiting_s"]),
+                }
+                for row in sorted(reclaim.values(), key=lambda r: r["team"])
+            ],
+            "reclaim_days": days,
+            "bounds": [(kind, _seconds(reclaim_bound_s(kind))) for kind in KINDS],
+        },
+    )
+
+
+REPORT_DAYS = 7  # console reports look back this far unless ?days= says otherwise
+
+
+def console_staff_required(view):
+    """Cluster admins only. Anonymous users are sent to log in; anyone else gets the 404 a
+    missing page gets (a denial that leaks nothing, DESIGN.md section 10)."""
+
+    @wraps(view)
+    def wrapped(request, *args, **kwargs):
+        if not request.user.is_authenticated:
+            return redirect_to_login(request.get_full_path())
+        if not is_cluster_admin(request.user):
+            raise Http404("No such page.")
+        return view(request, *args, **kwargs)
+
+    return wrapped
+
+
+def _seconds(value) -> str:
+    """A duration for people: 42 s, 12.5 min, 3.2 h, 2.1 d."""
+    if value is None:
+        return "—"
+    value = float(value)
+    if value < 120:
+        return f"{value:.0f} s"
+    if value < 2 * 3600:
+        return f"{value / 60:.1f} min"
+    if value < 2 * 86400:
+        return f"{value / 3600:.1f} h"
+    return f"{value / 86400:.1f} d"
+
+
+def _format(value, unit: str) -> str:
+    if value is None:
+        return "—"
+    if unit == "s":
+        return _seconds(value)
+    if unit == "%":
+        return f"{100 * value:.1f}%"
+    if unit == "h":
+        return f"{value:,.1f} GPU-h"
+    if unit == "x":
+        return f"{value:.2f}x"
+    return f"{value:,}"
+
+
+@console_staff_required
+def whatif_form(request):
+    teams = Team.objects.order_by("name")
+    cluster = whatif.current_cluster()
+    now = timezone.now()
+    if request.method == "POST":
+        form = WhatIfForm(request.POST, teams=teams, cluster=cluster, now=now)
+        if form.is_valid():
+            data = form.cleaned_data
+            run = whatif.do_request_whatif(
+                actor=request.user,
+                since=data["since"],
+                until=data["until"],
+                gpus=data["gpus"],
+                teams=form.overrides(),
+                now=now,
+            )
+            return redirect("whatif_result", run_id=run.id)
+        status = 400
+    else:
+        form = WhatIfForm(teams=teams, cluster=cluster, now=now)
+        status = 200
+    runs = WhatIfRun.objects.select_related("created_by").order_by("-id")[:20]
+    return render(
+        request,
+        "whatif.html",
+        {
+            "form": form,
+            "cluster": cluster,
+            "runs": runs,
+            "inline_max": whatif.inline_limit(),
+            "max_days": whatif.MAX_WINDOW_DAYS,
+        },
+        status=status,
+    )
+
+
+@console_staff_required
+def whatif_result(request, run_id: int):
+    run = get_object_or_404(WhatIfRun.objects.select_related("created_by"), pk=run_id)
+    context = {
+        "run": run,
+        "pending": run.state in (WhatIfRun.State.QUEUED, WhatIfRun.State.RUNNING),
+    }
+    result = run.result or {}
+    if run.state == WhatIfRun.State.DONE and result:
+        context.update(
+            trace=result["trace"],
+            inputs=result["inputs"],
+            changes=whatif.describe_changes(result["inputs"]),
+            summary=[
+                {
+                    **row,
+                    "current_text": _format(row["current"], row["unit"]),
+                    "changed_text": _format(row["changed"], row["unit"]),
+                }
+                for row in result["summary"]
+            ],
+            teams=[
+                {
+                    **row,
+                    "cells": [
+                        (
+                            _format(row["current"][key], unit),
+                            _format(row["changed"][key], unit),
+                            row["current"][key] != row["changed"][key],
+                        )
+                        for key, _, unit in TEAM_COLUMNS
+                    ],
+                }
+                for row in result["teams"]
+            ],
+            team_columns=[label for _, label, _ in TEAM_COLUMNS],
+            figures=result["figures"],
+            never_started={
+                side: result["metrics"][side]["never_started"] for side in ("current", "changed")
+            },
+        )
+    return render(request, "whatif_result.html", context)
+
+
+TEAM_COLUMNS = (  # key in the result's per-team figures, heading, unit
+    ("jobs", "Jobs", "n"),
+    ("completed", "Finished", "n"),
+    ("wait_mean_s", "Mean wait", "s"),
+    ("wait_p99_s", "p99 wait", "s"),
+    ("wait_max_s", "Longest wait", "s"),
+    ("reclaims", "Reclaims", "n"),
+    ("reclaim_median_s", "Median reclaim", "s"),
+    ("reclaim_max_s", "Longest reclaim", "s"),
+)

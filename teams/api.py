@@ -9,22 +9,44 @@ from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 
 from jobs.goodput import team_goodput
+from jobs.reclaim import reclaim_summary
 from teams.access import is_cluster_admin, visible_teams
 from teams.actions import do_set_team_quota
 from teams.models import Team
+
+REPORT_DAYS = 7  # goodput and reclaim times cover this many days back
 
 
 class TeamSerializer(serializers.ModelSerializer):
     used = serializers.IntegerField(read_only=True)
     goodput = serializers.SerializerMethodField()
+    reclaim = serializers.SerializerMethodField(
+        help_text="Reclaim times of the team's claims over the last 7 days against their bound "
+        "(jobs.reclaim.reclaim_summary)"
+    )
 
     class Meta:
         model = Team
-        fields = ["id", "name", "quota", "borrow_limit", "weight", "used", "goodput"]
-        read_only_fields = ["id", "name", "used", "goodput"]
+        fields = ["id", "name", "quota", "borrow_limit", "weight", "used", "goodput", "reclaim"]
+        read_only_fields = ["id", "name", "used", "goodput", "reclaim"]
 
     def get_goodput(self, team) -> dict:
-        return team_goodput(team, since=timezone.now() - timedelta(days=7))
+        return team_goodput(team, since=timezone.now() - timedelta(days=REPORT_DAYS))
+
+    def get_reclaim(self, team) -> dict:
+        summaries = self.context.get("reclaim")
+        if summaries is None:  # a lone serializer (after a quota change): this team only
+            summaries = team_reclaim({team.id: team.name})
+        row = dict(summaries[team.id])
+        del row["team_id"], row["team"]
+        return row
+
+
+def team_reclaim(teams: dict[int, str]) -> dict[int, dict]:
+    now = timezone.now()
+    return reclaim_summary(
+        since=now - timedelta(days=REPORT_DAYS), now=now, team_ids=list(teams), teams=teams
+    )
 
 
 class TeamQuotaSerializer(serializers.Serializer):
@@ -47,6 +69,15 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
             )
             .order_by("name")
         )
+
+    def get_serializer_context(self):
+        # One query for every team on the page rather than one per team.
+        context = super().get_serializer_context()
+        if self.action in ("list", "retrieve"):
+            context["reclaim"] = team_reclaim(
+                dict(visible_teams(self.request.user).values_list("id", "name"))
+            )
+        return context
 
     def partial_update(self, request, *args, **kwargs):
         team = self.get_object()

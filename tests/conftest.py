@@ -65,3 +65,58 @@ def token_for():
         return do_issue_token(user)[1]
 
     return make
+
+
+@pytest.fixture
+def make_recorded_job():
+    """A job as the platform records it, for reports over past windows: submitted at
+    `submitted`, with one attempt per (start, end) in `runs` (end None: still running). The
+    job's state is `state`, by default QUEUED without runs, RUNNING with a live attempt, else
+    SUCCEEDED."""
+    from jobs.models import Attempt, Job
+
+    def make(
+        team,
+        owner,
+        *,
+        submitted,
+        gpus: int = 1,
+        priority: str = "normal",
+        runs=(),
+        time_limit_s=None,
+        state: str | None = None,
+        name: str = "recorded",
+    ):
+        job = actions.do_submit_job(
+            owner=owner,
+            team=team,
+            now=submitted,
+            name=name,
+            image="lockstep/trainer:latest",
+            command=["python", "-m", "trainer"],
+            gpus=gpus,
+            priority=priority,
+            time_limit_s=time_limit_s,
+        )
+        for number, (start, end) in enumerate(runs, start=1):
+            Attempt.objects.create(
+                job=job,
+                number=number,
+                state="running" if end is None else "succeeded",
+                master_addr="127.0.0.1",
+                master_port=29400 + number,
+                created_at=start,
+                running_at=start,
+                ended_at=end,
+            )
+        live = bool(runs) and runs[-1][1] is None
+        state = state or ("RUNNING" if live else "SUCCEEDED" if runs else "QUEUED")
+        Job.objects.filter(pk=job.pk).update(
+            state=state,
+            first_started_at=runs[0][0] if runs else None,
+            finished_at=runs[-1][1] if runs and not live and state in Job.TERMINAL else None,
+        )
+        job.refresh_from_db()
+        return job
+
+    return make

@@ -151,3 +151,68 @@ def test_admin_sets_a_team_quota_in_the_console(cluster, page):
         == "6"
     )
     _shot(page, "team-quotas")
+
+
+def test_admin_runs_a_what_if_with_a_changed_quota_and_sees_it_side_by_side(cluster, page):
+    from tests.live import Api, wait_for
+
+    api = Api(cluster.url, cluster.demo["alice_token"])
+    for n in range(3):
+        response = api.post(
+            "/api/v1/jobs/",
+            {
+                "name": f"whatif-{n}",
+                "team": "demo",
+                "image": "lockstep/trainer:latest",
+                "command": ["python", "-c", "import time; time.sleep(2)"],
+                "gpus": 2,
+            },
+        )
+        assert response.status_code == 201, response.text
+    wait_for(
+        lambda: any(
+            j["state"] == "SUCCEEDED" and j["name"].startswith("whatif-")
+            for j in api.get("/api/v1/jobs/").json()["results"]
+        ),
+        90,
+        "a what-if job to finish",
+    )
+
+    page.context.clear_cookies()
+    page.goto(cluster.url + "/login/")
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", cluster.demo["admin_password"])
+    page.click("main button[type=submit]")
+    page.goto(cluster.url + "/console/whatif/")
+    assert page.locator("#id_gpus").input_value() == "2"  # today's cluster: one 2-GPU agent
+    row = page.locator("#whatif-teams tr[data-team=demo]")
+    quota = row.locator("input[name$=_quota]")
+    today = quota.input_value()
+    # A bad value is shown next to its field and nothing runs.
+    quota.fill("-1")
+    page.click("#whatif-form button[type=submit]")
+    assert "greater than or equal to 0" in row.inner_text()
+    assert "None yet." in page.locator("#whatif-runs").inner_text()
+    _shot(page, "whatif-form")
+
+    # Twice the GPUs and a quota to use them: the demo jobs (2 GPUs each, which ran one at a
+    # time on the 2-GPU cluster) would run two at a time, so they would wait less.
+    row.locator("input[name$=_quota]").fill("8")
+    page.fill("#id_gpus", "4")
+    page.click("#whatif-form button[type=submit]")
+    page.wait_for_url("**/console/whatif/*/")
+    assert page.locator("#whatif-state").inner_text() == "done"
+    summary = page.locator("#whatif-summary")
+    assert "GPUs\t2\t4" in summary.inner_text()
+    assert "verdict-better" in summary.locator("tr", has_text="mean wait").first.get_attribute(
+        "class"
+    )
+    assert f"GPUs 2 -> 4; demo: quota {today} -> 8" in page.locator("main").inner_text()
+    assert page.locator("#whatif-by-team tr[data-team=demo]").count() == 1
+    for name in ("team_wait", "team_reclaim", "utilization", "queue"):
+        page.wait_for_function(
+            f"() => {{ const d = document.getElementById('fig-{name}').data;"
+            " return d && d.length === 2; }"
+        )
+    page.wait_for_timeout(500)
+    _shot(page, "whatif")

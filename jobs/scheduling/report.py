@@ -24,6 +24,7 @@ TABLE_KEYS = (
     "jct_p99_s",
     "ftf_max",
     "reclaim_max_s",
+    "reclaims_over_bound",
     "preempted_gpu_hours",
     "starved",
     "jobs",
@@ -44,13 +45,15 @@ def binned(ts: Sequence[float], values: Sequence[float], bins: int = BINS):
     sums = [0.0] * bins
     for k in range(len(ts) - 1):
         a, b, v = ts[k], ts[k + 1], values[k]
+        i = min(int((a - start) / width), bins - 1)
         while a < b:
-            i = min(int((a - start) / width), bins - 1)
             edge = b if i == bins - 1 else min(b, start + (i + 1) * width)
-            sums[i] += v * (edge - a)
-            if edge <= a:  # float edge case: no progress
-                break
-            a = edge
+            # A bin edge that rounds to `a` or below it (floats) means `a` is already in the
+            # next bin: move on rather than stop, or the rest of the segment is lost.
+            if edge > a:
+                sums[i] += v * (edge - a)
+                a = edge
+            i += 1
     centers = [start + (i + 0.5) * width for i in range(bins)]
     return centers, [s / width for s in sums]
 

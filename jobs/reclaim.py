@@ -1,0 +1,107 @@
+"""Reclaim times as the live system measured them, per team, against the bound DESIGN.md
+(section 6, rule 4) promises: a job that preempts others for its team's quota runs within the
+victims' stop grace, plus the approval delay for a priority preemption, plus one scheduler tick.
+
+A claim is one wait of one claimant job: its preemption requests that the same start ended
+(several victims count once, from the earliest proposal). Its time is
+PreemptionRequest.reclaim_s of that earliest request: proposal to the claimant's start.
+"""
+
+from __future__ import annotations
+
+import statistics
+from datetime import datetime
+
+from jobs.conf import lockstep_setting
+from jobs.models import Job, PreemptionRequest
+
+KINDS = (PreemptionRequest.Kind.RECLAIM, PreemptionRequest.Kind.PRIORITY)
+
+
+def reclaim_bound_s(kind: str) -> float:
+    """STOP_GRACE_S + SCHEDULER_TICK_S, plus PREEMPTION_APPROVAL_DELAY_S for a priority one."""
+    bound = lockstep_setting("STOP_GRACE_S") + lockstep_setting("SCHEDULER_TICK_S")
+    if kind == PreemptionRequest.Kind.PRIORITY:
+        bound += lockstep_setting("PREEMPTION_APPROVAL_DELAY_S")
+    return float(bound)
+
+
+def _empty(team_id: int, team: str, since: datetime) -> dict:
+    return {
+        "team_id": team_id,
+        "team": team,
+        "since": since,
+        "claims": 0,
+        "median_s": None,
+        "max_s": None,
+        "breaches": 0,
+        "waiting": 0,
+        "waiting_over_bound": 0,
+        "oldest_waiting_s": None,
+        "by_kind": dict.fromkeys(KINDS, 0),
+        "bound_s": {kind: reclaim_bound_s(kind) for kind in KINDS},
+        "breached": False,
+    }
+
+
+def reclaim_summary(
+    *, since: datetime, now: datetime, team_ids=None, teams=None
+) -> dict[int, dict]:
+    """Per claimant team id: claims proposed in [since, now]. `teams` (id -> name) adds a
+    zero row for each team without claims; `team_ids` limits the query.
+
+    Per team: `claims` (ended by the claimant's start), their `median_s` and `max_s`,
+    `breaches` (claims longer than their kind's bound), `waiting` (claimants still queued
+    behind an open or executed request), `waiting_over_bound` (of those, older than their
+    bound: breaches in the making), `by_kind` (claims per kind), `bound_s` per kind, and
+    `breached` (any breach, ended or still waiting). Rejected and withdrawn requests do not
+    count: nothing was promised for them.
+    """
+    requests = PreemptionRequest.objects.filter(created_at__gte=since, created_at__lte=now).exclude(
+        state__in=[PreemptionRequest.State.REJECTED, PreemptionRequest.State.WITHDRAWN]
+    )
+    if team_ids is not None:
+        requests = requests.filter(claimant__team_id__in=list(team_ids))
+    # (claimant, its start or None) -> [team id, team name, earliest proposal, kind, state]
+    claims: dict[tuple[int, datetime | None], list] = {}
+    for claimant_id, team_id, team, kind, created, started, state in requests.values_list(
+        "claimant_id",
+        "claimant__team_id",
+        "claimant__team__name",
+        "kind",
+        "created_at",
+        "claimant_started_at",
+        "claimant__state",
+    ):
+        if started is None and state != Job.State.QUEUED:
+            continue  # the claimant gave up (cancelled) without starting
+        claim = claims.setdefault((claimant_id, started), [team_id, team, created, kind])
+        claim[2] = min(claim[2], created)
+        if kind == PreemptionRequest.Kind.PRIORITY:
+            claim[3] = kind  # the longer bound applies when priority was involved
+
+    out = {tid: _empty(tid, name, since) for tid, name in (teams or {}).items()}
+    times: dict[int, list[float]] = {}
+    for (_, started), (team_id, team, created, kind) in claims.items():
+        row = out.setdefault(team_id, _empty(team_id, team, since))
+        bound = row["bound_s"][kind]
+        if started is None:
+            waited = (now - created).total_seconds()
+            row["waiting"] += 1
+            row["oldest_waiting_s"] = round(max(row["oldest_waiting_s"] or 0.0, waited), 1)
+            if waited > bound:
+                row["waiting_over_bound"] += 1
+            continue
+        took = (started - created).total_seconds()
+        times.setdefault(team_id, []).append(took)
+        row["by_kind"][kind] += 1
+        if took > bound:
+            row["breaches"] += 1
+    for team_id, row in out.items():
+        took = times.get(team_id, [])
+        row["claims"] = len(took)
+        if took:
+            row["median_s"] = round(statistics.median(took), 1)
+            row["max_s"] = round(max(took), 1)
+        row["breached"] = bool(row["breaches"] or row["waiting_over_bound"])
+    return out
