@@ -448,7 +448,10 @@ def test_quota_reclaim_checkpoints_the_borrower_runs_the_owner_then_resumes_the_
     wait_for(lambda: steps(cluster.alice, owner), 180, "the owner's job to run")
     detail = cluster.mallory.get(f"/api/v1/jobs/{borrower}/").json()
     first = detail["attempts"][0]
-    assert first["state"] == "preempted" and "reclaim" in first["ended"]["reason"]
+    assert first["state"] == "preempted" and "reclaim" in first["ended"]["reason"], (
+        f"the borrower's first attempt ended {first['state']}: {first.get('ended')}; "
+        f"attempts: {detail['attempts']}"
+    )
     (saved,) = cluster.mallory.get(f"/api/v1/jobs/{borrower}/checkpoints/").json()
     assert saved["step"] == first["last_step"] > 5  # saved at the step boundary after SIGTERM
     requests_made = admin.get("/api/v1/preemptions/").json()["results"]

@@ -331,3 +331,41 @@ def test_a_just_resumed_victim_is_still_taken_when_nothing_else_frees_enough():
     p = plan(snapshot([n], [job(1, 8, team_id=owner.id)], [owner, guest], runs))
     (pre,) = p.preemptions
     assert (pre.victim_job_id, pre.kind) == (10, "reclaim")  # the reclaim bound holds
+
+
+def test_several_jobs_within_their_quota_reclaim_in_one_pass_without_taking_guaranteed_gpus():
+    # owner's two queued jobs fit its quota together: both reclaim now (one stop grace for
+    # the team, not one per job), on different nodes.
+    owner = team("owner", quota=16, used=0)
+    guest = team("guest", quota=4, borrow=16, used=20)
+    n1, n2, n3 = node("n1", 8, busy=8), node("n2", 8, busy=8), node("n3", 8, busy=4)
+    runs = [
+        running(10, n1, range(8), team_id=guest.id, checkpoint_age=100),
+        running(11, n2, range(8), team_id=guest.id, checkpoint_age=200),
+        running(12, n3, range(4), team_id=guest.id, checkpoint_age=50),
+    ]
+    queue = [job(1, 8, team_id=owner.id), job(2, 8, team_id=owner.id)]
+    p = plan(snapshot([n1, n2, n3], queue, [owner, guest], runs))
+    by_claimant = {}
+    for pre in p.preemptions:
+        assert pre.kind == "reclaim"
+        by_claimant.setdefault(pre.claimant_job_id, set()).add(pre.victim_job_id)
+    assert set(by_claimant) == {1, 2}
+    victims = set().union(*by_claimant.values())
+    assert sum(v.gpus for v in runs if v.id in victims) <= guest.used - guest.quota
+    assert p.reasons[2].startswith("waiting for job")
+    # A third job would take the team past its quota: it borrows, so it reclaims nothing.
+    queue.append(job(3, 8, team_id=owner.id))
+    p = plan(snapshot([n1, n2, n3], queue, [owner, guest], runs))
+    assert {pre.claimant_job_id for pre in p.preemptions} == {1, 2}
+
+
+def test_reclaims_of_one_pass_never_take_the_lending_teams_guaranteed_gpus_together():
+    # guest lends only 8 GPUs beyond its quota: the first claim takes them, the second none.
+    owner = team("owner", quota=16, used=0)
+    guest = team("guest", quota=16, borrow=16, used=24)
+    nodes = [node(f"n{i}", 8, busy=8) for i in range(1, 4)]
+    runs = [running(10 + i, n, range(8), team_id=guest.id) for i, n in enumerate(nodes)]
+    queue = [job(1, 8, team_id=owner.id), job(2, 8, team_id=owner.id)]
+    p = plan(snapshot(nodes, queue, [owner, guest], runs))
+    assert [(pre.claimant_job_id, pre.kind) for pre in p.preemptions] == [(1, "reclaim")]

@@ -120,21 +120,32 @@ def test_plans_never_break_the_invariants(snap):
     for team_id, gpus in after.items():
         if gpus > teams[team_id].used:  # only teams that were given more GPUs
             assert gpus <= teams[team_id].cap
-    # 6: reclaim victims only give up GPUs their team holds beyond its quota.
+    # 6: reclaim victims come only from teams above their quota, each taken while its team
+    # still is (so a team loses less than one victim's GPUs below its quota), and only for a
+    # claimant within its own quota.
     runs = {r.id: r for r in snap.running}
     reclaimed = Counter()
+    claiming = Counter()
+    claimants: set[int] = set()
     for pre in result.preemptions:
         victim = runs[pre.victim_job_id]
         assert not victim.stopping
         if pre.kind == "reclaim":
             claimant = jobs[pre.claimant_job_id]
             assert victim.team_id != claimant.team_id
+            # Still above its quota before this victim goes (counting this pass's placements).
+            assert after[victim.team_id] - reclaimed[victim.team_id] > teams[victim.team_id].quota
             reclaimed[victim.team_id] += victim.gpus
+            if claimant.id not in claimants:
+                claimants.add(claimant.id)
+                claiming[claimant.team_id] += claimant.gpus
         else:
             assert victim.priority < jobs[pre.claimant_job_id].priority
-    # (Counting what the team was given in this same pass: it keeps at least its quota.)
-    for team_id, gpus in reclaimed.items():
-        assert after[team_id] - gpus >= teams[team_id].quota
+    # Claimants are within their quota, counting the team's other claims of the pass (and
+    # at least the GPUs it held before the pass).
+    for team_id, team in teams.items():
+        if claiming[team_id]:
+            assert team.used + claiming[team_id] <= team.quota
     # Every job left queued has a reason.
     placed = {p.job_id for p in result.placements}
     assert set(result.reasons) == set(jobs) - placed

@@ -155,23 +155,127 @@ def _victims(
     free: dict[int, list[int]],
     nodes: list[NodeView],
     may_take,
-    enough=lambda chosen: True,
+    order,
+    enough=None,
 ) -> tuple[list[RunningView], list] | None:
-    """The fewest candidates (in the given order) whose GPUs make `job` fit, and the placement;
-    None if even all of them would not. `may_take(victim)` says whether one more may go."""
+    """Victims (candidates are in victim `order`) whose GPUs make `job` fit, and the
+    placement; None if even all of them would not. `may_take(victim, chosen)` says whether one
+    more may go given those already chosen. `enough(chosen)`, where given, must also hold (a
+    team making room under its own cap: any of its GPUs count, wherever they are).
+
+    Node by node, not in one global order: a job of one node needs its victims on one node,
+    and the cheapest node to clear is rarely where the globally cheapest victims are (taking
+    those first would stop jobs all over the cluster, or run out of lendable GPUs before any
+    node is clear). Whole-node jobs clear the cheapest nodes first."""
+    if enough is None:
+        largest = max((n.total for n in nodes), default=0)
+        found = (
+            _victims_one_node(job, candidates, free, nodes, may_take, order)
+            if job.gpus <= largest
+            else _victims_whole_nodes(job, candidates, free, nodes, may_take, order)
+        )
+        if found is not None:
+            return found
     trial = {n: list(v) for n, v in free.items()}
     chosen = []
     for victim in candidates:
-        if not may_take(victim):
+        if not may_take(victim, chosen):
             continue
         chosen.append(victim)
         for node_id, index in victim.slots:
             if node_id in trial:
                 trial[node_id] = sorted({*trial[node_id], index})
         choice = place(job, trial, nodes)
-        if choice is not None and enough(chosen):
+        if choice is not None and (enough is None or enough(chosen)):
             return chosen, choice
     return None
+
+
+def _cost(victims: list[RunningView], order) -> tuple:
+    """Worst priority stopped, then victims that just (re)started, then GPU-seconds of work
+    thrown away, then how many jobs stop."""
+    keys = [order(v) for v in victims]
+    return (
+        max((k[0] for k in keys), default=-(1 << 30)),
+        sum(k[1] for k in keys),
+        sum(k[2] * v.gpus for k, v in zip(keys, victims, strict=True)),
+        len(victims),
+    )
+
+
+def _on_nodes(candidates: list[RunningView]) -> dict[int, list[RunningView]]:
+    by_node: dict[int, list[RunningView]] = defaultdict(list)
+    for victim in candidates:
+        for node_id in dict.fromkeys(node_id for node_id, _ in victim.slots):
+            by_node[node_id].append(victim)
+    return by_node
+
+
+def _victims_one_node(job, candidates, free, nodes, may_take, order):
+    """The node where the cheapest in-order prefix of its victims makes room."""
+    by_node = _on_nodes(candidates)
+    best = None
+    for node in nodes:
+        if node.total < job.gpus or node.id not in by_node:
+            continue
+        have = set(free[node.id])
+        chosen = []
+        for victim in by_node[node.id]:
+            if len(have) >= job.gpus:
+                break
+            if not may_take(victim, chosen):
+                continue
+            chosen.append(victim)
+            have.update(index for node_id, index in victim.slots if node_id == node.id)
+        if len(have) < job.gpus or not chosen:
+            continue
+        key = (_cost(chosen, order), node.name)
+        if best is None or key < best[0]:
+            best = (key, chosen, node, sorted(have))
+    if best is None:
+        return None
+    _, chosen, node, have = best
+    return chosen, place(job, {node.id: have}, [node])
+
+
+def _victims_whole_nodes(job, candidates, free, nodes, may_take, order):
+    """Whole nodes, the cheapest to clear first (idle ones cost nothing); None if the nodes
+    that can be cleared do not add up."""
+    by_node = _on_nodes(candidates)
+    options = []
+    for node in nodes:
+        if node.total == 0:
+            continue
+        on = by_node.get(node.id, [])
+        cleared = set(free[node.id]).union(
+            index for victim in on for node_id, index in victim.slots if node_id == node.id
+        )
+        if len(cleared) == node.total:
+            options.append(((_cost(on, order), node.name), node, on))
+    options.sort(key=lambda option: option[0])
+    chosen: list[RunningView] = []
+    trial = {n: list(v) for n, v in free.items()}
+    need = job.gpus
+    for _, node, on in options:
+        if need <= 0:
+            break
+        extra = [v for v in on if v not in chosen]
+        taken_here = []
+        for victim in extra:
+            if not may_take(victim, chosen + taken_here):
+                break
+            taken_here.append(victim)
+        else:
+            chosen.extend(taken_here)
+            for victim in taken_here:
+                for node_id, index in victim.slots:
+                    if node_id in trial:
+                        trial[node_id] = sorted({*trial[node_id], index})
+            need -= node.total
+    if need > 0 or not chosen:
+        return None
+    choice = place(job, trial, nodes)
+    return (chosen, choice) if choice is not None else None
 
 
 def _work_at_risk(run: RunningView, now) -> float:
@@ -251,6 +355,9 @@ def plan(snapshot: Snapshot) -> Plan:
     shadow = None  # when the reserved nodes are expected to be free (None: unknown)
     ahead = 0  # queued jobs ordered before this one that are still waiting
     taken: set[int] = set()  # running jobs already chosen as victims this pass
+    lent: dict[int, int] = defaultdict(int)  # team id -> its lent GPUs reclaimed this pass
+    claiming: dict[int, int] = defaultdict(int)  # team id -> GPUs its reclaims of this pass free
+    claim_failed: set[tuple] = set()
     largest = max((n.total for n in nodes), default=0)
     all_usable, unreserved = nodes, nodes
     smallest_failed: dict[tuple[bool, bool], int] = {}
@@ -309,7 +416,8 @@ def plan(snapshot: Snapshot) -> Plan:
                     own,
                     free,
                     nodes,
-                    lambda v: True,
+                    lambda victim, chosen: True,
+                    victim_key,
                     enough=lambda chosen, over=over: sum(v.gpus for v in chosen) >= over,
                 )
                 if reservation is None and own
@@ -372,14 +480,38 @@ def plan(snapshot: Snapshot) -> Plan:
         if choice is None:
             usable = all_usable if fits_before_shadow else unreserved
             free_now = free_in(usable)
-            if reservation is None:
-                guaranteed = used[team.id] + job.gpus <= team.quota
+            # Within its team's quota counting the team's other claims of this pass: each such
+            # job may reclaim in the same pass (on nodes no earlier claim reserved), so a
+            # team's reclaim takes one stop grace, not one grace per queued job. A priority
+            # preemption or a plain reservation stays one per pass.
+            guaranteed = used[team.id] + claiming[team.id] + job.gpus <= team.quota
+            claimed = None
+            # A claim that failed fails again for the same team and size later in the pass:
+            # victims and lendable GPUs only shrink within a pass.
+            attempt_key = (team.id, job.gpus, guaranteed, reservation is None)
+            if (reservation is None or guaranteed) and attempt_key not in claim_failed:
                 claimed = _claim(
-                    job, team, guaranteed, running, taken, teams, used, free, nodes, victim_key
+                    job,
+                    team,
+                    guaranteed,
+                    running,
+                    taken,
+                    teams,
+                    used,
+                    free,
+                    nodes if reservation is None else unreserved,
+                    victim_key,
+                    lent,
+                    allow_priority=reservation is None,
                 )
+                if claimed is None:
+                    claim_failed.add(attempt_key)
+            if reservation is None or claimed is not None:
                 if claimed is not None:
                     victims, choice, kind = claimed
                     taken.update(v.id for v in victims)
+                    if kind == "reclaim":
+                        claiming[team.id] += job.gpus
                     # The victims keep their GPUs (and count against their teams) until they
                     # exit; the claimant is placed by a later pass.
                     reserved.update(node.id for node, _ in choice)
@@ -405,7 +537,11 @@ def plan(snapshot: Snapshot) -> Plan:
                         f"holds a reservation on {held}"
                         + (f"; {ahead} job(s) ahead" if ahead else "")
                     )
-                reservation = (job.id, tuple(sorted(reserved)))
+                # The first blocked job keeps the reservation; reclaims after it add nodes.
+                reservation = (
+                    job.id if reservation is None else reservation[0],
+                    tuple(sorted(reserved)),
+                )
                 shadow = _shadow_time(reserved, running, taken, by_id)
                 unreserved = [n for n in nodes if n.id not in reserved]
                 smallest_failed.clear()
@@ -430,31 +566,62 @@ def plan(snapshot: Snapshot) -> Plan:
     )
 
 
-def _claim(job, team, guaranteed, running, taken, teams, used, free, nodes, order):
-    """Victims for a blocked job: a reclaim if it is within its team's quota, else a priority
-    preemption of strictly lower-priority work. (victims, placement, kind) or None."""
+def _claim(
+    job, team, guaranteed, running, taken, teams, used, free, nodes, order, lent, allow_priority
+):
+    """Victims for a blocked job: a reclaim if it is within its team's quota, else (where
+    `allow_priority`) a priority preemption of strictly lower-priority work. (victims,
+    placement, kind) or None. `lent` (team id -> lent GPUs already reclaimed this pass) grows
+    by what a reclaim takes, so several claims of one pass never reach a team's guarantee."""
     if guaranteed:
-        lent: dict[int, int] = {}
 
-        def may_reclaim(victim: RunningView) -> bool:
-            # Only GPUs lent beyond the victim team's own quota: guaranteed ones never go.
+        def lendable(victim: RunningView, chosen: list[RunningView]) -> int | None:
+            """GPUs the victim's team still holds beyond its quota, None if it may not lose
+            this victim at all."""
             owner = teams.get(victim.team_id)
             if owner is None or victim.team_id == team.id:
-                return False
-            spare = used[owner.id] - lent.get(owner.id, 0) - owner.quota
-            if spare < victim.gpus:
-                return False
-            lent[owner.id] = lent.get(owner.id, 0) + victim.gpus
-            return True
+                return None
+            gone = lent.get(owner.id, 0) + sum(v.gpus for v in chosen if v.team_id == owner.id)
+            return used[owner.id] - gone - owner.quota
 
-        candidates = sorted((r for r in running if r.id not in taken), key=order)
-        found = _victims(job, candidates, free, nodes, may_reclaim)
+        def wholly_borrowed(victim: RunningView, chosen: list[RunningView]) -> bool:
+            spare = lendable(victim, chosen)
+            return spare is not None and spare >= victim.gpus
+
+        def straddling(victim: RunningView, chosen: list[RunningView]) -> bool:
+            # A job that took its team over its quota, only part of it borrowed: a team 2 GPUs
+            # over with 8-GPU jobs lends nothing that could be taken wholly, and the claimant
+            # would wait for a job to end, not for a grace. The claimant is not borrowing (it
+            # is within its own quota), so DESIGN's invariant 6 holds; the victim's team may
+            # drop below its quota by less than this one job, and its own queued work is then
+            # guaranteed again. Only when no wholly borrowed victims do.
+            spare = lendable(victim, chosen)
+            return spare is not None and spare > 0
+
+        # Only victims with GPUs on the nodes this claim may use: stopping others frees
+        # nothing for it (a later claim of a pass sees only nodes no earlier one reserved).
+        usable = {n.id for n in nodes}
+        candidates = sorted(
+            (
+                r
+                for r in running
+                if r.id not in taken and any(node_id in usable for node_id, _ in r.slots)
+            ),
+            key=order,
+        )
+        found = _victims(job, candidates, free, nodes, wholly_borrowed, order) or _victims(
+            job, candidates, free, nodes, straddling, order
+        )
         if found:
+            for victim in found[0]:
+                lent[victim.team_id] = lent.get(victim.team_id, 0) + victim.gpus
             return (*found, "reclaim")
+    if not allow_priority:
+        return None
     lower = sorted(
         (r for r in running if r.id not in taken and r.priority < job.priority), key=order
     )
-    found = _victims(job, lower, free, nodes, lambda victim: True)
+    found = _victims(job, lower, free, nodes, lambda victim, chosen: True, order)
     return (*found, "priority") if found else None
 
 

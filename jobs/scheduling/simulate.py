@@ -733,6 +733,7 @@ class _Engine:
         jcts, waits, ftfs = [], [], []
         by_class: dict[str, tuple[list[float], list[float]]] = {c: ([], []) for c in SIZE_CLASSES}
         by_team: dict[int, list[float]] = {tid: [] for tid in self.quota}
+        team_waits: dict[int, list[float]] = {tid: [] for tid in self.quota}
         starved = never_started = unfinished = 0
         reclaims = {tid: list(rs) for tid, rs in self.reclaims.items()}
         for i, job in enumerate(self.jobs):
@@ -756,6 +757,7 @@ class _Engine:
                 by_team[tid].append(jct / ideal)
             jcts.append(jct)
             waits.append(wait)
+            team_waits[tid].append(wait)
             by_class[size_class(job.gpus)][0].append(wait)
             by_class[size_class(job.gpus)][1].append(jct)
         all_reclaims = [r for rs in reclaims.values() for r in rs]
@@ -767,8 +769,14 @@ class _Engine:
             teams[self.team_names[tid - 1]] = {
                 "jobs": team_jobs,
                 "quota": q.quota,
+                "completed": len(team_waits[tid]),
+                "wait_mean_s": _r(_mean(team_waits[tid])),
+                "wait_median_s": _r(_pct(team_waits[tid], 50)),
+                "wait_p99_s": _r(_pct(team_waits[tid], 99)),
+                "wait_max_s": _r(max(team_waits[tid], default=0.0)),
                 "ftf_max": _r(max(by_team[tid], default=0.0)),
                 "reclaim_max_s": _r(max(reclaims[tid], default=0.0)),
+                "reclaim_median_s": _r(_pct(reclaims[tid], 50)),
                 "reclaim_p99_s": _r(_pct(reclaims[tid], 99)),
                 "reclaims": len(reclaims[tid]),
             }
@@ -808,6 +816,11 @@ class _Engine:
             "ftf_mean": _r(_mean(ftfs), 3),
             "reclaim_max_s": _r(max(all_reclaims, default=0.0)),
             "reclaim_p99_s": _r(_pct(all_reclaims, 99)),
+            # DESIGN's promise for a quota reclaim: the victims' stop grace plus one pass (a
+            # pass happens at every event here, so it adds nothing).
+            "reclaim_bound_s": cfg.grace_s,
+            "reclaims_over_bound": sum(1 for r in all_reclaims if r > cfg.grace_s + 1e-6),
+            "reclaims_total": len(all_reclaims),
             "preempted_gpu_hours": _r(self.lost_gpu_s / 3600),
             "preemptions": {**self.preemptions, "by_kind": dict(self.preemptions_by_kind)},
             "starved": starved,
