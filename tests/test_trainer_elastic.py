@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from tests import test_trainer as base
 from trainer.checkpoint import latest_committed, read_marker
 
