@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests import test_trainer as base
 from trainer.checkpoint import latest_committed, read_marker
 
@@ -76,3 +78,56 @@ def test_resharded_resumes_continue_at_the_exact_next_sample(tmp_path):
         ids = [i for _, e, i in seen if e == epoch]
         assert sorted(ids) == list(range(60)), epoch
     assert [i for _, e, i in seen if e == 0] != [i for _, e, i in seen if e == 1]
+
+
+def test_four_to_two_to_three_ranks_keeps_the_global_batch_and_the_loss_trajectory(tmp_path):
+    """A global batch of 24: 4 ranks x 6, then 2 ranks x 2 micro-batches of 6, then 3 ranks x
+    2 micro-batches of 4. The losses follow an uninterrupted 1-rank run of the same batch."""
+    common = ["--batch-size", "6", "--checkpoint-every", "3"]
+    ckpt = tmp_path / "ckpt"
+    w4 = gang(tmp_path, "w4", 4, [*common, "--steps", "3"])
+    w2 = gang(tmp_path, "w2", 2, [*common, "--steps", "6"], resume=ckpt / "step-000003")
+    w3 = gang(tmp_path, "w3", 3, [*common, "--steps", "9"], resume=ckpt / "step-000006")
+    assert "global batch 24 = 2 x 2 micro-batches of <= 6" in (w2 / "rank0.log").read_text()
+    assert "global batch 24 = 3 x 2 micro-batches of <= 6" in (w3 / "rank0.log").read_text()
+    for step, world in ((3, 4), (6, 2), (9, 3)):
+        marker = read_marker(ckpt / f"step-{step:06d}")
+        assert marker["world_size"] == world
+        assert marker["train_state"]["sample_position"] == 24 * step
+        assert marker["train_state"]["global_batch"] == 24
+    assert base.records(w3 / "rank-0.metrics.jsonl", "start")[0]["resumed_from_step"] == 6
+
+    straight_tmp = tmp_path / "straight"
+    straight_tmp.mkdir()
+    straight = gang(straight_tmp, "w1", 1, ["--batch-size", "24", "--steps", "9",
+                                           "--checkpoint-every", "0"])  # fmt: skip
+    reference = global_losses(straight, 1)
+    got = global_losses(w4, 4) | global_losses(w2, 2) | global_losses(w3, 3)
+    assert sorted(got) == list(range(1, 10))
+    for step in got:
+        assert got[step] == pytest.approx(reference[step], abs=2e-4), (step, got, reference)
+    assert got[9] < got[1] - 0.1  # and it is training, not standing still
+
+
+def test_allowing_a_batch_change_scales_the_lr_linearly_with_a_warmup(tmp_path):
+    """2 ranks x 6 (global 12), then 3 ranks x 6 (global 18): lr x 1.5, reached over the
+    3 warm-up steps after the resume."""
+    common = ["--batch-size", "6", "--checkpoint-every", "4", "--log-every", "1"]
+    ckpt = tmp_path / "ckpt"
+    gang(tmp_path, "w2", 2, [*common, "--steps", "4"])
+    w3 = gang(tmp_path, "w3", 3, [*common, "--steps", "8", "--allow-batch-change"],
+              resume=ckpt / "step-000004")  # fmt: skip
+    log = (w3 / "rank0.log").read_text()
+    assert "global batch 12 -> 18" in log
+    lrs = {
+        int(line.split("step ")[1].split("/")[0]): float(line.split(" lr ")[1].split()[0])
+        for line in log.splitlines()
+        if "/8 loss" in line
+    }
+    # Base lr 3e-3 (its own warm-up ended at step 3); scale 1 -> 1.5 over steps 4..7.
+    assert lrs == pytest.approx({5: 3e-3 * (1 + 0.5 / 3), 6: 3e-3 * (1 + 1 / 3),
+                                 7: 4.5e-3, 8: 4.5e-3}, rel=1e-2)  # fmt: skip
+    state = read_marker(ckpt / "step-000008")["train_state"]
+    assert state["global_batch"] == 18 and state["reference_global_batch"] == 12
+    assert state["sample_position"] == 4 * 12 + 4 * 18
+    assert "1 micro-batches" in log  # no accumulation: each rank keeps its 6 rows
