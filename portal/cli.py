@@ -273,6 +273,81 @@ def _add_simulate(sub) -> None:
     sim.add_argument("--progress", action="store_true", help="status lines on stderr")
 
 
+def cmd_plan(args) -> int:
+    """Per-GPU memory and traffic of each parallel layout; pure arithmetic, no portal needed."""
+    import math
+
+    from trainer.planner import ClusterShape, ModelShape, PlanError, format_table, plan
+
+    params = None
+    if args.params is not None:
+        if not math.isfinite(args.params) or args.params != int(args.params):
+            print(
+                f"lockstep plan: --params: must be a whole number, got {args.params:g}",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        params = int(args.params)
+    try:
+        result = plan(
+            ModelShape(
+                layers=args.layers,
+                hidden=args.hidden,
+                heads=args.heads,
+                vocab=args.vocab,
+                seq=args.seq,
+                micro_batch=args.micro_batch,
+                params=params,
+                dtype=args.dtype,
+                optimizer=args.optimizer,
+                activation_checkpointing=args.activation_checkpointing,
+                flash_attention=not args.no_flash_attention,
+                tied_embeddings=args.tied_embeddings,
+                global_batch=args.global_batch,
+            ),
+            ClusterShape(
+                gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_mem_gb=args.gpu_mem_gb
+            ),
+        )
+    except PlanError as e:
+        print(f"lockstep plan: --{e.field.replace('_', '-')}: {e.message}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json or args.plan_json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(format_table(result, show_all=args.all))
+    return 0
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="plan the memory of a training run: which parallel layouts fit, and which to use",
+        description="Per-GPU memory (weights, grads, optimizer, activations) and traffic of a "
+        "transformer under DP, ZeRO-1/2/3, TP and PP. See docs/planner.md.",
+    )
+    p.add_argument("--params", type=float, help="parameters, e.g. 70e9 (default: from shape)")
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--vocab", type=int, required=True)
+    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: micro x GPUs)")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GiB per GPU (default 80)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    p.add_argument("--activation-checkpointing", action="store_true", help="full recompute")
+    p.add_argument(
+        "--no-flash-attention", action="store_true", help="attention stores its score matrix"
+    )
+    p.add_argument("--tied-embeddings", action="store_true", help="head shares the embedding")
+    p.add_argument("--all", action="store_true", help="list every layout")
+    p.add_argument("--json", dest="plan_json", action="store_true", help="one JSON object")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "agent":
@@ -310,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--rank", type=int, default=0)
             p.add_argument("--tail", type=int, default=100)
     _add_simulate(sub)
+    _add_plan(sub)
     args = parser.parse_args(argv)
     if args.cmd == "submit" and args.command[:1] == ["--"]:
         args.command = args.command[1:]
@@ -326,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         "cancel": cmd_cancel,
         "logs": cmd_logs,
         "simulate": cmd_simulate,
+        "plan": cmd_plan,
     }[args.cmd](args)
 
 

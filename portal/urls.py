@@ -5,6 +5,7 @@ from rest_framework.routers import DefaultRouter
 
 from jobs.agent_api import AgentHeartbeatView, AgentRegisterView
 from jobs.api import JobViewSet, ModelVersionViewSet, NodeViewSet
+from jobs.plan_api import PlanView
 from jobs.preemption_api import PreemptionViewSet
 from jobs.whatif_api import WhatIfViewSet
 from portal import views
@@ -36,6 +37,7 @@ urlpatterns = [
     path("vendor/plotly.min.js", plotly_js, name="plotly_js"),
     path("api/v1/agent/register/", AgentRegisterView.as_view(), name="agent-register"),
     path("api/v1/agent/heartbeat/", AgentHeartbeatView.as_view(), name="agent-heartbeat"),
+    path("api/v1/plan/", PlanView.as_view(), name="plan"),
     path("api/v1/", include(router.urls)),
     path("admin/", admin.site.urls),
 ]
