@@ -239,6 +239,9 @@ class CheckpointManager:
             # async_save needs a CPU-capable group for its background collectives; NCCL is not.
             self._pg = dist.new_group(backend="gloo")
         self._pending: _Pending | None = None
+        if async_save and not dist_info.distributed:
+            # The background thread saves outside _single_process_ok's (thread-unsafe) scope.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
     def step_dir(self, step: int) -> Path:
         return self.root / step_dir_name(step)
@@ -305,11 +308,10 @@ class CheckpointManager:
             return path
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        kind = (
-            AsyncCheckpointerType.PROCESS
-            if self.async_type == "process"
-            else AsyncCheckpointerType.THREAD
-        )
+        # DCP's process-based writer needs a process group to copy into its child; a
+        # single-process run uses the thread-based one.
+        process = self.async_type == "process" and self.dist.distributed
+        kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         with _single_process_ok():
             future = dcp.async_save(
                 state,
