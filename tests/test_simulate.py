@@ -118,6 +118,22 @@ def test_utilization_jct_and_wait_match_a_hand_computation():
     assert m["starved"] == 0 and m["jobs"] == 3 and m["dropped"] == 0
 
 
+def test_utilization_while_a_queued_job_fits_counts_only_gpus_something_queued_could_use():
+    # HOL under FIFO: from 2 to 100, c (2 GPUs) waits behind b although n2 has 2 idle GPUs:
+    # GPUs a queued job could use. From 1 to 2 only b (8 GPUs) is queued and no node has 8
+    # free: idle, but nothing queued fits, so it does not count.
+    m = run(HOL, "fifo", SimConfig(gpus=16)).metrics
+    # Busy while c..e wait: a (4) + x (6) until 100; then x + b + c = 16, nothing idle.
+    assert m["idle_gpu_hours_while_fit_queued"] == round(6 * 98 / 3600, 1)
+    fit_s = m["fit_queued_fraction"] * m["makespan_s"]
+    assert fit_s == pytest.approx(98, abs=1)
+    assert m["utilization_when_fit_queued"] == pytest.approx(10 / 16, abs=1e-3)
+    # EASY backfill starts c and d at once: the idle time left is the reserved node's, held
+    # for b, while e (200 s, longer than the reservation allows) waits.
+    backfill = run(HOL, "backfill", SimConfig(gpus=16)).metrics
+    assert backfill["idle_gpu_hours_while_fit_queued"] < m["idle_gpu_hours_while_fit_queued"]
+
+
 def test_jobs_larger_than_the_cluster_are_dropped_and_counted():
     trace = jobs(("small", 0, 8, 10, "t"), ("huge", 0, 32, 10, "t"), ("big", 5, 16, 10, "t"))
     m = run(trace, "fifo", SimConfig(gpus=16)).metrics

@@ -271,6 +271,7 @@ class _Engine:
         sizes = [cfg.gpus_per_node] * n_nodes
         sizes[-1] = cfg.gpus - cfg.gpus_per_node * (n_nodes - 1)
         self.free = [set(range(s)) for s in sizes]
+        self.node_sizes = sizes
         self.node_views = [
             NodeView(
                 id=nid,
@@ -336,6 +337,12 @@ class _Engine:
         self.busy_gpu_s = 0.0
         self.backlog_s = 0.0
         self.backlog_busy_gpu_s = 0.0
+        # While some queued job would fit the idle GPUs as they are (issue 4's "utilization
+        # whenever work is queued that fits": a backlog of 64-GPU jobs waiting for whole
+        # nodes leaves GPUs idle that nothing queued can use).
+        self.fit_queued = False
+        self.fit_s = 0.0
+        self.fit_busy_gpu_s = 0.0
         self.lost_gpu_s = 0.0
         self.reclaims: dict[int, list[float]] = {tid: [] for tid in self.quota}
         # proposed: in plans; duplicate: the victim already had an open request (or was gone);
@@ -404,6 +411,7 @@ class _Engine:
             if self.queue:
                 self._reclaim_clocks(t)
                 self._plan(t)
+            self.fit_queued = bool(self.queue) and self._queued_job_fits()
             self._record(t)
         return self._result(t0, t_prev, time.perf_counter() - wall)
 
@@ -415,6 +423,9 @@ class _Engine:
         if self.queue:
             self.backlog_s += dt
             self.backlog_busy_gpu_s += self.busy * dt
+            if self.fit_queued:
+                self.fit_s += dt
+                self.fit_busy_gpu_s += self.busy * dt
         # Exact exponential decay of GPU-seconds with GPUs in use constant over [t0, t1].
         h = self.cfg.usage_half_life_s
         decay = math.exp(-dt * math.log(2) / h)
@@ -455,6 +466,28 @@ class _Engine:
         sizes[job.gpus] = sizes.get(job.gpus, 0) + 1
         self.unclocked[tid] += 1
 
+    def _queued_job_fits(self) -> bool:
+        """Would some queued job's shape fit the idle GPUs now (ignoring team caps and
+        reservations)? One node's worth or less: the freest node; more: whole idle nodes."""
+        if self.busy >= self.cfg.gpus:
+            return False
+        gpn = self.cfg.gpus_per_node
+        sizes = [g for team_sizes in self.team_sizes.values() for g in team_sizes]
+        small = min((g for g in sizes if g <= gpn), default=None)
+        large = min((g for g in sizes if g > gpn), default=None)
+        if (
+            small is not None
+            and small <= self.cfg.gpus - self.busy
+            and max(len(f) for f in self.free) >= small
+        ):
+            return True
+        if large is not None:
+            idle = sum(
+                1 for f, size in zip(self.free, self.node_sizes, strict=True) if len(f) == size
+            )
+            return idle * gpn >= large
+        return False
+
     def _reclaim_clocks(self, t: float) -> None:
         """Start the reclaim clock of each queued job its team's quota has room for.
 
@@ -462,6 +495,11 @@ class _Engine:
         use, plus the team's queued jobs ahead of it that fit, plus its own must stay within the
         quota.
         """
+        # Only while some team holds GPUs beyond its quota: with nothing lent there is nothing
+        # to reclaim (a job that waits then waits for free GPUs of the right shape, as it
+        # would on a cluster of its own).
+        if not any(self.used[tid] > q.quota for tid, q in self.quota.items()):
+            return
         for tid, members in self.team_queue.items():
             room = self.quota[tid].quota - self.used[tid]
             if room <= 0 or not self.unclocked[tid]:
@@ -794,6 +832,11 @@ class _Engine:
                 self.backlog_busy_gpu_s / (gpus * self.backlog_s) if self.backlog_s else 0.0, 4
             ),
             "backlogged_fraction": _r(self.backlog_s / makespan if makespan else 0.0, 4),
+            "utilization_when_fit_queued": _r(
+                self.fit_busy_gpu_s / (gpus * self.fit_s) if self.fit_s else 0.0, 4
+            ),
+            "fit_queued_fraction": _r(self.fit_s / makespan if makespan else 0.0, 4),
+            "idle_gpu_hours_while_fit_queued": _r((gpus * self.fit_s - self.fit_busy_gpu_s) / 3600),
             "busy_gpu_hours": _r(self.busy_gpu_s / 3600),
             "jct_mean_s": _r(_mean(jcts)),
             "jct_median_s": _r(_pct(jcts, 50)),
