@@ -493,3 +493,20 @@ def test_submit_page_shows_the_recommended_layout_in_the_browser(
             assert page.input_value("#id_gpus") == "8"
         finally:
             browser.close()
+
+
+def test_sharded_estimates_agree_with_the_trainers_zero1_and_fsdp_ranks():
+    """Two gloo processes per mode: ZeroRedundancyOptimizer holds half the AdamW state on each
+    rank, FSDP2 half of everything, as the planner's ZeRO-1 and ZeRO-3 say (less the transient
+    gathered units, which a measurement between steps cannot see)."""
+    from trainer import planner_check
+
+    rows = planner_check.compare_sharded()
+    assert {row["part"] for row in rows} == {"weights", "grads", "optimizer"}
+    assert len(rows) == 6
+    for row in rows:
+        assert abs(row["ratio"] - 1) <= planner_check.SHARDED_TOLERANCE, row
+        if "fsdp" in row["shape"] or row["part"] == "optimizer":
+            # Sharded parts: the ranks together hold one copy, not two.
+            assert row["all_ranks"] < 1.05 * 2 * row["estimated"]
+            assert row["measured"] < 0.55 * row["all_ranks"]

@@ -181,6 +181,9 @@ class Layout:
     """Micro-batches per optimizer step on each data-parallel replica."""
     per_gpu_bytes: dict[str, int]
     """weights, grads, optimizer, activations, overhead and their total."""
+    zero_buffer_bytes: dict[str, int]
+    """The transient parts of per_gpu_bytes weights and grads under ZeRO-2/3 (gathered units,
+    an unsharded gradient); what stays resident between steps is the rest."""
     comm_bytes_per_step: int
     """Bytes each GPU sends per optimizer step (all collectives and pipeline sends)."""
     comm_breakdown: dict[str, int]
@@ -335,6 +338,10 @@ def evaluate(
         if worst is None or sum(parts.values()) > sum(worst.values()):
             worst, worst_stage = parts, stage
             grad_bytes = weight_bytes = params * wb
+            buffers = {
+                "weights": weights - params * wb / (dp if zero >= 3 else 1),
+                "grads": grads - params * wb / (dp if zero >= 2 else 1),
+            }
     assert worst is not None
     model_bytes = sum(worst.values())
     overhead = FIXED_OVERHEAD_BYTES + FRAGMENTATION * model_bytes
@@ -381,6 +388,7 @@ def evaluate(
         zero=zero,
         micro_batches=micro_batches,
         per_gpu_bytes=per_gpu,
+        zero_buffer_bytes={k: max(0, round(v)) for k, v in buffers.items()},
         comm_bytes_per_step=sum(breakdown.values()),
         comm_breakdown=breakdown,
         comm_inter_node_bytes=inter_node,

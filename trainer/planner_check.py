@@ -4,6 +4,7 @@ really holds, then compare with trainer.planner's estimate for the same shape.
 
     python -m trainer.planner_check            # CPU, fp32; a table and exit 1 if off tolerance
     python -m trainer.planner_check --json
+    python -m trainer.planner_check --sharded  # + the trainer's zero1 and fsdp on 2 processes
 
 Measured: parameters, .grad tensors and optimizer state by their storages' sizes; activations
 as the bytes of the tensors autograd saves for backward during the last step's forward
@@ -31,6 +32,8 @@ from trainer.train import build_model
 # Weights, grads and optimizer state are exact counts; 5% leaves room for small bookkeeping
 # (AdamW's per-tensor step counters).
 STATE_TOLERANCE = 0.05
+# Sharded runs (ZeRO-1, FSDP over 2 ranks): the largest rank's shard against an even split.
+SHARDED_TOLERANCE = 0.05
 # Activations: the Korthikanti formula counts Megatron's tensors, including two dropout masks
 # (2 of its 34 bytes per token and hidden unit) that this dropout-free model does not keep, so
 # it reads about 6% high here; measured ratios (1.05-1.06, 1.00 with checkpointing) are in
@@ -247,6 +250,130 @@ def _compare(shapes, device: str) -> list[dict]:
     return rows
 
 
+# --- sharded runs: the trainer's own ZeRO-1 and FSDP modes over 2 gloo processes -----------------
+
+# Planner stage for each trainer mode (trainer/parallel.py): ZeroRedundancyOptimizer shards the
+# AdamW state (ZeRO-1); FSDP2 shards parameters, gradients and optimizer state (ZeRO-3).
+SHARDED_MODES = {"zero1": 1, "fsdp": 3}
+SHARDED_SHAPE = CheckShape(layers=2, hidden=128, heads=4, vocab=256, seq=32, micro_batch=8)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # FSDP2 parameters, gradients and AdamW state are DTensors: count this rank's shard.
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _sharded_worker(rank: int, world_size: int, port: int, mode: str, out_dir: str) -> None:
+    import os
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LOCKSTEP_DEVICE="cpu",
+    )
+    from trainer.config import ParallelArgs
+    from trainer.distributed import close_distributed, init_distributed
+    from trainer.parallel import Parallelized
+
+    torch.set_num_threads(1)
+    shape = SHARDED_SHAPE
+    cfg = JobConfig(
+        model=ModelArgs(
+            n_layer=shape.layers, n_head=shape.heads, n_embd=shape.hidden, block_size=shape.seq
+        ),
+        train=TrainArgs(batch_size=shape.micro_batch),
+        parallel=ParallelArgs(mode=mode, precision="fp32"),
+    )
+    info = init_distributed()
+    model = build_model(cfg, shape.vocab, info)
+    par = Parallelized(model, cfg.parallel, info)
+    optimizer = par.build_optimizer(cfg.optim)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randint(shape.vocab, (shape.micro_batch, shape.seq), generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        _, loss = par.module(x, x)
+        loss.backward()
+        optimizer.step()
+    params = list(par.base.parameters())
+    local_optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's shard
+    measured = {
+        "weights": _storage_bytes((_local(p) for p in params), set()),
+        "grads": _storage_bytes((_local(p.grad) for p in params if p.grad is not None), set()),
+        "optimizer": _storage_bytes(
+            (_local(t) for t in _optimizer_tensors(local_optimizer)), set()
+        ),
+        "params": sum(p.numel() for p in params),
+    }
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(measured, f)
+    # Leave together: a gloo peer torn down while the other still talks aborts the process.
+    info.barrier()
+    close_distributed(info)
+
+
+def measure_sharded(mode: str, world_size: int = 2) -> list[dict[str, int]]:
+    """Bytes each rank holds after 3 steps of the trainer in `mode` (fp32, CPU, gloo)."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_sharded_worker, args=(world_size, port, mode, out_dir), nprocs=world_size)
+        ranks = []
+        for rank in range(world_size):
+            with open(f"{out_dir}/rank{rank}.json") as f:
+                ranks.append(json.load(f))
+    return ranks
+
+
+def compare_sharded(world_size: int = 2) -> list[dict]:
+    """Per mode and part: the largest rank's resident bytes against the planner's estimate for
+    dp = world_size at that ZeRO stage (without its transient working buffers, which a
+    measurement between steps cannot see)."""
+    rows = []
+    for mode, zero in SHARDED_MODES.items():
+        ranks = measure_sharded(mode, world_size)
+        shape = SHARDED_SHAPE
+        model = ModelShape(
+            layers=shape.layers,
+            hidden=shape.hidden,
+            heads=shape.heads,
+            vocab=shape.vocab,
+            seq=shape.seq,
+            micro_batch=shape.micro_batch,
+            params=ranks[0]["params"],
+            dtype="fp32",
+            tied_embeddings=True,
+        )
+        cluster = ClusterShape(gpus=world_size, gpus_per_node=world_size)
+        layout = evaluate(model, cluster, dp=world_size, tp=1, pp=1, zero=zero)
+        for part in ("weights", "grads", "optimizer"):
+            estimated = layout.per_gpu_bytes[part] - layout.zero_buffer_bytes.get(part, 0)
+            largest = max(r[part] for r in ranks)
+            rows.append(
+                {
+                    "shape": f"{shape.label()}, {mode} x{world_size}",
+                    "part": part,
+                    "measured": largest,
+                    "estimated": estimated,
+                    "ratio": round(estimated / largest, 4),
+                    "all_ranks": sum(r[part] for r in ranks),
+                    "tolerance": SHARDED_TOLERANCE,
+                    "ok": abs(estimated / largest - 1) <= SHARDED_TOLERANCE,
+                }
+            )
+    return rows
+
+
 def verdict(row: dict) -> str:
     if row["tolerance"] is None:
         return "n/a (informational)"
@@ -257,8 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.planner_check", description=__doc__)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="also run the trainer's zero1 and fsdp modes on 2 gloo processes (CPU)",
+    )
     args = parser.parse_args(argv)
     rows = compare(DEFAULT_SHAPES + INFORMATIONAL_SHAPES, device=args.device)
+    if args.sharded:
+        rows += compare_sharded()
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
