@@ -128,14 +128,45 @@ class JobViewSet(
         job = self.get_object()
         name = request.query_params.get("name") or "loss"
         since = _int_param(request, "since_step", None)
+        until = _int_param(request, "until_step", None)
         max_points = _int_param(request, "max_points", 2000, lo=2, hi=100_000)
         rank = _int_param(request, "rank", None, hi=100_000)
         attempt = _int_param(request, "attempt", None, lo=1)
         return Response(
             metric_series(
-                job.id, name, since_step=since, max_points=max_points, rank=rank, attempt=attempt
+                job.id,
+                name,
+                since_step=since,
+                until_step=until,
+                max_points=max_points,
+                rank=rank,
+                attempt=attempt,
             )
         )
+
+    @action(detail=True, methods=["get"])
+    def gpus(self, request, pk=None):
+        """The live attempt's GPUs, per rank, with their node's latest telemetry reading."""
+        job = self.get_object()
+        attempt = job.attempts.filter(ended_at__isnull=True).first()
+        if attempt is None:
+            return Response({"attempt": None, "gpus": []})
+        rows = []
+        for a in attempt.allocations.select_related("node", "gpu").order_by("rank"):
+            reading = next((t for t in a.node.telemetry or [] if t.get("index") == a.gpu.index), {})
+            rows.append(
+                {
+                    "rank": a.rank,
+                    "node": a.node.name,
+                    "gpu": a.gpu.index,
+                    "kind": reading.get("kind", a.node.gpu_kind),
+                    "util": reading.get("util"),
+                    "mem_used": reading.get("mem_used"),
+                    "mem_total": reading.get("mem_total"),
+                    "at": a.node.last_heartbeat_at,
+                }
+            )
+        return Response({"attempt": attempt.number, "gpus": rows})
 
     @action(detail=True, methods=["get"])
     def logs(self, request, pk=None):

@@ -31,6 +31,12 @@ class JobForm(forms.Form):
     gpus = forms.IntegerField(min_value=1, initial=1, label="GPUs")
     priority = forms.ChoiceField(choices=Priority.choices, initial=Priority.NORMAL)
     max_restarts = forms.IntegerField(min_value=0, max_value=100, initial=3)
+    checkpoint_interval_s = forms.IntegerField(
+        min_value=10,
+        required=False,
+        label="Checkpoint interval (s)",
+        help_text="Empty: Young/Daly's interval from the job's save cost and failure rate.",
+    )
     time_limit_s = forms.IntegerField(min_value=1, required=False, label="Time limit (s)")
     env = forms.CharField(
         required=False,
@@ -41,6 +47,12 @@ class JobForm(forms.Form):
     def __init__(self, *args, teams=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["team"].queryset = teams if teams is not None else Team.objects.none()
+
+    def clean_name(self):
+        name = self.cleaned_data["name"].strip()
+        if not name:
+            raise ValidationError("Name must not be blank.")
+        return name
 
     def clean_command(self):
         try:
@@ -67,6 +79,105 @@ class JobForm(forms.Form):
             except ValidationError as exc:
                 self.add_error("gpus", exc)
         return data
+
+
+SPEC_FIELDS = tuple(name for name in JobForm.base_fields)
+
+
+def job_spec(job) -> dict:
+    """A job's fields as a spec a person can save and load into the submit form again."""
+    return {
+        "name": job.name,
+        "team": job.team.name,
+        "image": job.image,
+        "command": list(job.command),
+        "dataset": job.dataset,
+        "gpus": job.gpus,
+        "priority": job.priority,
+        "max_restarts": job.max_restarts,
+        "checkpoint_interval_s": job.checkpoint_interval_s,
+        "time_limit_s": job.time_limit_s,
+        "env": dict(job.env or {}),
+    }
+
+
+def spec_as_form_data(spec: dict) -> dict:
+    """A spec (the API's JSON shape: command a list, env an object) as JobForm input."""
+    data = {}
+    for name, value in spec.items():
+        if value is None:
+            value = ""
+        elif name == "command" and isinstance(value, list):
+            value = shlex.join(str(v) for v in value)
+        elif name == "env" and isinstance(value, dict):
+            value = json.dumps(value) if value else ""
+        data[name] = value if isinstance(value, str) else json.dumps(value)
+    return data
+
+
+class JobSpecForm(forms.Form):
+    """A saved job spec, uploaded as a file or pasted, in JSON or YAML, to prefill JobForm."""
+
+    spec_file = forms.FileField(required=False, label="Spec file (.json, .yaml)")
+    spec_text = forms.CharField(
+        required=False,
+        label="or paste a spec",
+        widget=forms.Textarea(attrs={"rows": 4, "placeholder": '{"name": "run1", "gpus": 2}'}),
+    )
+
+    MAX_BYTES = 64 * 1024
+
+    def clean(self):
+        data = super().clean()
+        upload, text = data.get("spec_file"), (data.get("spec_text") or "").strip()
+        field = "spec_file" if upload else "spec_text"
+        if upload:
+            if upload.size > self.MAX_BYTES:
+                self.add_error(field, f"The file is larger than {self.MAX_BYTES // 1024} KiB.")
+                return data
+            try:
+                text = upload.read().decode("utf-8")
+            except UnicodeDecodeError:
+                self.add_error(field, "The file is not UTF-8 text.")
+                return data
+        if not text.strip():
+            self.add_error("spec_text", "Choose a file or paste a spec.")
+            return data
+        try:
+            spec = _parse_spec(text)
+        except ValueError as exc:
+            self.add_error(field, str(exc))
+            return data
+        unknown = sorted(set(spec) - set(SPEC_FIELDS))
+        if unknown:
+            self.add_error(
+                field,
+                f"Unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}. "
+                f"A spec has: {', '.join(SPEC_FIELDS)}.",
+            )
+            return data
+        data["spec"] = spec
+        return data
+
+
+def _parse_spec(text: str) -> dict:
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as json_error:
+        import yaml
+
+        try:
+            spec = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ValueError(
+                f"Neither JSON ({json_error.msg}) nor YAML{where}: "
+                f"{getattr(exc, 'problem', None) or exc}."
+            ) from exc
+    if not isinstance(spec, dict):
+        raise ValueError('A spec is an object of job fields, e.g. {"name": "run1", "gpus": 2}.')
+    return spec
 
 
 class TeamQuotaForm(forms.ModelForm):

@@ -1,16 +1,17 @@
 """Server-rendered portal pages. State changes go through jobs.actions / teams.actions."""
 
-import json
 from datetime import timedelta
 from functools import wraps
+from pathlib import Path
 
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.views import redirect_to_login
 from django.db.models import Count, Prefetch, Q
-from django.http import Http404
+from django.http import FileResponse, Http404, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
@@ -18,7 +19,9 @@ from jobs import actions, whatif
 from jobs.checkpoint_policy import checkpoint_advice
 from jobs.goodput import job_goodput
 from jobs.models import (
+    PRIORITY_RANK,
     Allocation,
+    Attempt,
     Checkpoint,
     Job,
     ModelVersion,
@@ -27,7 +30,15 @@ from jobs.models import (
     WhatIfRun,
 )
 from jobs.reclaim import KINDS, reclaim_bound_s, reclaim_summary
-from portal.forms import JobForm, RegisterModelForm, TeamQuotaForm, WhatIfForm
+from portal.forms import (
+    JobForm,
+    JobSpecForm,
+    RegisterModelForm,
+    TeamQuotaForm,
+    WhatIfForm,
+    job_spec,
+    spec_as_form_data,
+)
 from teams import actions as team_actions
 from teams.access import is_cluster_admin, visible_jobs, visible_teams
 from teams.models import Team
@@ -49,42 +60,97 @@ def _team_usage(teams):
     )
 
 
+def _queue_positions() -> dict[int, int]:
+    """Queued job id -> its place in the start order the scheduler estimates (1 = next):
+    by estimated start, then priority, then submit time; jobs without an estimate last."""
+    queued = Job.objects.filter(state=Job.State.QUEUED).values_list(
+        "id", "estimated_start_at", "priority", "submitted_at"
+    )
+    order = sorted(
+        queued,
+        key=lambda row: (
+            row[1] is None,
+            row[1] or row[3],
+            -PRIORITY_RANK.get(row[2], 0),
+            row[3],
+            row[0],
+        ),
+    )
+    return {row[0]: place for place, row in enumerate(order, start=1)}
+
+
+def _runtime_s(job: Job, now) -> float:
+    """Seconds the job's attempts have run (start-up included), all attempts together."""
+    total = 0.0
+    for attempt in job.attempts.all():
+        start = attempt.running_at or attempt.created_at
+        total += max(((attempt.ended_at or now) - start).total_seconds(), 0.0)
+    return total
+
+
 @login_required
 def home(request):
-    jobs = visible_jobs(request.user).select_related("team", "owner").order_by("-id")[:100]
-    return render(
-        request,
-        "home.html",
-        {
-            "jobs": jobs,
-            "teams": _team_usage(visible_teams(request.user)),
-        },
+    now = timezone.now()
+    jobs = list(
+        visible_jobs(request.user)
+        .select_related("team", "owner")
+        .prefetch_related(Prefetch("attempts", queryset=Attempt.objects.order_by("number")))
+        .order_by("-id")[:100]
     )
+    positions = _queue_positions() if any(j.state == Job.State.QUEUED for j in jobs) else {}
+    rows = []
+    for job in jobs:
+        goodput = job_goodput(job, now=now) if job.first_started_at else None
+        rows.append(
+            {
+                "job": job,
+                "position": positions.get(job.id),
+                "runtime": _seconds(_runtime_s(job, now)) if job.first_started_at else "—",
+                "goodput": goodput["effective"] if goodput else None,
+            }
+        )
+    teams = []
+    for team in _team_usage(visible_teams(request.user)).order_by("name"):
+        scale = max(team.gpu_cap, team.used, 1)
+        teams.append(
+            {
+                "team": team,
+                "used_pct": round(100 * min(team.used, team.quota) / scale, 1),
+                "borrowed_pct": round(100 * max(team.used - team.quota, 0) / scale, 1),
+                "quota_pct": round(100 * team.quota / scale, 1),
+                "queued": sum(
+                    1 for j in jobs if j.team_id == team.id and j.state == Job.State.QUEUED
+                ),
+            }
+        )
+    return render(request, "home.html", {"rows": rows, "teams": teams, "now": now})
 
 
 @login_required
 def submit_job(request):
     teams = visible_teams(request.user)
-    initial = {}
-    source = request.GET.get("from")
-    if source and source.isdigit():
-        previous = visible_jobs(request.user).filter(pk=int(source)).first()
-        if previous:
-            import shlex
-
-            initial = {
-                "name": previous.name,
-                "team": previous.team.name,
-                "image": previous.image,
-                "command": shlex.join(previous.command),
-                "dataset": previous.dataset,
-                "gpus": previous.gpus,
-                "priority": previous.priority,
-                "max_restarts": previous.max_restarts,
-                "time_limit_s": previous.time_limit_s,
-                "env": json.dumps(previous.env) if previous.env else "",
+    spec_form = JobSpecForm()
+    status = 200
+    if request.method == "POST" and "load_spec" in request.POST:
+        # A saved spec fills the form; it is checked like a submission but never submitted.
+        spec_form = JobSpecForm(request.POST, request.FILES)
+        if spec_form.is_valid():
+            # Fields the spec leaves out take the form's defaults, as if typed in.
+            data = {
+                name: field.initial
+                for name, field in JobForm.base_fields.items()
+                if field.initial is not None
             }
-    if request.method == "POST":
+            data.update(spec_as_form_data(spec_form.cleaned_data["spec"]))
+            form = JobForm(data, teams=teams)
+            if form.is_valid():
+                messages.info(request, "Spec loaded: check the fields, then submit.")
+            else:
+                status = 400
+        else:
+            form = JobForm(initial=_submit_initial(request, teams), teams=teams)
+            status = 400
+    elif request.method == "POST":
         form = JobForm(request.POST, teams=teams)
         if form.is_valid():
             data = dict(form.cleaned_data)
@@ -92,32 +158,131 @@ def submit_job(request):
             job = actions.do_submit_job(owner=request.user, team=team, now=timezone.now(), **data)
             messages.success(request, f"Job {job.id} submitted.")
             return redirect("job", job_id=job.id)
+        status = 400
     else:
-        if not initial and teams.count() == 1:
-            initial["team"] = teams.first().name
-        form = JobForm(initial=initial, teams=teams)
-    return render(request, "submit.html", {"form": form})
+        form = JobForm(initial=_submit_initial(request, teams), teams=teams)
+    source = request.GET.get("from", "")
+    return render(
+        request,
+        "submit.html",
+        {"form": form, "spec_form": spec_form, "from_job": source if source.isdigit() else ""},
+        status=status,
+    )
+
+
+def _submit_initial(request, teams) -> dict:
+    """Resubmit (?from=<job id>): that job's fields, if the user may see it."""
+    source = request.GET.get("from", "")
+    if source.isdigit():
+        previous = visible_jobs(request.user).select_related("team").filter(pk=int(source)).first()
+        if previous is not None:
+            return spec_as_form_data(job_spec(previous))
+    if teams.count() == 1:
+        return {"team": teams.first().name}
+    return {}
+
+
+@login_required
+def job_spec_download(request, job_id: int):
+    job = _job_or_404(request.user, job_id)
+    response = JsonResponse(job_spec(job), json_dumps_params={"indent": 2})
+    response["Content-Disposition"] = f'attachment; filename="job-{job.id}-spec.json"'
+    return response
+
+
+# Event kinds on the job page's timeline, by what they mean to the person watching the job.
+TIMELINE_KINDS = {
+    "start": ("job.submitted", "attempt.running", "attempt.trainer_started", "job.succeeded"),
+    "failure": (
+        "attempt.failed",
+        "attempt.lost",
+        "attempt.hang_detected",
+        "attempt.straggler",
+        "job.failed",
+        "job.time_limit",
+    ),
+    "restart": ("job.restarting", "job.requeued", "checkpoint.recovered"),
+    "preemption": ("job.preempting", "attempt.preempted", "attempt.stopping"),
+    "checkpoint": ("checkpoint.committed", "model.registered", "model.exported"),
+}
+
+
+def _timeline_kind(kind: str) -> str:
+    if kind.startswith("preemption."):
+        return "preemption"
+    for group, kinds in TIMELINE_KINDS.items():
+        if kind in kinds:
+            return group
+    return "other"
 
 
 @login_required
 def job_page(request, job_id: int):
     job = _job_or_404(request.user, job_id)
-    attempts = job.attempts.order_by("number").prefetch_related(
-        Prefetch("allocations", queryset=Allocation.objects.select_related("node", "gpu"))
+    now = timezone.now()
+    attempts = list(
+        job.attempts.order_by("number").prefetch_related(
+            Prefetch("allocations", queryset=Allocation.objects.select_related("node", "gpu"))
+        )
     )
+    events = list(job.events.select_related("node").order_by("-id")[:500])
+    checkpoints = list(
+        job.checkpoints.filter(deleted_at__isnull=True)
+        .select_related("attempt")
+        .annotate(registered=Count("versions"))
+        .order_by("-step")
+    )
+    world = max((len(a.allocations.all()) for a in attempts), default=job.gpus) or job.gpus
+    timeline = {
+        "now": now.isoformat(),
+        "attempts": [
+            {
+                "number": a.number,
+                "state": a.state,
+                "start": a.created_at.isoformat(),
+                "running": a.running_at.isoformat() if a.running_at else None,
+                "end": a.ended_at.isoformat() if a.ended_at else None,
+                "reason": a.end_reason,
+                "resumed_from_step": a.resumed_from_step,
+                "last_step": a.last_step,
+            }
+            for a in attempts
+        ],
+        "events": [
+            {
+                "time": e.created_at.isoformat(),
+                "kind": e.kind,
+                "group": _timeline_kind(e.kind),
+                "message": e.message,
+            }
+            for e in reversed(events)
+        ],
+    }
+    goodput = job_goodput(job, now=now)
     return render(
         request,
         "job.html",
         {
             "job": job,
             "attempts": attempts,
-            "events": job.events.select_related("node").order_by("-id")[:200],
-            "checkpoints": job.checkpoints.filter(deleted_at__isnull=True).order_by("-step"),
-            "goodput": job_goodput(job),
+            "events": events,
+            "checkpoints": checkpoints,
+            "goodput": goodput,
             "advice": checkpoint_advice(job),
-            "register_form": RegisterModelForm(initial={"name": job.name}),
+            "ranks": list(range(world)),
+            "page_data": {
+                "job": job.id,
+                "name": job.name,
+                "state": job.state,
+                "ranks": world,
+                "timeline": timeline,
+                "max_points": CHART_POINTS,
+            },
         },
     )
+
+
+CHART_POINTS = 2000  # points per rank a chart asks for; the server keeps each bucket's min/max
 
 
 @login_required
@@ -143,8 +308,12 @@ def register_model(request, checkpoint_id: int):
         raise Http404("No such checkpoint.")
     form = RegisterModelForm(request.POST)
     if not form.is_valid():
-        messages.error(request, "; ".join(e for errs in form.errors.values() for e in errs))
-        return redirect("job", job_id=checkpoint.job_id)
+        messages.error(
+            request,
+            f"Checkpoint at step {checkpoint.step} not registered: "
+            + "; ".join(e for errs in form.errors.values() for e in errs),
+        )
+        return redirect(reverse("job", args=[checkpoint.job_id]) + "#checkpoints")
     version = actions.do_register_model_version(
         name=form.cleaned_data["name"],
         checkpoint=checkpoint,
@@ -153,22 +322,60 @@ def register_model(request, checkpoint_id: int):
         notes=form.cleaned_data["notes"],
     )
     messages.success(request, f"Registered {version.name} v{version.version}.")
-    return redirect("models")
+    return redirect(reverse("models") + f"#v{version.id}")
 
 
 @login_required
 def model_registry(request):
-    versions = (
+    versions = list(
         ModelVersion.objects.filter(job__in=visible_jobs(request.user))
         .select_related("job__team", "checkpoint__attempt", "created_by")
         .order_by("name", "-version")
     )
-    return render(request, "models.html", {"versions": versions})
+    models = {}
+    for version in versions:
+        models.setdefault(version.name, []).append(version)
+    return render(request, "models.html", {"models": models, "count": len(versions)})
+
+
+@login_required
+def model_weights(request, version_id: int):
+    """The version's consolidated state dict (one torch.save file, written by the export)."""
+    version = (
+        ModelVersion.objects.filter(pk=version_id, job__in=visible_jobs(request.user))
+        .only("name", "version", "export_state", "export_path")
+        .first()
+    )
+    if version is None:
+        raise Http404("No such model version.")
+    path = Path(version.export_path) if version.export_path else None
+    if version.export_state != ModelVersion.ExportState.READY or not path or not path.is_file():
+        raise Http404("The weights are not exported (yet).")
+    return FileResponse(
+        path.open("rb"),
+        as_attachment=True,
+        filename=f"{version.name}-v{version.version}-state_dict.pt",
+    )
+
+
+# Team colours on the cluster grid: stable per team (by id), readable with white text.
+TEAM_COLOURS = (
+    "#2563eb",
+    "#059669",
+    "#d97706",
+    "#7c3aed",
+    "#db2777",
+    "#0891b2",
+    "#65a30d",
+    "#dc2626",
+    "#4f46e5",
+    "#0d9488",
+)
 
 
 @login_required
 def cluster(request):
-    nodes = Node.objects.prefetch_related("gpus").order_by("name")
+    nodes = Node.objects.prefetch_related("gpus").order_by("rack", "name")
     live = {
         a.gpu_id: a
         for a in Allocation.objects.filter(released_at__isnull=True).select_related(
@@ -176,17 +383,42 @@ def cluster(request):
         )
     }
     visible = set(visible_jobs(request.user).values_list("id", flat=True))
+    legend = {}
     rows = []
+    counts = {"gpus": 0, "busy": 0, "nodes": 0, "down": 0}
     for node in nodes:
+        readings = {t.get("index"): t for t in node.telemetry or [] if isinstance(t, dict)}
         cells = []
         for gpu in node.gpus.all():
             allocation = live.get(gpu.id)
             job = allocation.attempt.job if allocation else None
+            shown = job is not None and job.id in visible
+            reading = readings.get(gpu.index, {})
+            colour = TEAM_COLOURS[job.team_id % len(TEAM_COLOURS)] if shown else None
+            if shown:
+                legend[job.team.name] = colour
             cells.append(
-                {"index": gpu.index, "job": job, "visible": job is not None and job.id in visible}
+                {
+                    "index": gpu.index,
+                    "job": job if shown else None,
+                    "busy": job is not None,
+                    "rank": allocation.rank if allocation else None,
+                    "colour": colour,
+                    "util": reading.get("util"),
+                    "mem_used": reading.get("mem_used"),
+                    "mem_total": reading.get("mem_total"),
+                }
             )
+            counts["gpus"] += 1
+            counts["busy"] += job is not None
+        counts["nodes"] += 1
+        counts["down"] += node.state == Node.State.DOWN
         rows.append({"node": node, "gpus": cells})
-    return render(request, "cluster.html", {"rows": rows})
+    return render(
+        request,
+        "cluster.html",
+        {"rows": rows, "legend": sorted(legend.items()), "counts": counts},
+    )
 
 
 @staff_member_required

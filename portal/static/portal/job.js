@@ -1,0 +1,367 @@
+// Job page: the timeline of attempts and events, training charts that keep up live over the
+// websocket and fetch full detail for a zoomed range, GPU telemetry per rank, logs per rank
+// with follow, and new checkpoints as they commit.
+//
+// Charts ask GET /api/v1/jobs/{id}/metrics/ for at most max_points points per rank: the server
+// keeps each step bucket's minimum and maximum, so a million-point series arrives as about
+// 2,000 points and spikes stay visible. Zooming asks again for just the visible steps.
+// window.lockstepJob exposes what happened (charts drawn, requests made) to tests and benchmarks.
+(function () {
+  "use strict";
+  var page = JSON.parse(document.getElementById("job-data").textContent);
+  var jobId = page.job;
+  var MAX_POINTS = page.max_points;
+  var LIVE_CAP = 50000; // points kept per trace while streaming
+  var state = (window.lockstepJob = {ready: false, charts: {}, requests: [], liveAt: []});
+  var config = {responsive: true, displaylogo: false, modeBarButtonsToRemove: ["lasso2d", "select2d"]};
+  var webgl = (function () {
+    try {
+      var c = document.createElement("canvas");
+      return !!(c.getContext("webgl2") || c.getContext("webgl"));
+    } catch (e) {
+      return false;
+    }
+  })();
+  // WebGL when the browser has it: a long live series stays smooth. SVG otherwise.
+  var TRACE = webgl ? "scattergl" : "scatter";
+  state.traceType = TRACE;
+
+  function layout(title, ytitle, extra) {
+    var l = {
+      title: {text: title, font: {size: 14}},
+      margin: {l: 55, r: 10, t: 36, b: 40},
+      xaxis: {title: {text: "step"}},
+      yaxis: {title: {text: ytitle}},
+      legend: {orientation: "h", y: -0.25},
+      hovermode: "closest",
+      uirevision: "keep",
+    };
+    for (var k in extra || {}) l[k] = extra[k];
+    return l;
+  }
+
+  // ---- Training metrics -------------------------------------------------------------------
+  var SERIES = {
+    loss: {el: "loss-chart", title: "Loss (rank 0)", y: "loss", rank: 0},
+    tokens_per_s: {el: "throughput-chart", title: "Throughput per rank", y: "tokens/s"},
+    step_time_s: {el: "step-time-chart", title: "Step time per rank (stragglers stand out)", y: "seconds"},
+  };
+
+  function metricsUrl(name, range) {
+    var s = SERIES[name];
+    var url = "/api/v1/jobs/" + jobId + "/metrics/?name=" + name + "&max_points=" + MAX_POINTS;
+    if (s.rank !== undefined) url += "&rank=" + s.rank;
+    if (range) url += "&since_step=" + (Math.floor(range[0]) - 1) + "&until_step=" + Math.ceil(range[1]);
+    return url;
+  }
+
+  function fetchSeries(name, range) {
+    var url = metricsUrl(name, range);
+    var started = performance.now();
+    return fetch(url, {credentials: "same-origin"}).then(function (r) {
+      if (!r.ok) throw new Error("metrics " + r.status);
+      return r.json();
+    }).then(function (data) {
+      state.requests.push({name: name, url: url, range: range || null, ms: performance.now() - started});
+      return data;
+    });
+  }
+
+  function traceFor(rank, steps, values) {
+    return {x: steps, y: values, type: TRACE, mode: "lines", name: "rank " + rank, meta: rank};
+  }
+
+  function drawInitial(name) {
+    var s = SERIES[name];
+    var chart = (state.charts[name] = {ranks: {}, last: {}, zoom: null, seq: 0, points: 0});
+    return fetchSeries(name, null).then(function (data) {
+      var traces = [];
+      Object.keys(data.ranks).forEach(function (rank) {
+        var series = data.ranks[rank];
+        chart.ranks[rank] = traces.length;
+        chart.last[rank] = series.step.length ? series.step[series.step.length - 1] : -1;
+        chart.points += series.step.length;
+        traces.push(traceFor(rank, series.step, series.value));
+      });
+      chart.downsampled = data.downsampled || {};
+      return Plotly.newPlot(s.el, traces, layout(s.title, s.y), config);
+    }, function () {
+      return Plotly.newPlot(s.el, [], layout(s.title, s.y), config);
+    }).then(function () {
+      chart.drawn = performance.now();
+      document.getElementById(s.el).on("plotly_relayout", function (ev) { onZoom(name, ev); });
+    });
+  }
+
+  var zoomTimers = {};
+  function onZoom(name, ev) {
+    var range;
+    if (ev["xaxis.range[0]"] !== undefined) range = [ev["xaxis.range[0]"], ev["xaxis.range[1]"]];
+    else if (ev["xaxis.range"]) range = ev["xaxis.range"];
+    else if (ev["xaxis.autorange"]) range = null;
+    else return; // a y-only change, a legend click, a resize: nothing to fetch
+    clearTimeout(zoomTimers[name]);
+    zoomTimers[name] = setTimeout(function () { refetch(name, range); }, 150);
+  }
+
+  function refetch(name, range) {
+    var chart = state.charts[name];
+    var el = document.getElementById(SERIES[name].el);
+    var seq = ++chart.seq;
+    chart.zoom = range;
+    fetchSeries(name, range).then(function (data) {
+      if (seq !== chart.seq) return; // a newer zoom won
+      var xs = [], ys = [], idx = [];
+      Object.keys(data.ranks).forEach(function (rank) {
+        var series = data.ranks[rank];
+        if (chart.ranks[rank] === undefined) {
+          chart.ranks[rank] = el.data.length;
+          Plotly.addTraces(el, traceFor(rank, [], []));
+        }
+        idx.push(chart.ranks[rank]);
+        xs.push(series.step);
+        ys.push(series.value);
+        if (!range && series.step.length) {
+          chart.last[rank] = Math.max(chart.last[rank] ?? -1, series.step[series.step.length - 1]);
+        }
+      });
+      if (idx.length) Plotly.restyle(el, {x: xs, y: ys}, idx);
+      var detail = document.getElementById("detail-note");
+      if (detail) {
+        detail.textContent = range
+          ? "zoomed " + name + ": steps " + Math.max(0, Math.floor(range[0])) + "–" + Math.ceil(range[1]) +
+            (Object.values(data.downsampled || {}).some(Boolean) ? " (min/max per bucket)" : " (every point)")
+          : "full series";
+      }
+    }).catch(function () { /* the next zoom or reload tries again */ });
+  }
+
+  function addPoints(name, rank, steps, values) {
+    var chart = state.charts[name];
+    var s = SERIES[name];
+    if (!chart || !chart.drawn || !steps.length) return;
+    if (s.rank !== undefined && Number(rank) !== s.rank) return;
+    var last = chart.last[rank] ?? -1;
+    var xs = [], ys = [];
+    for (var i = 0; i < steps.length; i++) {
+      if (steps[i] > last) { xs.push(steps[i]); ys.push(values[i]); }
+    }
+    if (!xs.length) return;
+    chart.last[rank] = xs[xs.length - 1];
+    var el = document.getElementById(s.el);
+    if (chart.ranks[rank] === undefined) {
+      chart.ranks[rank] = el.data.length;
+      Plotly.addTraces(el, traceFor(rank, xs, ys));
+    } else {
+      Plotly.extendTraces(el, {x: [xs], y: [ys]}, [chart.ranks[rank]], LIVE_CAP);
+    }
+  }
+
+  // ---- GPU telemetry (latest readings polled while the job runs) ----------------------------
+  var LIVE_STATES = ["STARTING", "RUNNING", "PREEMPTING"];
+  var gpu = {traces: {}, timer: null};
+  function gpuLayout(title, ytitle) {
+    return layout(title, ytitle, {xaxis: {title: {text: "time"}, type: "date"}});
+  }
+  Plotly.newPlot("gpu-util-chart", [], gpuLayout("GPU utilization per rank", "%"), config);
+  Plotly.newPlot("gpu-mem-chart", [], gpuLayout("GPU memory per rank", "GiB"), config);
+
+  function pollGpus() {
+    fetch("/api/v1/jobs/" + jobId + "/gpus/", {credentials: "same-origin"})
+      .then(function (r) { return r.ok ? r.json() : null; })
+      .then(function (data) {
+        if (!data) return;
+        var note = document.getElementById("gpu-note");
+        if (!data.gpus.length) { note.textContent = "No GPUs held right now."; return; }
+        var cpu = data.gpus.every(function (g) { return g.kind === "cpu"; });
+        note.textContent = cpu
+          ? "CPU slots: utilization is the host's load share; no memory reading."
+          : "From each node's latest heartbeat (NVML).";
+        var now = new Date();
+        data.gpus.forEach(function (g) {
+          var key = g.rank;
+          var label = "rank " + g.rank + " (" + g.node + ":" + g.gpu + ")";
+          var mem = g.mem_total ? g.mem_used / Math.pow(2, 30) : null;
+          if (gpu.traces[key] === undefined) {
+            gpu.traces[key] = Object.keys(gpu.traces).length;
+            Plotly.addTraces("gpu-util-chart", {x: [now], y: [g.util], type: "scatter", mode: "lines+markers", name: label});
+            Plotly.addTraces("gpu-mem-chart", {x: [now], y: [mem], type: "scatter", mode: "lines+markers", name: label});
+          } else {
+            Plotly.extendTraces("gpu-util-chart", {x: [[now]], y: [[g.util]]}, [gpu.traces[key]], 2000);
+            Plotly.extendTraces("gpu-mem-chart", {x: [[now]], y: [[mem]]}, [gpu.traces[key]], 2000);
+          }
+        });
+      })
+      .catch(function () {});
+  }
+  function watchGpus(jobState) {
+    var live = LIVE_STATES.indexOf(jobState) >= 0;
+    if (live && !gpu.timer) { pollGpus(); gpu.timer = setInterval(pollGpus, 5000); }
+    if (!live && gpu.timer) { clearInterval(gpu.timer); gpu.timer = null; }
+    if (!live && !Object.keys(gpu.traces).length) {
+      document.getElementById("gpu-note").textContent = "Telemetry is shown while the job holds GPUs.";
+    }
+  }
+
+  // ---- Timeline of attempts and events ----------------------------------------------------
+  var COLOURS = {
+    running: "#16a34a", starting: "#f59e0b", stopping: "#f59e0b", succeeded: "#2563eb",
+    failed: "#dc2626", lost: "#dc2626", preempted: "#9333ea", cancelled: "#6b7280",
+  };
+  var GROUPS = {
+    start: ["#16a34a", "triangle-right"], failure: ["#dc2626", "x"], restart: ["#f59e0b", "circle-open"],
+    preemption: ["#9333ea", "diamond"], checkpoint: ["#2563eb", "square"], other: ["#6b7280", "circle"],
+  };
+  function drawTimeline() {
+    var t = page.timeline;
+    var traces = [];
+    t.attempts.forEach(function (a) {
+      var end = a.end || t.now;
+      traces.push({
+        x: [a.start, end], y: ["attempt " + a.number, "attempt " + a.number], type: "scatter",
+        mode: "lines", line: {width: 14, color: COLOURS[a.state] || "#6b7280"}, showlegend: false,
+        hoverinfo: "text",
+        text: ["attempt " + a.number + ": " + a.state + " (steps " + a.resumed_from_step + "–" + a.last_step + ")" +
+               (a.reason ? "<br>" + a.reason : "")],
+        hoverlabel: {namelength: 0},
+      });
+    });
+    var groups = {};
+    t.events.forEach(function (e) { (groups[e.group] = groups[e.group] || []).push(e); });
+    Object.keys(GROUPS).forEach(function (group) {
+      var list = groups[group];
+      if (!list) return;
+      traces.push({
+        x: list.map(function (e) { return e.time; }), y: list.map(function () { return "events"; }),
+        type: "scatter", mode: "markers", name: group,
+        marker: {size: 11, color: GROUPS[group][0], symbol: GROUPS[group][1], line: {width: 1.5, color: GROUPS[group][0]}},
+        text: list.map(function (e) { return e.kind + ": " + e.message; }), hoverinfo: "text+x",
+      });
+    });
+    var rows = t.attempts.length + 1;
+    var el = document.getElementById("timeline-chart");
+    el.style.height = Math.max(170, 90 + 34 * rows) + "px";
+    return Plotly.newPlot(el, traces, {
+      margin: {l: 80, r: 10, t: 10, b: 30}, xaxis: {type: "date"},
+      yaxis: {type: "category", categoryorder: "array",
+              categoryarray: ["events"].concat(t.attempts.map(function (a) { return "attempt " + a.number; }).reverse()),
+              automargin: true},
+      legend: {orientation: "h", y: -0.35}, hovermode: "closest",
+    }, config);
+  }
+
+  // ---- Logs per rank, with follow ---------------------------------------------------------
+  var logs = document.getElementById("logs");
+  var rankSelect = document.getElementById("log-rank");
+  var follow = document.getElementById("log-follow");
+  var logRank = Number(rankSelect.value || 0);
+  var logSeq = 0;
+  function appendLog(text) {
+    logs.textContent = (logs.textContent + text).slice(-200000);
+    if (follow.checked) logs.scrollTop = logs.scrollHeight;
+  }
+  function loadLogs() {
+    var seq = ++logSeq;
+    logs.textContent = "";
+    document.getElementById("log-status").textContent = "loading…";
+    fetch("/api/v1/jobs/" + jobId + "/logs/?rank=" + logRank + "&tail=500", {credentials: "same-origin"})
+      .then(function (r) { return r.ok ? r.json() : {lines: [], attempt: null}; })
+      .then(function (d) {
+        if (seq !== logSeq) return;
+        appendLog(d.lines.join("\n") + (d.lines.length ? "\n" : ""));
+        document.getElementById("log-status").textContent =
+          d.attempt ? "attempt " + d.attempt + ", last " + d.lines.length + " lines, then live" : "no logs yet";
+      });
+  }
+  rankSelect.addEventListener("change", function () { logRank = Number(rankSelect.value); loadLogs(); });
+  follow.addEventListener("change", function () { if (follow.checked) logs.scrollTop = logs.scrollHeight; });
+  // Scrolling up to read stops following; scrolling back to the end follows again.
+  logs.addEventListener("scroll", function () {
+    follow.checked = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 5;
+  });
+
+  // ---- Checkpoints as they commit ---------------------------------------------------------
+  function fmtBytes(n) {
+    var units = ["bytes", "KB", "MB", "GB", "TB"], i = 0;
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+    return (i ? n.toFixed(1) : n) + " " + units[i];
+  }
+  function addCheckpointRows() {
+    fetch("/api/v1/jobs/" + jobId + "/checkpoints/", {credentials: "same-origin"})
+      .then(function (r) { return r.ok ? r.json() : []; })
+      .then(function (list) {
+        var body = document.querySelector("#checkpoints tbody");
+        var csrf = document.querySelector("input[name=csrfmiddlewaretoken]");
+        var name = page.name || document.querySelector("#checkpoints input[name=name]")?.value || "";
+        list.slice().reverse().forEach(function (c) {
+          if (body.querySelector('tr[data-step="' + c.step + '"]')) return;
+          var empty = body.querySelector("tr.empty");
+          if (empty) empty.remove();
+          var tr = document.createElement("tr");
+          tr.dataset.step = c.step;
+          tr.className = "fresh";
+          [c.step, "", fmtBytes(c.bytes), c.save_s.toFixed(2) + "s", new Date(c.created_at).toLocaleTimeString()]
+            .forEach(function (v) { var td = document.createElement("td"); td.textContent = v; tr.appendChild(td); });
+          var td = document.createElement("td");
+          var form = document.createElement("form");
+          form.className = "inline-form register";
+          form.method = "post";
+          form.action = "/checkpoints/" + c.id + "/register/";
+          form.innerHTML = '<input type="hidden" name="csrfmiddlewaretoken"><input name="name" aria-label="model name" required>' +
+            '<input name="notes" placeholder="notes (optional)" aria-label="notes"><button type="submit">Register</button>';
+          form.elements.csrfmiddlewaretoken.value = csrf ? csrf.value : "";
+          form.elements.name.value = name;
+          td.appendChild(form);
+          tr.appendChild(td);
+          body.insertBefore(tr, body.firstChild);
+        });
+      });
+  }
+
+  // ---- Websocket: metrics, state, logs, checkpoints ----------------------------------------
+  var live = 0;
+  function onMessage(ev) {
+    var msg = JSON.parse(ev.data);
+    if (msg.type === "metrics") {
+      var grouped = {};
+      msg.points.forEach(function (p) {
+        var key = p.name + "|" + p.rank;
+        var g = (grouped[key] = grouped[key] || {name: p.name, rank: p.rank, s: [], v: []});
+        g.s.push(p.step); g.v.push(p.value);
+      });
+      Object.keys(grouped).forEach(function (k) {
+        var g = grouped[k];
+        if (SERIES[g.name]) addPoints(g.name, String(g.rank), g.s, g.v);
+      });
+      live += msg.points.length;
+      state.liveAt.push(Date.now());
+      document.getElementById("live-count").textContent = live;
+    } else if (msg.type === "state") {
+      var el = document.getElementById("job-state");
+      el.textContent = msg.state;
+      el.className = "state state-" + msg.state;
+      document.getElementById("job-reason").textContent = msg.reason || "";
+      watchGpus(msg.state);
+    } else if (msg.type === "log" && Number(msg.rank) === logRank) {
+      appendLog(msg.text);
+    } else if (msg.type === "checkpoint") {
+      addCheckpointRows();
+    }
+  }
+  function connect() {
+    var proto = location.protocol === "https:" ? "wss" : "ws";
+    var ws = new WebSocket(proto + "://" + location.host + "/ws/jobs/" + jobId + "/");
+    ws.onmessage = onMessage;
+    ws.onclose = function (ev) { if (ev.code !== 4404) setTimeout(connect, 2000); };
+  }
+
+  loadLogs();
+  watchGpus(page.state);
+  var charts = Object.keys(SERIES).map(drawInitial);
+  Promise.all(charts).then(function () {
+    state.ready = true;
+    state.readyAt = performance.now();
+    document.documentElement.dataset.chartsReady = "1";
+  }).then(connect, connect);
+  drawTimeline();
+})();
