@@ -8,6 +8,7 @@ from jobs.api import JobViewSet, ModelVersionViewSet, NodeViewSet
 from jobs.plan_api import PlanView
 from jobs.preemption_api import PreemptionViewSet
 from jobs.whatif_api import WhatIfViewSet
+from portal import console as console_views
 from portal import views
 from portal.static_views import plotly_js
 from teams.api import TeamViewSet
@@ -34,6 +35,10 @@ urlpatterns = [
     path("cluster/", views.cluster, name="cluster"),
     path("console/teams/", views.team_quotas, name="team_quotas"),
     path("console/preemptions/", views.preemptions, name="preemptions"),
+    path("console/queue/", console_views.queue, name="console_queue"),
+    path("console/nodes/", console_views.nodes, name="console_nodes"),
+    path("console/reports/", console_views.reports, name="console_reports"),
+    path("console/events/", console_views.events, name="console_events"),
     path("console/whatif/", views.whatif_form, name="whatif"),
     path("console/whatif/<int:run_id>/", views.whatif_result, name="whatif_result"),
     path("vendor/plotly.min.js", plotly_js, name="plotly_js"),

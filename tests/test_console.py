@@ -1,0 +1,495 @@
+"""The admin console's queue, nodes, reports and event log through Django's test client: each
+page shows admins everything and leads their own teams only, every action changes state and
+writes an Event, and bad input is a 400 with the error on its field that changes nothing."""
+
+import csv
+import io
+from datetime import timedelta
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from jobs import actions
+from jobs.models import GPU, Allocation, Attempt, Checkpoint, Event, Job, Node
+from jobs.scheduling.loop import run_pass
+from portal.console import week_starts
+from tests.heartbeats import submit
+
+CONSOLE = ("/console/queue/", "/console/nodes/", "/console/reports/", "/console/events/")
+
+
+def _client(user) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def shared(make_team, make_user, make_nodes):
+    """Two 2-GPU nodes; team lab (quota 2, may borrow 6) runs a 1-GPU and a 2-GPU job and
+    waits with a 4-GPU one, which holds a reservation on both nodes; team nlp runs a 1-GPU job.
+    lena leads lab, ann is a member of lab, bob leads nlp, sam is in no team, root is staff."""
+    nodes = make_nodes(2, 2)
+    lab = make_team("lab", quota=2, borrow_limit=6)
+    nlp = make_team("nlp", quota=2)
+    users = {
+        "root": make_user("root", staff=True),
+        "lena": make_user("lena", team=lab, role="lead"),
+        "ann": make_user("ann", team=lab),
+        "bob": make_user("bob", team=nlp, role="lead"),
+        "sam": make_user("sam"),
+    }
+    small = submit(lab, users["ann"], gpus=1)
+    pair = submit(lab, users["ann"], gpus=2)
+    run_pass()
+    other = submit(nlp, users["bob"], gpus=1)
+    big = submit(lab, users["ann"], gpus=4)
+    run_pass()
+    jobs = {"small": small, "pair": pair, "other": other, "big": big}
+    for job in jobs.values():
+        job.refresh_from_db()
+    return {"nodes": nodes, "lab": lab, "nlp": nlp, "users": users, "jobs": jobs}
+
+
+# --- access ----------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_members_and_strangers_get_404_and_anonymous_users_are_sent_to_log_in(shared):
+    for name in ("ann", "sam"):
+        client = _client(shared["users"][name])
+        for url in CONSOLE:
+            assert client.get(url).status_code == 404, (name, url)
+        assert (
+            client.post("/console/queue/", {"job": shared["jobs"]["small"].id}).status_code == 404
+        )
+    for url in CONSOLE:
+        response = Client().get(url)
+        assert response.status_code == 302 and "/login/" in response["Location"]
+
+
+@pytest.mark.django_db
+def test_a_lead_reaches_queue_reports_and_events_but_not_nodes(shared):
+    lena = _client(shared["users"]["lena"])
+    for url in ("/console/queue/", "/console/reports/", "/console/events/"):
+        assert lena.get(url).status_code == 200, url
+    assert lena.get("/console/nodes/").status_code == 404
+    node = shared["nodes"][0]
+    response = lena.post("/console/nodes/", {"node": node.name, "action": "cordon", "reason": "x"})
+    assert response.status_code == 404
+    node.refresh_from_db()
+    assert node.state == "up"
+    # The nav offers the console to leads, and not to members.
+    assert 'href="/console/queue/"' in lena.get("/").content.decode()
+    assert 'href="/console/queue/"' not in _client(shared["users"]["ann"]).get("/").content.decode()
+
+
+# --- queue -----------------------------------------------------------------------------------
+
+
+def _rows(html: str, attribute: str) -> set[str]:
+    import re
+
+    return set(re.findall(rf'<tr {attribute}="([^"]+)"', html))
+
+
+@pytest.mark.django_db
+def test_the_queue_shows_every_live_and_waiting_job_and_the_reservation(shared):
+    jobs = shared["jobs"]
+    expected = set(
+        Job.objects.filter(
+            state__in=["QUEUED", "STARTING", "RUNNING", "RESTARTING", "PREEMPTING"]
+        ).values_list("id", flat=True)
+    )
+    assert expected == {j.id for j in jobs.values()}
+    response = _client(shared["users"]["root"]).get("/console/queue/")
+    html = response.content.decode()
+    assert response.status_code == 200
+    queue = html.split('id="queue"')[1]
+    assert _rows(queue, "data-job") == {str(i) for i in expected}
+    big = jobs["big"]
+    assert big.state == "QUEUED" and "holds a reservation on node-0, node-1" in big.reason
+    reservations = html.split('id="reservations"')[1].split("</table>")[0]
+    assert _rows(reservations, "data-job") == {str(big.id)}
+    assert "nodes node-0, node-1" in reservations
+    # Each row: team, GPUs, priority, state, reason, estimated start.
+    row = queue.split(f'<tr data-job="{big.id}">')[1].split("</tr>")[0]
+    assert ">lab<" in row and ">4<" in row and "QUEUED" in row
+    assert big.estimated_start_at is not None
+    assert big.estimated_start_at.strftime("%b %-d %H:%M") in row
+    assert '<option value="normal" selected>' in row
+    running = queue.split(f'<tr data-job="{jobs["small"].id}">')[1].split("</tr>")[0]
+    assert "STARTING" in running and "waiting" not in running
+
+
+@pytest.mark.django_db
+def test_a_lead_sees_only_their_teams_jobs_in_the_queue(shared):
+    html = _client(shared["users"]["lena"]).get("/console/queue/").content.decode()
+    queue = html.split('id="queue"')[1]
+    lab = {str(shared["jobs"][k].id) for k in ("small", "pair", "big")}
+    assert _rows(queue, "data-job") == lab
+    bob = _client(shared["users"]["bob"]).get("/console/queue/").content.decode()
+    assert _rows(bob.split('id="queue"')[1], "data-job") == {str(shared["jobs"]["other"].id)}
+
+
+@pytest.mark.django_db
+def test_an_admin_changes_a_priority_and_it_is_recorded(shared):
+    root = shared["users"]["root"]
+    client = _client(root)
+    job = shared["jobs"]["big"]
+    response = client.post("/console/queue/", {"job": job.id, "priority": "urgent"})
+    assert response.status_code == 302
+    job.refresh_from_db()
+    assert job.priority == "urgent"
+    (event,) = Event.objects.filter(kind="job.priority_changed", job=job)
+    assert event.actor == root and event.message == "priority normal -> urgent"
+    page = client.get("/console/queue/").content.decode()
+    assert f"Job {job.id}: priority normal -&gt; urgent." in page
+
+
+@pytest.mark.django_db
+def test_a_lead_changes_their_teams_priority_but_not_another_teams(shared):
+    lena = _client(shared["users"]["lena"])
+    own, other = shared["jobs"]["pair"], shared["jobs"]["other"]
+    assert lena.post("/console/queue/", {"job": own.id, "priority": "high"}).status_code == 302
+    own.refresh_from_db()
+    assert own.priority == "high"
+    response = lena.post("/console/queue/", {"job": other.id, "priority": "urgent"})
+    assert response.status_code == 400
+    assert "No such job in your teams." in response.content.decode()
+    other.refresh_from_db()
+    assert other.priority == "normal"
+    assert not Event.objects.filter(kind="job.priority_changed", job=other).exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            {"priority": "ultra"},
+            "Select a valid choice. ultra is not one of the available choices.",
+        ),
+        ({"priority": ""}, "This field is required."),
+        ({"priority": "normal"}, "already has priority normal"),
+    ],
+)
+def test_a_bad_priority_is_refused_next_to_its_field_and_changes_nothing(shared, body, message):
+    job = shared["jobs"]["big"]
+    response = _client(shared["users"]["root"]).post("/console/queue/", {"job": job.id, **body})
+    assert response.status_code == 400
+    queue = response.content.decode().split('id="queue"')[1]
+    row = queue.split(f'<tr data-job="{job.id}">')[1].split("</tr>")[0]
+    assert message in row and "field-errors" in row
+    job.refresh_from_db()
+    assert job.priority == "normal"
+    assert not Event.objects.filter(kind="job.priority_changed").exists()
+
+
+@pytest.mark.django_db
+def test_a_finished_or_unknown_job_cannot_get_a_priority(shared):
+    root = _client(shared["users"]["root"])
+    job = shared["jobs"]["small"]
+    actions.do_cancel_job(job, actor=shared["users"]["root"], now=timezone.now())
+    for job_id in (job.id, 99999):
+        response = root.post("/console/queue/", {"job": job_id, "priority": "high"})
+        assert response.status_code == 400
+        assert "No such job in your teams." in response.content.decode()
+    job.refresh_from_db()
+    assert job.priority == "normal"
+    assert not Event.objects.filter(kind="job.priority_changed").exists()
+
+
+# --- nodes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_nodes_page_shows_state_gpus_heartbeat_strikes_and_recent_failures(shared):
+    node0, node1 = shared["nodes"]
+    # node-1 goes silent: its job's attempt is lost, which is a strike against the node.
+    actions.do_mark_node_lost(node1, now=timezone.now(), reason="no heartbeat for 31s")
+    html = _client(shared["users"]["root"]).get("/console/nodes/").content.decode()
+    assert _rows(html, "data-node") == {"node-0", "node-1"}
+    row0 = html.split('<tr data-node="node-0">')[1].split("</tr>")[0]
+    row1 = html.split('<tr data-node="node-1">')[1].split("</tr>")[0]
+    busy0 = Allocation.objects.filter(node=node0, released_at__isnull=True).count()
+    assert busy0 == 2  # the 1-GPU jobs of lab and nlp
+    assert f"{busy0} / 2" in row0 and "state-up" in row0 and ">ok<" in row0
+    assert ">default<" in row0 and " s ago" in row0
+    assert Event.objects.filter(node=node1, kind="node.strike").count() == 1
+    assert "state-down" in row1 and "no heartbeat for 31s" in row1
+    assert "0 / 2" in row1
+    assert '<td data-label="Strikes">1</td>' in row1
+    assert "node node-1 down" in row1 and "attempt 1 lost" in row1
+    assert "rejoins when its agent returns" in row1
+
+
+@pytest.mark.django_db
+def test_an_admin_cordons_and_uncordons_a_node_with_a_reason(shared):
+    root = shared["users"]["root"]
+    client = _client(root)
+    node = shared["nodes"][0]
+    response = client.post(
+        "/console/nodes/", {"node": "node-0", "action": "cordon", "reason": "ECC errors"}
+    )
+    assert response.status_code == 302
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == ("cordoned", "ECC errors")
+    (event,) = Event.objects.filter(kind="node.cordoned", node=node)
+    assert event.actor == root and "ECC errors" in event.message
+    # Cordoned: running work carries on.
+    assert Attempt.objects.filter(allocations__node=node, state="starting").exists()
+    response = client.post(
+        "/console/nodes/", {"node": "node-0", "action": "uncordon", "reason": "DIMM replaced"}
+    )
+    assert response.status_code == 302
+    node.refresh_from_db()
+    assert (node.state, node.state_reason) == ("up", "")
+    (event,) = Event.objects.filter(kind="node.uncordoned", node=node)
+    assert event.actor == root and "DIMM replaced" in event.message
+
+
+@pytest.mark.django_db
+def test_draining_a_node_checkpoints_and_stops_its_jobs(shared):
+    node = shared["nodes"][1]
+    live = list(Attempt.objects.filter(allocations__node=node, ended_at__isnull=True).distinct())
+    assert live
+    response = _client(shared["users"]["root"]).post(
+        "/console/nodes/", {"node": "node-1", "action": "drain", "reason": "firmware update"}
+    )
+    assert response.status_code == 302
+    node.refresh_from_db()
+    assert node.state == "draining"
+    assert Event.objects.filter(kind="node.draining", node=node).count() == 1
+    for attempt in live:
+        attempt.refresh_from_db()
+        assert attempt.state == "stopping" and "firmware update" in attempt.end_reason
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "body, field_message",
+    [
+        ({"node": "node-0", "action": "cordon", "reason": ""}, "Say why"),
+        ({"node": "node-0", "action": "cordon", "reason": "   "}, "Say why"),
+        ({"node": "node-9", "action": "cordon", "reason": "x"}, "No such node."),
+        ({"node": "node-0", "action": "reboot", "reason": "x"}, "Select a valid choice"),
+        ({"node": "node-0", "action": "uncordon", "reason": "x"}, "node-0 is up already."),
+    ],
+)
+def test_bad_node_actions_are_refused_with_a_field_error_and_change_nothing(
+    shared, body, field_message
+):
+    before = Event.objects.count()
+    response = _client(shared["users"]["root"]).post("/console/nodes/", body)
+    assert response.status_code == 400
+    html = response.content.decode()
+    if body["node"] == "node-0":
+        html = html.split('<tr data-node="node-0">')[1].split("</tr>")[0]
+    assert field_message in html and "field-errors" in html
+    assert set(Node.objects.values_list("state", flat=True)) == {"up"}
+    assert Event.objects.count() == before
+
+
+# --- teams -----------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_teams_page_splits_use_into_guaranteed_and_borrowed(shared):
+    html = _client(shared["users"]["root"]).get("/console/teams/").content.decode()
+    lab = html.split('<tr data-team="lab">')[1].split("</tr>")[0]
+    nlp = html.split('<tr data-team="nlp">')[1].split("</tr>")[0]
+    # lab holds 3 GPUs against a quota of 2 (borrow limit 6); nlp 1 against 2.
+    assert '<td class="guaranteed">2 / 2</td>' in lab and '<td class="borrowed">1 / 6</td>' in lab
+    assert '<td class="guaranteed">1 / 2</td>' in nlp and '<td class="borrowed">0 / 0</td>' in nlp
+
+
+# --- reports ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def history(make_team, make_user, make_nodes, make_recorded_job):
+    """Last week: lab held 2 GPUs for 3 h on an attempt that failed an hour after its last
+    checkpoint; nlp held 1 GPU for an hour on an attempt preempted without a checkpoint. nlp
+    has held another GPU since two hours before this week began. Every GPU (4) registered a
+    day before last week."""
+    now = timezone.now()
+    previous, this = week_starts(now, 2)
+    nodes = make_nodes(2, 2)
+    Node.objects.update(registered_at=previous - timedelta(days=1))
+    gpus = list(GPU.objects.order_by("node__name", "index"))
+    lab, nlp = make_team("lab", quota=2), make_team("nlp", quota=2)
+    ann, bob = make_user("ann", team=lab), make_user("bob", team=nlp)
+    lead = make_user("lena", team=lab, role="lead")
+
+    def held(job, state, start, end, on, checkpoint_at=None):
+        attempt = job.attempts.get()
+        Attempt.objects.filter(pk=attempt.pk).update(state=state)
+        for rank, gpu in enumerate(on):
+            Allocation.objects.create(
+                attempt=attempt,
+                gpu=gpu,
+                node=gpu.node,
+                rank=rank,
+                local_rank=rank,
+                group_rank=0,
+                claimed_at=start,
+                released_at=end,
+            )
+        if checkpoint_at:
+            Checkpoint.objects.create(
+                job=job, attempt=attempt, step=10, path=f"/c/{job.id}", created_at=checkpoint_at
+            )
+
+    t1 = previous + timedelta(days=1)
+    failed = make_recorded_job(lab, ann, submitted=t1, gpus=2, runs=[(t1, t1 + timedelta(hours=3))])
+    held(failed, "failed", t1, t1 + timedelta(hours=3), gpus[:2], t1 + timedelta(hours=2))
+    t2 = previous + timedelta(days=2)
+    preempted = make_recorded_job(nlp, bob, submitted=t2, runs=[(t2, t2 + timedelta(hours=1))])
+    held(preempted, "preempted", t2, t2 + timedelta(hours=1), gpus[2:3])
+    t3 = this - timedelta(hours=2)
+    running = make_recorded_job(nlp, bob, submitted=t3, runs=[(t3, None)])
+    held(running, "running", t3, None, gpus[3:4])
+    return {"now": now, "weeks": (previous, this), "nodes": nodes, "lead": lead, "lab": lab}
+
+
+def _expected(history):
+    """The figures worked out by hand from the fixture's story (GPU-hours)."""
+    previous, this = history["weeks"]
+    now = timezone.now()
+    this_week_h = (now - this).total_seconds() / 3600
+    return {
+        (str(previous.date()), "lab"): (6.0, 2.0, 0.0, 4 / 6),
+        (str(previous.date()), "nlp"): (3.0, 0.0, 1.0, 2 / 3),
+        (str(this.date()), "lab"): (0.0, 0.0, 0.0, None),
+        (str(this.date()), "nlp"): (this_week_h, 0.0, 0.0, 1.0),
+    }, {
+        str(previous.date()): (4 * 168.0, 9.0),
+        str(this.date()): (4 * this_week_h, this_week_h),
+    }
+
+
+@pytest.mark.django_db
+def test_the_csv_export_has_the_hours_used_lost_and_goodput_per_team_and_week(history, make_user):
+    root = _client(make_user("root", staff=True))
+    response = root.get("/console/reports/?weeks=2&format=csv")
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(response.content.decode())))
+    teams, cluster = _expected(history)
+    by_key = {(r["week"], r["team"]): r for r in rows if r["team"] != "*"}
+    assert set(by_key) == set(teams)
+    for key, (used, failure, preemption, goodput) in teams.items():
+        row = by_key[key]
+        assert float(row["gpu_hours_used"]) == pytest.approx(used, abs=0.02), key
+        assert float(row["gpu_hours_lost_failures"]) == pytest.approx(failure, abs=0.01), key
+        assert float(row["gpu_hours_lost_preemption"]) == pytest.approx(preemption, abs=0.01)
+        if goodput is None:
+            assert row["goodput"] == ""
+        else:
+            assert float(row["goodput"]) == pytest.approx(goodput, abs=0.001), key
+    totals = {r["week"]: r for r in rows if r["team"] == "*"}
+    for week, (capacity, allocated) in cluster.items():
+        assert float(totals[week]["cluster_gpu_hours"]) == pytest.approx(capacity, abs=0.05)
+        assert float(totals[week]["gpu_hours_used"]) == pytest.approx(allocated, abs=0.02)
+        assert float(totals[week]["cluster_gpu_hours_idle"]) == pytest.approx(
+            capacity - allocated, abs=0.05
+        )
+
+
+@pytest.mark.django_db
+def test_the_report_page_shows_totals_and_charts_and_a_lead_sees_their_team_only(history):
+    lead = _client(history["lead"])
+    html = lead.get("/console/reports/?weeks=2").content.decode()
+    totals = html.split('id="report-totals"')[1].split("</table>")[0]
+    assert _rows(totals, "data-team") == {"lab"}
+    lab = totals.split('<tr data-team="lab">')[1]
+    assert ">6.0<" in lab and ">2.0<" in lab and ">66.7%<" in lab
+    assert 'id="report-cluster"' not in html  # the cluster's capacity is the admins' business
+    assert "/vendor/plotly.min.js" in html and 'id="report-figures"' in html
+    rows = list(
+        csv.DictReader(io.StringIO(lead.get("/console/reports/?format=csv").content.decode()))
+    )
+    assert {r["team"] for r in rows} == {"lab"}
+    # A bad window falls back to the default of 4 weeks.
+    html = lead.get("/console/reports/?weeks=abc").content.decode()
+    weekly = html.split('id="report-weeks"')[1]
+    assert weekly.count('<td data-label="Team">lab</td>') == 4
+
+
+# --- event log -------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_event_log_filters_by_kind_team_job_node_and_time_and_pages(shared):
+    root = shared["users"]["root"]
+    client = _client(root)
+    big = shared["jobs"]["big"]
+    for n in range(55):
+        actions.do_set_job_priority(big, priority="high" if n % 2 == 0 else "normal", actor=root)
+    actions.do_cordon_node(shared["nodes"][1], actor=root, reason="fans", now=timezone.now())
+
+    def count(html):
+        return html.count("<tr data-kind=")
+
+    html = client.get("/console/events/?kind=job.priority_changed").content.decode()
+    assert count(html) == 50 and "55 events" in html and "page 1 of 2" in html
+    html = client.get("/console/events/?kind=job.priority_changed&page=2").content.decode()
+    assert count(html) == 5
+    assert 'href="?kind=job.priority_changed&amp;page=1"' in html
+
+    html = client.get(f"/console/events/?job={big.id}").content.decode()
+    assert count(html) == min(50, Event.objects.filter(job=big).count())
+    html = client.get("/console/events/?node=node-1").content.decode()
+    expected = Event.objects.filter(node__name="node-1").count()
+    assert count(html) == expected and "node node-1 cordoned by root: fans" in html
+    html = client.get("/console/events/?team=nlp").content.decode()
+    nlp = shared["nlp"]
+    assert (
+        count(html)
+        == Event.objects.filter(team=nlp).count()
+        + Event.objects.filter(team__isnull=True, job__team=nlp).count()
+    )
+
+    # A time range: move three events into yesterday.
+    old = list(Event.objects.order_by("id").values_list("id", flat=True)[:3])
+    yesterday = timezone.now() - timedelta(days=1)
+    Event.objects.filter(id__in=old).update(created_at=yesterday)
+    since = (yesterday - timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M")
+    until = (yesterday + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M")
+    html = client.get(f"/console/events/?since={since}&until={until}").content.decode()
+    assert count(html) == 3
+
+
+@pytest.mark.django_db
+def test_a_lead_sees_only_their_teams_events(shared):
+    lena = _client(shared["users"]["lena"])
+    html = lena.get("/console/events/").content.decode()
+    lab = shared["lab"]
+    from django.db.models import Q
+
+    expected = Event.objects.filter(Q(team=lab) | Q(job__team=lab)).count()
+    assert html.count("<tr data-kind=") == min(expected, 50) and expected > 0
+    assert "node.registered" not in html
+    other = shared["jobs"]["other"]
+    response = lena.get(f"/console/events/?job={other.id}")
+    assert response.status_code == 400 and "No such job in your teams." in response.content.decode()
+    response = lena.get("/console/events/?team=nlp")
+    assert response.status_code == 400 and "Select a valid choice" in response.content.decode()
+
+
+@pytest.mark.django_db
+def test_bad_event_filters_are_400s_with_the_error_next_to_the_field(shared):
+    client = _client(shared["users"]["root"])
+    for query, message in (
+        ("node=node-9", "No such node."),
+        ("job=abc", "Enter a whole number."),
+        ("since=yesterday", "Enter a valid date/time."),
+        ("since=2026-01-02T00:00&until=2026-01-01T00:00", "Must be after the start."),
+    ):
+        response = client.get(f"/console/events/?{query}")
+        assert response.status_code == 400, query
+        html = response.content.decode()
+        assert message in html and "field-errors" in html, query
+        assert "No events match." in html
