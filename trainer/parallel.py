@@ -14,7 +14,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,13 +31,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.config import OptimArgs, ParallelArgs
 from trainer.distributed import DistInfo
 from trainer.model import GPT
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 # checkpoint_wrapper inserts this into parameter names; get_state_dict drops it, and so do we.
 _AC_PREFIX = "_checkpoint_wrapped_module."
@@ -83,7 +85,9 @@ class Parallelized:
         self.mesh: DeviceMesh | None = None
         if self.dims.tp > 1 and self.dims.dp > 1 and not self.mode.startswith("fsdp"):
             raise ValueError("--tp with more than one data-parallel rank needs --parallel fsdp")
-        if info.distributed:
+        if info.distributed and (self.dims.tp > 1 or self.mode.startswith("fsdp")):
+            # Only where DTensors need it: plain DDP and ZeRO-1 use the default group, and a
+            # mesh would create sub-communicators for nothing.
             self.mesh = init_device_mesh(
                 info.device.type, (self.dims.dp, self.dims.tp), mesh_dim_names=("dp", "tp")
             )
@@ -124,6 +128,10 @@ class Parallelized:
         if self.mode == "zero1" and self.info.distributed:
             # Each rank keeps the AdamW state of its own share of the parameters, steps those,
             # and broadcasts the updated values; DDP still all-reduces whole gradients.
+            # Imported here: torch.distributed.optim scripts its functional optimizers with
+            # TorchScript on import (0.4 s and deprecation warnings) for every other mode.
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
             return ZeroRedundancyOptimizer(
                 self.base.parameters(), optimizer_class=torch.optim.AdamW, **kw
             )
@@ -181,6 +189,10 @@ def apply_ddp(model: nn.Module, info: DistInfo, bucket_cap_mb: float = 25.0) -> 
 # --- state dicts for DCP ---------------------------------------------------------------------
 
 
+def _is_zero1(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+
+
 def _param_fqns(model: nn.Module) -> dict[nn.Parameter, str]:
     fqns: dict[nn.Parameter, str] = {}
     for name, p in model.named_parameters():
@@ -221,7 +233,7 @@ def _zero1_optim_state(model: nn.Module, zero: ZeroRedundancyOptimizer) -> dict[
 
 def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state dicts with FQN keys, the same for every mode and world size."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if _is_zero1(optimizer):
         return get_model_state_dict(model), _zero1_optim_state(model, optimizer)
     return get_state_dict(model, optimizer)
 
@@ -229,7 +241,7 @@ def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dic
 def load_templates(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """`state_dicts`, less what a load must not ask for (ZeRO-1's shared param_groups)."""
     model_sd, optim_sd = state_dicts(model, optimizer)
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if _is_zero1(optimizer):
         optim_sd = {"state": optim_sd["state"]}
     return model_sd, optim_sd
 
@@ -238,7 +250,7 @@ def load_state_dicts(
     model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict
 ) -> None:
     """Put state dicts filled by dcp.load (from `state_dicts`' templates) back in place."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if _is_zero1(optimizer):
         set_model_state_dict(model, model_sd)
         return  # dcp.load wrote the optimizer state into the tensors of _zero1_optim_state
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
