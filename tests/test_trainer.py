@@ -2,7 +2,9 @@
 marker, resharded and exact resumes, preemption by SIGTERM, both datasets, stack dumps of a hung
 gang on SIGUSR1, and the fault-injection hooks (a stalled rank, a straggler).
 
-No Django and no database: run with `pytest tests/test_trainer.py -p no:django`.
+No Django and no database. Run: `pytest tests/test_trainer*.py -p no:cacheprovider`; the other
+test_trainer_*.py files cover the data position and elastic resume, the parallel modes, and
+asynchronous checkpoints.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """One entry point for 1 or N processes: the torchrun variables decide (as in nanoGPT).
 
 With WORLD_SIZE > 1 the process joins a process group (NCCL on CUDA, gloo on CPU) through
-MASTER_ADDR/MASTER_PORT and the model is wrapped in DDP; otherwise nothing distributed is set up.
+MASTER_ADDR/MASTER_PORT; otherwise nothing distributed is set up. How the model is spread over
+the ranks (DDP, ZeRO-1, FSDP2, tensor parallelism) is trainer/parallel.py's business.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 DEFAULT_PG_TIMEOUT_S = 120.0
 
@@ -103,15 +102,6 @@ def init_distributed() -> DistInfo:
         local_world_size=local_world_size,
         device=device,
     )
-
-
-def apply_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
-    """Wrap the model in DDP when there is more than one rank; otherwise return it unchanged."""
-    if not info.distributed:
-        return model
-    if info.device.type == "cuda":
-        return DDP(model, device_ids=[info.device.index])
-    return DDP(model)
 
 
 def close_distributed(info: DistInfo) -> None:

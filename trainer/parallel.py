@@ -85,6 +85,9 @@ class Parallelized:
         self.mesh: DeviceMesh | None = None
         if self.dims.tp > 1 and self.dims.dp > 1 and not self.mode.startswith("fsdp"):
             raise ValueError("--tp with more than one data-parallel rank needs --parallel fsdp")
+        if self.dims.tp > 1 and self.mode == "zero1":
+            # ZeRO-1 would split the optimizer over the tp ranks, which hold different shards.
+            raise ValueError("--tp does not combine with --parallel zero1; use fsdp")
         if info.distributed and (self.dims.tp > 1 or self.mode.startswith("fsdp")):
             # Only where DTensors need it: plain DDP and ZeRO-1 use the default group, and a
             # mesh would create sub-communicators for nothing.

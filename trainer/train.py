@@ -6,6 +6,11 @@ commit a checkpoint for that step, write an `end` record with reason "preempted"
 A second signal stops the process at once. A finished run also ends with a committed checkpoint
 of its last step and an `end` record with reason "finished".
 
+Each step trains on the next global batch of the data stream (trainer/data.py): this rank's
+slice of it, in micro-batches when the global batch is larger than batch_size x data-parallel
+ranks (gradient accumulation, the gradient sync only on the last one). The model is spread over
+the ranks as --parallel and --tp say (trainer/parallel.py). docs/training.md has the whole story.
+
 Hang diagnosis: SIGUSR1 writes every thread's Python stack to stderr (the rank's log under the
 node agent) and the process keeps running; see `install_stack_dump_handler`.
 """
@@ -208,7 +213,7 @@ class DataFeed:
                             "positions": [position + start, position + stop],
                             "epochs": epochs.tolist(),
                             "ids": ids.tolist(),
-                        }  # fmt: skip
+                        }
                     )
                     + "\n"
                 )
