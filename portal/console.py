@@ -130,7 +130,7 @@ def reservation_from_reason(reason: str) -> str | None:
     if match := _HOLDS.search(reason or ""):
         return "nodes " + match.group(1).strip()
     if match := _WAITS_FOR_VICTIMS.search(reason or ""):
-        return f"the GPUs of {match.group(1)} (preempted for it)"
+        return f"the GPUs of {match.group(1)}, once preempted (checkpoint, then stop)"
     return None
 
 
@@ -457,11 +457,12 @@ def usage_report(*, now: datetime, weeks: int, teams) -> dict:
     def hours(seconds: float) -> float:
         return round(seconds / 3600, 2)
 
-    def goodput(used_s: float, lost_s: float):
-        return round(max(used_s - lost_s, 0.0) / used_s, 4) if used_s else None
-
-    def percent(value) -> str:
-        return "" if value is None else f"{100 * value:.1f}%"
+    def goodput(used_s: float, lost_s: float) -> dict:
+        share = max(used_s - lost_s, 0.0) / used_s if used_s else None
+        return {
+            "goodput": None if share is None else round(share, 4),
+            "goodput_pct": "" if share is None else f"{100 * share:.1f}%",
+        }
 
     rows, cluster = [], []
     for i, start in enumerate(starts):
@@ -483,8 +484,7 @@ def usage_report(*, now: datetime, weeks: int, teams) -> dict:
                     "used_h": hours(used[i, team.id]),
                     "lost_failure_h": hours(failure),
                     "lost_preemption_h": hours(preemption),
-                    "goodput": goodput(used[i, team.id], failure + preemption),
-                    "goodput_pct": percent(goodput(used[i, team.id], failure + preemption)),
+                    **goodput(used[i, team.id], failure + preemption),
                 }
             )
     totals = []
@@ -498,11 +498,13 @@ def usage_report(*, now: datetime, weeks: int, teams) -> dict:
                 "used_h": hours(u),
                 "lost_failure_h": hours(f),
                 "lost_preemption_h": hours(p),
-                "goodput": goodput(u, f + p),
-                "goodput_pct": percent(goodput(u, f + p)),
+                **goodput(u, f + p),
             }
         )
     return {"weeks": [s.date() for s in starts], "rows": rows, "cluster": cluster, "totals": totals}
+
+
+PALETTE = ("#2563eb", "#ea580c", "#16a34a", "#9333ea", "#dc2626", "#0891b2", "#ca8a04", "#db2777")
 
 
 def report_figures(report: dict, *, with_idle: bool) -> dict:
@@ -511,12 +513,14 @@ def report_figures(report: dict, *, with_idle: bool) -> dict:
     by_team: dict[str, dict] = defaultdict(dict)
     for row in report["rows"]:
         by_team[row["team"]][str(row["week"])] = row
+    color = {team: PALETTE[i % len(PALETTE)] for i, team in enumerate(by_team)}
     usage = [
         {
             "type": "bar",
             "name": team,
             "x": weeks,
             "y": [cells[w]["used_h"] for w in weeks],
+            "marker": {"color": color[team]},
         }
         for team, cells in by_team.items()
     ]
@@ -542,21 +546,24 @@ def report_figures(report: dict, *, with_idle: bool) -> dict:
                     "name": f"{team}: {cause}",
                     "x": weeks,
                     "y": [cells[w][key] for w in weeks],
-                    "marker": {"pattern": {"shape": pattern}},
+                    "marker": {"color": color[team], "pattern": {"shape": pattern}},
                 }
             )
     layout = {
         "barmode": "stack",
-        "margin": {"l": 50, "r": 10, "t": 40, "b": 40},
-        "legend": {"orientation": "h", "y": -0.2},
-        "xaxis": {"type": "category", "title": {"text": "week starting (UTC)"}},
+        "margin": {"l": 50, "r": 10, "t": 40, "b": 30},
+        "legend": {"orientation": "h", "y": -0.15},
+        "xaxis": {"type": "category"},
     }
     return {
         "usage": {
             "data": usage,
             "layout": {
                 **layout,
-                "title": {"text": "GPU-hours used per week" + (" (and idle)" if with_idle else "")},
+                "title": {
+                    "text": "GPU-hours used per week (from Monday, UTC)"
+                    + (", and idle" if with_idle else "")
+                },
                 "yaxis": {"title": {"text": "GPU-hours"}},
             },
         },

@@ -493,3 +493,21 @@ def test_bad_event_filters_are_400s_with_the_error_next_to_the_field(shared):
         html = response.content.decode()
         assert message in html and "field-errors" in html, query
         assert "No events match." in html
+
+
+def test_reservations_are_read_from_the_reasons_the_scheduler_writes():
+    from portal.console import reservation_from_reason
+
+    assert (
+        reservation_from_reason(
+            "waiting for 16 GPUs on whole nodes; 3 free now; holds a reservation on n1, n2; "
+            "2 job(s) ahead"
+        )
+        == "nodes n1, n2"
+    )
+    assert reservation_from_reason(
+        "waiting for job 4, job 9 to checkpoint and stop (reclaiming its team's quota); "
+        "8 GPUs reserved"
+    ).startswith("the GPUs of job 4, job 9")
+    assert reservation_from_reason("team vision at quota 64/64; 3 jobs ahead") is None
+    assert reservation_from_reason("") is None
