@@ -4,6 +4,7 @@ is kept by gradient accumulation, or (when allowed) changes with a linearly scal
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests import test_trainer as base
-from trainer.checkpoint import latest_committed, read_marker
+from trainer.checkpoint import TrainState, latest_committed, read_marker
+from trainer.config import parse_args
+from trainer.train import lr_scale_at, resolve_batch
 
 # Small enough for four CPU processes on a shared 2-core host.
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8",
@@ -142,3 +145,23 @@ def test_allowing_a_batch_change_scales_the_lr_linearly_with_a_warmup(tmp_path):
     assert state["global_batch"] == 18 and state["reference_global_batch"] == 12
     assert state["sample_position"] == 4 * 12 + 4 * 18
     assert "1 micro-batches" in log  # no accumulation: each rank keeps its 6 rows
+
+
+def test_resolve_batch_keeps_the_global_batch_unless_a_change_is_allowed():
+    cfg = parse_args(["--batch-size", "8", "--warmup-steps", "4"])
+    fresh = resolve_batch(cfg, dp=4, resumed=None)
+    assert (fresh.global_batch, fresh.reference_global_batch, fresh.sample_position) == (32, 32, 0)
+    saved = TrainState(step=10, sample_position=320, global_batch=32, reference_global_batch=32)
+    kept = resolve_batch(cfg, dp=2, resumed=saved)  # accumulation keeps 32
+    assert (kept.global_batch, kept.sample_position, kept.lr_scale_to) == (32, 320, 1.0)
+    explicit = resolve_batch(parse_args(["--global-batch-size", "48"]), dp=2, resumed=saved)
+    assert explicit.global_batch == 48 and explicit.lr_scale_to == 1.0
+    allowed = parse_args(["--batch-size", "8", "--warmup-steps", "4", "--allow-batch-change"])
+    changed = resolve_batch(allowed, dp=2, resumed=saved)  # 2 x 8 = 16: half the batch
+    assert (changed.global_batch, changed.lr_scale_from, changed.lr_scale_to) == (16, 1.0, 0.5)
+    scales = [lr_scale_at(changed, s, 4) for s in range(10, 16)]
+    assert scales == pytest.approx([1.0, 0.875, 0.75, 0.625, 0.5, 0.5])
+    # Growing back to 4 ranks mid-ramp starts from where the ramp is.
+    mid = dataclasses.replace(changed, step=12)
+    again = resolve_batch(allowed, dp=4, resumed=mid)
+    assert (again.lr_scale_from, again.lr_scale_to, again.lr_ramp_start) == (0.75, 1.0, 12)
