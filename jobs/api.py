@@ -105,7 +105,10 @@ class JobViewSet(
         job = actions.do_cancel_job(job, actor=request.user, now=timezone.now())
         return Response(JobSerializer(job).data)
 
-    @action(detail=True, methods=["get"])
+    # Plain lists, not pages: a job keeps a handful of checkpoints (KEEP_CHECKPOINTS plus the
+    # registered ones), and events page with since_id; pagination_class=None says so to the
+    # OpenAPI schema too.
+    @action(detail=True, methods=["get"], pagination_class=None)
     def checkpoints(self, request, pk=None):
         job = self.get_object()
         return Response(
@@ -114,7 +117,7 @@ class JobViewSet(
             ).data
         )
 
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], pagination_class=None)
     def events(self, request, pk=None):
         job = self.get_object()
         events = job.events.select_related("node").order_by("id")

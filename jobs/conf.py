@@ -4,6 +4,7 @@ from django.conf import settings
 
 DEFAULTS = {
     "AGENT_TOKEN": None,
+    "METRICS_TOKEN": None,
     "CHECKPOINT_ROOT": "var/checkpoints",
     "MODEL_ROOT": "var/models",
     "HEARTBEAT_S": 1.0,

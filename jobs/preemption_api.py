@@ -14,8 +14,12 @@ from teams.access import visible_jobs
 
 
 class PreemptionSerializer(serializers.ModelSerializer):
-    decided_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
-    reclaim_s = serializers.FloatField(read_only=True)
+    # allow_null: undecided (or auto-approved) requests have no decider, and reclaim_s is null
+    # until the claimant starts; the OpenAPI schema must say both.
+    decided_by = serializers.SlugRelatedField(
+        slug_field="username", read_only=True, allow_null=True
+    )
+    reclaim_s = serializers.FloatField(read_only=True, allow_null=True)
 
     class Meta:
         model = PreemptionRequest

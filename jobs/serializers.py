@@ -177,7 +177,8 @@ class JobPatchSerializer(serializers.Serializer):
 
 
 class EventSerializer(serializers.ModelSerializer):
-    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    # allow_null: not every event is about a node, and the OpenAPI schema must say so.
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
 
     class Meta:
         model = Event

@@ -50,7 +50,10 @@ class WhatIfRequestSerializer(serializers.Serializer):
 
 
 class WhatIfRunSerializer(serializers.ModelSerializer):
-    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    # allow_null: the creator's account may be gone (SET_NULL).
+    created_by = serializers.SlugRelatedField(
+        slug_field="username", read_only=True, allow_null=True
+    )
 
     class Meta:
         model = WhatIfRun

@@ -82,12 +82,27 @@ def redis_url_with_db(url: str, db: int) -> str:
     if parsed.scheme == "unix":
         query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
         query["db"] = str(db)
-        return parsed._replace(query="&".join(f"{k}={v}" for k, v in query.items())).geturl()
+        # Not geturl(): it writes "unix:/path" (no netloc), which redis-py refuses, so the
+        # cache and the channel layer could not connect to the embedded server.
+        return f"unix://{parsed.path}?" + "&".join(f"{k}={v}" for k, v in query.items())
     return parsed._replace(path=f"/{db}").geturl()
 
 
 DEBUG = _env_bool("LOCKSTEP_DEBUG", False)
-SECRET_KEY = _secret("DJANGO_SECRET_KEY")
+# LOCKSTEP_ENV=production turns on everything `manage.py check --deploy` asks for and refuses to
+# start without a secret key from the environment (docs/production.md). Anything else is the
+# embedded setup on a laptop, over plain HTTP.
+PRODUCTION = os.environ.get("LOCKSTEP_ENV", "").strip().lower() == "production"
+SECRET_KEY = _secret("LOCKSTEP_SECRET_KEY") or _secret("DJANGO_SECRET_KEY")
+if not SECRET_KEY and PRODUCTION:
+    from django.core.exceptions import ImproperlyConfigured
+
+    # A key generated on one machine would differ between daphne processes and log everyone
+    # out at every restart: production must be given one.
+    raise ImproperlyConfigured(
+        "LOCKSTEP_ENV=production needs a secret key: set LOCKSTEP_SECRET_KEY_FILE to a file "
+        "holding it (or LOCKSTEP_SECRET_KEY)."
+    )
 if not SECRET_KEY:
     # Embedded mode: a random key kept under var/ so sessions survive a restart.
     key_file = VAR_DIR / "secret_key"
@@ -104,6 +119,33 @@ CSRF_TRUSTED_ORIGINS = [
     o for o in os.environ.get("LOCKSTEP_CSRF_TRUSTED_ORIGINS", "").split(",") if o
 ]
 
+if PRODUCTION and "LOCKSTEP_ALLOWED_HOSTS" not in os.environ:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        "LOCKSTEP_ENV=production needs LOCKSTEP_ALLOWED_HOSTS (the portal's host names, "
+        "comma-separated)."
+    )
+if PRODUCTION:
+    # HTTPS only (docs/production.md). TLS usually ends at the proxy in front of daphne: it
+    # must set X-Forwarded-Proto, or Django sees plain HTTP and redirects forever.
+    if _env_bool("LOCKSTEP_BEHIND_PROXY", True):
+        SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    # Off when the proxy itself redirects HTTP to HTTPS (then silence security.W008).
+    SECURE_SSL_REDIRECT = _env_bool("LOCKSTEP_SSL_REDIRECT", True)
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = int(os.environ.get("LOCKSTEP_HSTS_SECONDS", str(365 * 24 * 3600)))
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = _env_bool("LOCKSTEP_HSTS_INCLUDE_SUBDOMAINS", True)
+    SECURE_HSTS_PRELOAD = _env_bool("LOCKSTEP_HSTS_PRELOAD", False)
+    if not SECURE_HSTS_PRELOAD:
+        # Preloading commits the whole domain to HTTPS in browsers for months; that is the
+        # domain owner's decision, so it is opt-in and its deploy-check warning is silenced.
+        SILENCED_SYSTEM_CHECKS = ["security.W021"]
+    SESSION_COOKIE_HTTPONLY = True
+    SECURE_REFERRER_POLICY = "same-origin"
+    X_FRAME_OPTIONS = "DENY"
+
 INSTALLED_APPS = [
     "daphne",
     "django.contrib.admin",
@@ -113,6 +155,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "channels",
     "django_rq",
     "teams",
@@ -198,11 +242,53 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "portal.api_errors.exception_handler",
+}
+
+# OpenAPI 3 schema at /api/schema/, Swagger UI at /api/docs/ with its JavaScript and CSS served
+# from the sidecar package under /static/ (no CDN; drf-spectacular's Redoc page is left out: its
+# template loads Google Fonts).
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Lockstep API",
+    "DESCRIPTION": "Lockstep's REST API (v1): jobs, metrics, logs, checkpoints, model versions, "
+    "teams, nodes, preemptions, what-ifs and the memory planner; see docs/api.md.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    # No badge from validator.swagger.io: the page must not call out.
+    "SWAGGER_UI_SETTINGS": {
+        "deepLinking": True,
+        "persistAuthorization": True,
+        "validatorUrl": None,
+    },
+    "COMPONENT_SPLIT_REQUEST": True,
+    # The agent endpoints take node tokens, not user tokens (teams.auth refuses them there).
+    "APPEND_COMPONENTS": {
+        "securitySchemes": {
+            "agentToken": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "The cluster agent token (register) or a node token (heartbeat).",
+            }
+        }
+    },
+    "ENUM_NAME_OVERRIDES": {
+        "JobStateEnum": "jobs.models.Job.State",
+        "AttemptStateEnum": "jobs.models.Attempt.State",
+        "NodeStateEnum": "jobs.models.Node.State",
+        "PreemptionStateEnum": "jobs.models.PreemptionRequest.State",
+        "WhatIfRunStateEnum": "jobs.models.WhatIfRun.State",
+    },
 }
 
 # Lockstep's own settings, read through jobs.conf.lockstep_setting() with these defaults.
 LOCKSTEP = {
     "AGENT_TOKEN": _secret("LOCKSTEP_AGENT_TOKEN"),
+    # Bearer token Prometheus scrapes /metrics with (staff users' API tokens work too).
+    "METRICS_TOKEN": _secret("LOCKSTEP_METRICS_TOKEN"),
     "CHECKPOINT_ROOT": os.environ.get("LOCKSTEP_CHECKPOINT_ROOT", str(VAR_DIR / "checkpoints")),
     "MODEL_ROOT": os.environ.get("LOCKSTEP_MODEL_ROOT", str(VAR_DIR / "models")),
     "HEARTBEAT_S": float(os.environ.get("LOCKSTEP_HEARTBEAT_S", "1.0")),

@@ -1,6 +1,7 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
 from jobs.agent_api import AgentHeartbeatView, AgentRegisterView
@@ -9,7 +10,7 @@ from jobs.plan_api import PlanView
 from jobs.preemption_api import PreemptionViewSet
 from jobs.whatif_api import WhatIfViewSet
 from portal import console as console_views
-from portal import views
+from portal import openapi, prometheus, views  # noqa: F401  (openapi: schema corrections)
 from portal.static_views import plotly_js
 from teams.api import TeamViewSet
 
@@ -46,5 +47,12 @@ urlpatterns = [
     path("api/v1/agent/heartbeat/", AgentHeartbeatView.as_view(), name="agent-heartbeat"),
     path("api/v1/plan/", PlanView.as_view(), name="plan"),
     path("api/v1/", include(router.urls)),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("metrics", prometheus.metrics_view, name="prometheus-metrics"),
     path("admin/", admin.site.urls),
 ]
+
+# Unknown URLs and errors outside a view under /api/ answer JSON, like the API itself.
+handler404 = "portal.api_errors.not_found"
+handler500 = "portal.api_errors.server_error"

@@ -142,7 +142,26 @@ def run_pass(now=None) -> tuple[PassReport, ApplyResult]:
     report = PassReport(
         len(result.applied), len(result.rejected), len(snapshot.queued), time.monotonic() - started
     )
+    record_pass(report, now)
     return report, result
+
+
+LAST_PASS_KEY = "lockstep:scheduler:last_pass"
+
+
+def record_pass(report: PassReport, now: datetime) -> None:
+    """Leave the pass's duration in the shared cache (Redis) for the portal's /metrics: the
+    scheduler is another process, and a table for one row a second would be overkill."""
+    from django.core.cache import cache
+
+    try:
+        cache.set(
+            LAST_PASS_KEY,
+            {"seconds": report.seconds, "at": now.timestamp(), "queued": report.queued},
+            timeout=None,
+        )
+    except Exception as exc:  # metrics are best effort; a cache outage must not stop a pass
+        log.warning("could not record the pass time (%s)", exc)
 
 
 def run_forever(*, tick_s: float | None = None, once: bool = False) -> None:
