@@ -511,3 +511,60 @@ def test_reservations_are_read_from_the_reasons_the_scheduler_writes():
     ).startswith("the GPUs of job 4, job 9")
     assert reservation_from_reason("team vision at quota 64/64; 3 jobs ahead") is None
     assert reservation_from_reason("") is None
+
+
+# --- preemptions -----------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_priority_raised_in_the_queue_becomes_a_preemption_an_admin_approves(shared):
+    """The preemptions page shows claimant, victim, the victim's work at risk and when the
+    request approves itself, with Approve / Reject; approving writes an Event."""
+    from jobs.models import PreemptionRequest
+
+    root = shared["users"]["root"]
+    client = _client(root)
+    big = shared["jobs"]["big"]
+    assert client.post("/console/queue/", {"job": big.id, "priority": "urgent"}).status_code == 302
+    run_pass()
+    requests = list(PreemptionRequest.objects.filter(claimant=big, state="proposed"))
+    assert requests and all(r.auto_approve_at for r in requests)
+    html = client.get("/console/preemptions/").content.decode()
+    table = html.split('id="preemptions"')[1]
+    for request in requests:
+        row = table.split(f"<tr><td>{request.id}</td>")[1].split("</tr>")[0]
+        assert f"job {big.id}</a> (lab, urgent)" in row
+        victim = request.victim
+        assert f"job {victim.id}</a> ({victim.team.name}, {victim.priority})" in row
+        assert f"{request.work_at_risk_s:.0f}s since its last checkpoint" in row
+        assert request.auto_approve_at.strftime("%H:%M:%S") in row
+        assert 'value="approve"' in row and 'value="reject"' in row
+    first = requests[0]
+    response = client.post("/console/preemptions/", {"request_id": first.id, "decision": "approve"})
+    assert response.status_code == 302
+    first.refresh_from_db()
+    assert first.state in ("approved", "executed") and first.decided_by == root
+    assert Event.objects.filter(kind="preemption.approved", actor=root).exists()
+
+
+# --- cost ------------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_console_pages_make_the_same_number_of_queries_for_more_rows(shared, make_nodes):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    client = _client(shared["users"]["root"])
+
+    def queries(url: str) -> int:
+        with CaptureQueriesContext(connection) as ctx:
+            assert client.get(url).status_code == 200
+        return len(ctx.captured_queries)
+
+    before = {url: queries(url) for url in CONSOLE}
+    for _ in range(10):
+        submit(shared["lab"], shared["users"]["ann"], gpus=1)
+    make_nodes(3, 2, prefix="extra")
+    run_pass()
+    assert {url: queries(url) for url in CONSOLE} == before
