@@ -371,6 +371,11 @@ def nodes(request, scope):
 LOST_FAILURE = (Attempt.State.FAILED, Attempt.State.LOST)
 LOST_PREEMPTION = (Attempt.State.PREEMPTED,)
 MAX_WEEKS = 52
+DEFAULT_WEEKS = 4
+
+
+class ReportForm(forms.Form):
+    weeks = forms.IntegerField(min_value=1, max_value=MAX_WEEKS, initial=DEFAULT_WEEKS)
 
 
 def week_starts(now: datetime, weeks: int) -> list[datetime]:
@@ -618,8 +623,15 @@ def _csv(report: dict, *, with_cluster: bool) -> HttpResponse:
 
 @console_view()
 def reports(request, scope):
-    raw = request.GET.get("weeks", "")
-    weeks = int(raw) if raw.isdigit() and 1 <= int(raw) <= MAX_WEEKS else 4
+    form = ReportForm(request.GET if "weeks" in request.GET else None)
+    if form.is_bound and not form.is_valid():
+        if request.GET.get("format") == "csv":
+            return HttpResponse(
+                "; ".join(form.errors["weeks"]), status=400, content_type="text/plain"
+            )
+        weeks, status = DEFAULT_WEEKS, 400
+    else:
+        weeks, status = (form.cleaned_data["weeks"] if form.is_bound else DEFAULT_WEEKS), 200
     report = usage_report(now=timezone.now(), weeks=weeks, teams=scope.teams())
     if request.GET.get("format") == "csv":
         return _csv(report, with_cluster=scope.admin)
@@ -627,12 +639,14 @@ def reports(request, scope):
         request,
         "console_reports.html",
         {
+            "form": form,
             "report": report,
             "weeks": weeks,
             "scope": scope,
             "figures": report_figures(report, with_idle=scope.admin),
             "csv_query": urlencode({"weeks": weeks, "format": "csv"}),
         },
+        status=status,
     )
 
 

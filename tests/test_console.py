@@ -412,10 +412,17 @@ def test_the_report_page_shows_totals_and_charts_and_a_lead_sees_their_team_only
         csv.DictReader(io.StringIO(lead.get("/console/reports/?format=csv").content.decode()))
     )
     assert {r["team"] for r in rows} == {"lab"}
-    # A bad window falls back to the default of 4 weeks.
-    html = lead.get("/console/reports/?weeks=abc").content.decode()
+    # Without a window, the last 4 weeks; a bad one is an error next to the field.
+    html = lead.get("/console/reports/").content.decode()
     weekly = html.split('id="report-weeks"')[1]
     assert weekly.count('<td data-label="Team">lab</td>') == 4
+    for bad, message in (("abc", "Enter a whole number."), ("0", "greater than or equal to 1")):
+        response = lead.get(f"/console/reports/?weeks={bad}")
+        assert response.status_code == 400
+        form = response.content.decode().split('id="report-form"')[1].split("</form>")[0]
+        assert message in form and "field-errors" in form
+        response = lead.get(f"/console/reports/?weeks={bad}&format=csv")
+        assert response.status_code == 400 and message in response.content.decode()
 
 
 # --- event log -------------------------------------------------------------------------------
