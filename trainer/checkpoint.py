@@ -48,7 +48,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from trainer.distributed import DistInfo
 from trainer.metrics import MetricsWriter
-from trainer.parallel import load_state_dicts, load_templates, state_dicts
 
 MARKER = "COMMITTED"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -265,6 +264,9 @@ class CheckpointManager:
         # FQN keys and full (unsharded-looking) shapes in every mode, so the saved layout is the
         # same for 1 or N ranks and any parallelism. On a fresh optimizer this also creates the
         # (zero) state, which dcp.load then fills in place.
+        # Imported here: the portal imports this module for read_marker and needs no FSDP.
+        from trainer.parallel import load_templates, state_dicts
+
         dicts = load_templates if for_load else state_dicts
         model_sd, optim_sd = dicts(self.model, self.optimizer)
         return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd, TRAIN_KEY: train_state.to_tensors()}
@@ -403,6 +405,8 @@ class CheckpointManager:
                 planner=DefaultLoadPlanner(allow_partial_load=True),
                 no_dist=not self.dist.distributed,
             )
+        from trainer.parallel import load_state_dicts
+
         load_state_dicts(self.model, self.optimizer, state[MODEL_KEY], state[OPTIM_KEY])
         train_state = TrainState.from_tensors(train_sd)
         if train_state.step != marker["step"]:
