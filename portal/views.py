@@ -192,7 +192,13 @@ def job_spec_download(request, job_id: int):
 
 # Event kinds on the job page's timeline, by what they mean to the person watching the job.
 TIMELINE_KINDS = {
-    "start": ("job.submitted", "attempt.running", "attempt.trainer_started", "job.succeeded"),
+    "start": (
+        "job.submitted",
+        "attempt.started",
+        "attempt.running",
+        "attempt.trainer_started",
+        "job.succeeded",
+    ),
     "failure": (
         "attempt.failed",
         "attempt.lost",

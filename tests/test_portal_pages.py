@@ -259,6 +259,12 @@ def test_downsampling_keeps_each_buckets_min_and_max_in_step_order(two_teams):
     assert 50.0 in series["value"] and -3.0 in series["value"]
     assert series["step"][series["value"].index(50.0)] == 12_345
     assert series["step"] == sorted(series["step"])
+    # A short rank beside the long one comes back whole, not bucketed.
+    _points(job, attempt, [2.0, 3.0, 2.5], rank=1)
+    both = metric_series(job.id, "loss", max_points=200)
+    assert both["ranks"]["1"] == {"step": [0, 1, 2], "value": [2.0, 3.0, 2.5]}
+    assert both["downsampled"] == {"0": True, "1": False}
+    assert both["ranks"]["0"] == series
     # Within a zoomed range the points come back raw when they fit.
     zoomed = metric_series(job.id, "loss", since_step=12_300, until_step=12_399, max_points=200)
     assert zoomed["ranks"]["0"]["step"] == list(range(12_301, 12_400))

@@ -12,19 +12,28 @@
   var jobId = page.job;
   var MAX_POINTS = page.max_points;
   var LIVE_CAP = 50000; // points kept per trace while streaming
-  var state = (window.lockstepJob = {ready: false, charts: {}, requests: [], liveAt: []});
+  var state = (window.lockstepJob = {
+    ready: false, charts: {}, requests: [], liveAt: [], startedAt: performance.now(),
+  });
   var config = {responsive: true, displaylogo: false, modeBarButtonsToRemove: ["lasso2d", "select2d"]};
-  var webgl = (function () {
-    try {
-      var c = document.createElement("canvas");
-      return !!(c.getContext("webgl2") || c.getContext("webgl"));
-    } catch (e) {
-      return false;
+  var webgl = null; // asked on first need: creating a WebGL context costs time
+  function hasWebgl() {
+    if (webgl === null) {
+      try {
+        var c = document.createElement("canvas");
+        webgl = !!(c.getContext("webgl2") || c.getContext("webgl"));
+      } catch (e) {
+        webgl = false;
+      }
+      state.webgl = webgl;
     }
-  })();
-  // WebGL when the browser has it: a long live series stays smooth. SVG otherwise.
-  var TRACE = webgl ? "scattergl" : "scatter";
-  state.traceType = TRACE;
+    return webgl;
+  }
+  // A trace drawn from the server holds at most MAX_POINTS points: SVG draws that quickest.
+  // One that grows past GL_POINTS while streaming (or any bigger one) switches to WebGL
+  // (scattergl) when the browser has it, so a long live series stays smooth.
+  var GL_POINTS = 5000;
+  function traceType(points) { return points > GL_POINTS && hasWebgl() ? "scattergl" : "scatter"; }
 
   function layout(title, ytitle, extra) {
     var l = {
@@ -68,17 +77,20 @@
   }
 
   function traceFor(rank, steps, values) {
-    return {x: steps, y: values, type: TRACE, mode: "lines", name: "rank " + rank, meta: rank};
+    return {x: steps, y: values, type: traceType(steps.length), mode: "lines", name: "rank " + rank};
   }
 
   function drawInitial(name) {
     var s = SERIES[name];
-    var chart = (state.charts[name] = {ranks: {}, last: {}, zoom: null, seq: 0, points: 0});
+    // full: per rank, the whole-run overview (downsampled, plus live points) that a zoom's
+    // detail is spliced into, so panning out never shows a hole.
+    var chart = (state.charts[name] = {ranks: {}, last: {}, full: {}, zoom: null, seq: 0, points: 0});
     return fetchSeries(name, null).then(function (data) {
       var traces = [];
       Object.keys(data.ranks).forEach(function (rank) {
         var series = data.ranks[rank];
         chart.ranks[rank] = traces.length;
+        chart.full[rank] = {x: series.step.slice(), y: series.value.slice()};
         chart.last[rank] = series.step.length ? series.step[series.step.length - 1] : -1;
         chart.points += series.step.length;
         traces.push(traceFor(rank, series.step, series.value));
@@ -95,6 +107,7 @@
 
   var zoomTimers = {};
   function onZoom(name, ev) {
+    if (state.charts[name].restoring) return;
     var range;
     if (ev["xaxis.range[0]"] !== undefined) range = [ev["xaxis.range[0]"], ev["xaxis.range[1]"]];
     else if (ev["xaxis.range"]) range = ev["xaxis.range"];
@@ -118,14 +131,34 @@
           chart.ranks[rank] = el.data.length;
           Plotly.addTraces(el, traceFor(rank, [], []));
         }
-        idx.push(chart.ranks[rank]);
-        xs.push(series.step);
-        ys.push(series.value);
-        if (!range && series.step.length) {
-          chart.last[rank] = Math.max(chart.last[rank] ?? -1, series.step[series.step.length - 1]);
+        var full = chart.full[rank] || {x: [], y: []};
+        var x, y;
+        if (range) {
+          // Overview outside the range, every fetched point inside it.
+          var lo = series.step.length ? series.step[0] : range[0];
+          var hi = series.step.length ? series.step[series.step.length - 1] : range[1];
+          x = []; y = [];
+          for (var i = 0; i < full.x.length && full.x[i] < lo; i++) { x.push(full.x[i]); y.push(full.y[i]); }
+          x = x.concat(series.step); y = y.concat(series.value);
+          for (var j = 0; j < full.x.length; j++) {
+            if (full.x[j] > hi) { x.push(full.x[j]); y.push(full.y[j]); }
+          }
+        } else {
+          x = series.step; y = series.value;
+          // Keep live points newer than the fetch.
+          for (var k = 0; k < full.x.length; k++) {
+            if (full.x[k] > (x.length ? x[x.length - 1] : -1)) { x.push(full.x[k]); y.push(full.y[k]); }
+          }
+          chart.full[rank] = {x: x.slice(), y: y.slice()};
+          if (x.length) chart.last[rank] = Math.max(chart.last[rank] ?? -1, x[x.length - 1]);
         }
+        idx.push(chart.ranks[rank]);
+        xs.push(x);
+        ys.push(y);
       });
-      if (idx.length) Plotly.restyle(el, {x: xs, y: ys}, idx);
+      if (idx.length) {
+        Plotly.restyle(el, {x: xs, y: ys}, idx);
+      }
       var detail = document.getElementById("detail-note");
       if (detail) {
         detail.textContent = range
@@ -148,12 +181,28 @@
     }
     if (!xs.length) return;
     chart.last[rank] = xs[xs.length - 1];
+    var full = (chart.full[rank] = chart.full[rank] || {x: [], y: []});
+    Array.prototype.push.apply(full.x, xs);
+    Array.prototype.push.apply(full.y, ys);
+    if (full.x.length > LIVE_CAP) { full.x.splice(0, full.x.length - LIVE_CAP); full.y.splice(0, full.y.length - LIVE_CAP); }
     var el = document.getElementById(s.el);
     if (chart.ranks[rank] === undefined) {
       chart.ranks[rank] = el.data.length;
-      Plotly.addTraces(el, traceFor(rank, xs, ys));
+      Plotly.addTraces(el, traceFor(rank, xs.slice(), ys.slice()));
     } else {
-      Plotly.extendTraces(el, {x: [xs], y: [ys]}, [chart.ranks[rank]], LIVE_CAP);
+      var index = chart.ranks[rank];
+      Plotly.extendTraces(el, {x: [xs], y: [ys]}, [index], LIVE_CAP);
+      var trace = el.data[index];
+      if (trace.type !== traceType(trace.x.length)) {
+        // Plotly autoscales on a type change: put a zoomed view back without re-fetching.
+        var xa = el.layout.xaxis, ya = el.layout.yaxis;
+        var view = xa.autorange ? null : {"xaxis.range": xa.range.slice(), "yaxis.range": ya.range.slice()};
+        Plotly.restyle(el, {type: traceType(trace.x.length)}, [index]);
+        if (view) {
+          chart.restoring = true;
+          Plotly.relayout(el, view).then(function () { chart.restoring = false; });
+        }
+      }
     }
   }
 
@@ -300,7 +349,9 @@
           var tr = document.createElement("tr");
           tr.dataset.step = c.step;
           tr.className = "fresh";
-          [c.step, "", fmtBytes(c.bytes), c.save_s.toFixed(2) + "s", new Date(c.created_at).toLocaleTimeString()]
+          var attempts = page.timeline.attempts;
+          var number = attempts.length ? attempts[attempts.length - 1].number : "";
+          [c.step, number, fmtBytes(c.bytes), c.save_s.toFixed(2) + "s", new Date(c.created_at).toTimeString().slice(0, 8)]
             .forEach(function (v) { var td = document.createElement("td"); td.textContent = v; tr.appendChild(td); });
           var td = document.createElement("td");
           var form = document.createElement("form");
