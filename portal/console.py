@@ -164,7 +164,7 @@ def queue(request, scope):
     failed = None
     status = 200
     if request.method == "POST":
-        form = PriorityForm(request.POST, jobs=jobs)
+        form = PriorityForm(request.POST, jobs=scope.jobs())
         if form.is_valid():
             job = form.cleaned_data["job"]
             before = job.priority
@@ -417,14 +417,20 @@ def usage_report(*, now: datetime, weeks: int, teams) -> dict:
     lost = defaultdict(float)  # (week, team id, cause) -> GPU-seconds
     begin = starts[0]
 
-    for team_id, claimed, released in Allocation.objects.filter(
-        Q(released_at__isnull=True) | Q(released_at__gt=begin),
-        claimed_at__lt=now,
-        attempt__job__team_id__in=team_ids,
-    ).values_list("attempt__job__team_id", "claimed_at", "released_at"):
+    # An attempt's GPUs are claimed together and released together: one row per gang.
+    for team_id, claimed, released, count in (
+        Allocation.objects.filter(
+            Q(released_at__isnull=True) | Q(released_at__gt=begin),
+            claimed_at__lt=now,
+            attempt__job__team_id__in=team_ids,
+        )
+        .values_list("attempt__job__team_id", "claimed_at", "released_at")
+        .annotate(count=Count("id"))
+        .order_by()
+    ):
 
-        def add(i, s, team_id=team_id):
-            used[i, team_id] += s
+        def add(i, s, team_id=team_id, count=count):
+            used[i, team_id] += count * s
 
         _split(claimed, released or now, bounds, add)
 
@@ -452,10 +458,12 @@ def usage_report(*, now: datetime, weeks: int, teams) -> dict:
             lost[week, team_id, cause] += gpus * max((end - since).total_seconds(), 0.0)
 
     capacity = defaultdict(float)
-    for (registered,) in GPU.objects.values_list("node__registered_at"):
+    for registered, count in (
+        GPU.objects.values_list("node__registered_at").annotate(count=Count("id")).order_by()
+    ):
 
-        def add_capacity(i, s):
-            capacity[i] += s
+        def add_capacity(i, s, count=count):
+            capacity[i] += count * s
 
         _split(registered, now, bounds, add_capacity)
 

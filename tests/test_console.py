@@ -120,7 +120,7 @@ def test_the_queue_shows_every_live_and_waiting_job_and_the_reservation(shared):
     assert big.estimated_start_at.strftime("%b %-d %H:%M") in row
     assert '<option value="normal" selected>' in row
     running = queue.split(f'<tr data-job="{jobs["small"].id}">')[1].split("</tr>")[0]
-    assert "STARTING" in running and "waiting" not in running
+    assert "STARTING" in running and "submitted" not in running and "ran " in running
 
 
 @pytest.mark.django_db
@@ -192,10 +192,13 @@ def test_a_finished_or_unknown_job_cannot_get_a_priority(shared):
     root = _client(shared["users"]["root"])
     job = shared["jobs"]["small"]
     actions.do_cancel_job(job, actor=shared["users"]["root"], now=timezone.now())
-    for job_id in (job.id, 99999):
+    for job_id, message in (
+        (job.id, f"Job {job.id} has ended (CANCELLED)."),
+        (99999, "No such job in your teams."),
+    ):
         response = root.post("/console/queue/", {"job": job_id, "priority": "high"})
         assert response.status_code == 400
-        assert "No such job in your teams." in response.content.decode()
+        assert message in response.content.decode()
     job.refresh_from_db()
     assert job.priority == "normal"
     assert not Event.objects.filter(kind="job.priority_changed").exists()
