@@ -10,6 +10,7 @@ DEFAULTS = {
     "HEARTBEAT_S": 1.0,
     "HEARTBEAT_TIMEOUT_S": 30.0,
     "SCHEDULER_TICK_S": 5.0,
+    "SCHEDULER_LEASE_S": 15.0,  # a standby scheduler takes over this long after the leader dies
     "RESTART_BACKOFF_S": 2.0,
     "RESTART_BACKOFF_MAX_S": 300.0,
     "START_TIMEOUT_S": 300.0,

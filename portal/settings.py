@@ -45,7 +45,8 @@ def database_from_url(url: str) -> dict:
             "TEST": {"NAME": os.environ.get("LOCKSTEP_TEST_DB_NAME", "test_lockstep")},
         }
     if parsed.scheme == "sqlite":
-        return sqlite_database(Path(unquote(parsed.path)))
+        # sqlite:////abs/path parses to "//abs/path", which POSIX keeps as a distinct spelling.
+        return sqlite_database(Path("/" + unquote(parsed.path).lstrip("/")))
     raise ValueError(f"DATABASE_URL scheme {parsed.scheme!r} is not supported")
 
 
@@ -294,6 +295,7 @@ LOCKSTEP = {
     "HEARTBEAT_S": float(os.environ.get("LOCKSTEP_HEARTBEAT_S", "1.0")),
     "HEARTBEAT_TIMEOUT_S": float(os.environ.get("LOCKSTEP_HEARTBEAT_TIMEOUT_S", "30")),
     "SCHEDULER_TICK_S": float(os.environ.get("LOCKSTEP_SCHEDULER_TICK_S", "5")),
+    "SCHEDULER_LEASE_S": float(os.environ.get("LOCKSTEP_SCHEDULER_LEASE_S", "15")),
     "RESTART_BACKOFF_S": float(os.environ.get("LOCKSTEP_RESTART_BACKOFF_S", "2")),
     "RESTART_BACKOFF_MAX_S": float(os.environ.get("LOCKSTEP_RESTART_BACKOFF_MAX_S", "300")),
     "START_TIMEOUT_S": float(os.environ.get("LOCKSTEP_START_TIMEOUT_S", "300")),

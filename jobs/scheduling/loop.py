@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -165,11 +167,37 @@ def record_pass(report: PassReport, now: datetime) -> None:
 
 
 def run_forever(*, tick_s: float | None = None, once: bool = False) -> None:
+    from jobs.scheduling.leader import LeaderLease
+
     tick_s = tick_s or lockstep_setting("SCHEDULER_TICK_S")
     pubsub = None
-    log.info("scheduler loop started (tick %.1fs)", tick_s)
+    # Long enough that a busy pass and the tick never let it lapse while the leader lives.
+    lease = LeaderLease(ttl_s=max(lockstep_setting("SCHEDULER_LEASE_S"), 3 * tick_s))
+    log.info("scheduler loop started (tick %.1fs, lease %.0f ms)", tick_s, lease.ttl_ms)
+    # SIGTERM (systemd, Kubernetes, `make up`'s Ctrl-C) unwinds through `finally`, so a stopped
+    # scheduler hands the lease over at once instead of leaving a standby waiting out the TTL.
+    main = threading.current_thread() is threading.main_thread()  # signals: main thread only
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
+    try:
+        _loop(lease, tick_s, once, pubsub)
+    finally:
+        lease.release()
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(0)
+
+
+def _loop(lease, tick_s: float, once: bool, pubsub) -> None:
     while True:
         close_old_connections()
+        if not lease.acquire_or_renew():
+            if once:
+                raise SystemExit(f"another scheduler leads ({lease.holder()}); no pass run")
+            pubsub = _wait_for_wake(pubsub, tick_s)
+            continue
         try:
             report, _ = run_pass()
             if report.applied or report.rejected:
