@@ -2,13 +2,18 @@
 
 A rank's series within the asked step range comes back raw when it has at most `max_points`
 points. A longer one is cut into `max_points // 2` equal step buckets and each bucket keeps its
-minimum and its maximum at the steps where they happened, so spikes survive and the line keeps
-its shape. The bucketing runs in the database (one GROUP BY per extreme), not in Python: a
-million-point series is read as about 2,000 rows.
+minimum and its maximum, so spikes survive downsampling. The bucketing is one GROUP BY pass in
+the database, not a loop in Python: a million-point series leaves it as about 2,000 rows.
+
+A bucket's two extremes are placed at its first and last step, the one nearer the previous
+bucket's last value first, so a rising or falling curve stays a clean line instead of a zigzag.
+A bucket spans about one pixel of the chart it was asked for (max_points ~ 2x the chart's width),
+so neither placement is visible; zooming in asks again for the narrower range, down to every
+point.
 """
 
-from django.db import connection
-from django.db.models import Max, Min
+from django.db.models import Count, F, IntegerField, Max, Min
+from django.db.models.expressions import ExpressionWrapper
 
 from jobs.models import MetricPoint
 
@@ -37,14 +42,13 @@ def metric_series(
     if _at_most(points, max_points):
         return _raw(name, points)
     span = points.order_by().aggregate(lo=Min("step"), hi=Max("step"))
-    buckets = max(max_points // 2, 1)
-    kept, counts = _bucketed(points, span["lo"], span["hi"], buckets)
+    kept, counts = _bucketed(points, span["lo"], span["hi"], max(max_points // 2, 1))
     # A rank with few points next to long ones comes back whole.
     small = {r for r, n in counts.items() if n <= max_points}
     result = _raw(name, points.filter(rank__in=small) if small else None)
     for r in sorted(set(kept) - small):
-        series = [p for b in sorted(kept[r]) for p in sorted(kept[r][b])]
-        result["ranks"][str(r)] = {"step": [s for s, _ in series], "value": [v for _, v in series]}
+        steps, values = kept[r]
+        result["ranks"][str(r)] = {"step": steps, "value": values}
         result["downsampled"][str(r)] = True
     order = sorted(result["ranks"], key=int)
     result["ranks"] = {r: result["ranks"][r] for r in order}
@@ -72,58 +76,39 @@ def _raw(name: str, points) -> dict:
 
 
 def _bucketed(points, lo: int, hi: int, buckets: int):
-    """Per rank, each step bucket's minimum and maximum at their own steps; and per rank, how
-    many points it has. Two passes over the rows, whatever the number of ranks."""
+    """Per rank, (steps, values) with each bucket's minimum and maximum; and per rank, how many
+    points it has. One pass over the rows, whatever the number of ranks."""
     width = -(-(hi - lo + 1) // buckets)
-    inner, params = points.values_list("rank", "step", "value").query.sql_with_params()
-    if connection.vendor == "sqlite":
-        # SQLite fills a bare column from the row that gave min() or max() (documented).
-        queries = [
-            f"SELECT rank, (step - %s) / %s AS b, step, {agg}(value), COUNT(*) "
-            f"FROM ({inner}) q GROUP BY rank, b"
-            for agg in ("MIN", "MAX")
-        ]
-    elif connection.vendor == "postgresql":
-        queries = [
-            f"SELECT DISTINCT ON (rank, b) rank, b, step, value, "
-            f"COUNT(*) OVER (PARTITION BY rank, b) FROM "
-            f"(SELECT rank, (step - %s) / %s AS b, step, value FROM ({inner}) q0) q "
-            f"ORDER BY rank, b, value {order}, step"
-            for order in ("ASC", "DESC")
-        ]
-    else:  # pragma: no cover - the two databases Lockstep runs on are above
-        return _bucketed_python(points, buckets)
-    kept: dict[int, dict[int, set]] = {}
-    counts: dict[int, int] = {}
-    with connection.cursor() as cursor:
-        for index, sql in enumerate(queries):
-            cursor.execute(sql, [lo, width, *params])
-            for rank, b, step, value, n in cursor.fetchall():
-                kept.setdefault(rank, {}).setdefault(b, set()).add((step, value))
-                if index == 0:
-                    counts[rank] = counts.get(rank, 0) + n
-    return kept, counts
-
-
-def _bucketed_python(points, buckets: int):
-    kept, counts = {}, {}
+    rows = (
+        points.order_by()
+        .annotate(bucket=ExpressionWrapper((F("step") - lo) / width, output_field=IntegerField()))
+        .values("rank", "bucket")
+        .annotate(
+            first=Min("step"), last=Max("step"), lo=Min("value"), hi=Max("value"), n=Count("id")
+        )
+        .order_by("rank", "bucket")
+        .values_list("rank", "first", "last", "lo", "hi", "n")
+    )
     by_rank: dict[int, list] = {}
-    for r, step, value in points.order_by("rank", "step", "id").values_list(
-        "rank", "step", "value"
-    ):
-        by_rank.setdefault(r, []).append((step, value))
-    for r, series in by_rank.items():
-        counts[r] = len(series)
-        kept[r] = {0: set(_min_max_python(series, buckets))}
+    for r, *bucket in rows:
+        by_rank.setdefault(r, []).append(bucket)
+    kept: dict[int, tuple[list, list]] = {}
+    counts: dict[int, int] = {}
+    for r, rank_buckets in by_rank.items():
+        steps, values = kept[r] = ([], [])
+        counts[r] = sum(b[4] for b in rank_buckets)
+        for index, (first, last, low, high, _) in enumerate(rank_buckets):
+            if low == high:
+                steps.append(first)
+                values.append(low)
+                continue
+            if values:
+                previous = values[-1]
+            else:  # the first bucket: go towards where the curve goes next
+                after = rank_buckets[index + 1] if index + 1 < len(rank_buckets) else None
+                falling = after is not None and (after[2] + after[3]) < (low + high)
+                previous = high if falling else low
+            pair = (low, high) if abs(previous - low) <= abs(previous - high) else (high, low)
+            steps.extend((first, last))
+            values.extend(pair)
     return kept, counts
-
-
-def _min_max_python(series: list[tuple[int, float]], buckets: int) -> list[tuple[int, float]]:
-    size = -(-len(series) // buckets)
-    kept = []
-    for start in range(0, len(series), size):
-        bucket = series[start : start + size]
-        lo = min(bucket, key=lambda p: p[1])
-        hi = max(bucket, key=lambda p: p[1])
-        kept.extend(sorted({lo, hi}))
-    return kept

@@ -1,0 +1,319 @@
+"""The researcher's day in headless Chromium against a live cluster: the home page says why a
+job waits, resubmit prefills the form, the job page zooms and fetches the zoomed range again,
+logs follow a chosen rank, a checkpoint becomes a model version, the cluster grid shows whose
+job is on a GPU, and every page fits a phone. Screenshots go to docs/screenshots/portal-*.png."""
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from tests.live import Api, LiveCluster, wait_for
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SCREENSHOTS = Path(
+    os.environ.get("LOCKSTEP_PORTAL_SCREENSHOTS", Path(__file__).parent.parent / "docs/screenshots")
+)
+
+if not Path(CHROMIUM).exists():
+    pytest.skip(
+        "Debian's chromium is not installed (apt-get install chromium); .ci/run installs it",
+        allow_module_level=True,
+    )
+
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+FIRST_REASON = "queued; waiting for the scheduler's next pass"  # before the first pass
+TRAIN = ["python", "-m", "trainer", "--steps", "100000", "--checkpoint-every", "25"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    live = LiveCluster(tmp_path_factory.mktemp("research"), agents=1, gpus_per_agent=2)
+    try:
+        live.start()
+        live.demo = json.loads(live.manage("seed_demo").strip().splitlines()[-1])
+        api = Api(live.url, live.demo["alice_token"])
+        live.running = _submit(api, "long-run", TRAIN + ["--log-every", "5"], gpus=2)
+        # The cluster has 2 GPUs and long-run holds both: this one waits, with a reason.
+        live.waiting = _submit(api, "next-in-line", TRAIN, gpus=2)
+        yield live
+    finally:
+        live.stop()
+
+
+def _submit(api, name, command, gpus):
+    response = api.post(
+        "/api/v1/jobs/",
+        {
+            "name": name,
+            "team": "demo",
+            "image": "lockstep/trainer:latest",
+            "command": command,
+            "dataset": "synthetic://addition",
+            "gpus": gpus,
+        },
+    )
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+@pytest.fixture(scope="module")
+def page(cluster):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--no-first-run",
+            ],
+        )
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.set_default_timeout(20_000)
+        offline = []
+        # Pages need no internet: anything not from the portal itself is a failure.
+        page.route(
+            "**/*",
+            lambda route: (
+                route.continue_()
+                if route.request.url.startswith(cluster.url.replace("http", "ws"))
+                or route.request.url.startswith(cluster.url)
+                else (offline.append(route.request.url), route.abort())
+            ),
+        )
+        page.goto(cluster.url + "/login/")
+        page.fill("#id_username", "alice")
+        page.fill("#id_password", cluster.demo["alice_password"])
+        page.click("main button[type=submit]")
+        page.wait_for_url(cluster.url + "/")
+        yield page
+        assert not offline, offline
+        browser.close()
+
+
+def _shot(page, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / f"portal-{name}.png"), full_page=True)
+
+
+def _wait_in_page(page, predicate, timeout_s: float, what: str):
+    """wait_for, but pumping Playwright's events (a plain sleep would hold back page.on)."""
+    for _ in range(int(timeout_s * 4)):
+        if predicate():
+            return
+        page.wait_for_timeout(250)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def _wait_for_points(page, chart: str, count: int, timeout: float = 120_000) -> None:
+    page.wait_for_function(
+        f"() => {{ const d = document.getElementById('{chart}').data;"
+        f" return d && d.length > 0 && d[0].x.length >= {count}; }}",
+        timeout=timeout,
+    )
+
+
+def test_home_lists_the_waiting_job_with_its_reason_and_the_team_quota(cluster, page):
+    api = Api(cluster.url, cluster.demo["alice_token"])
+    wait_for(
+        lambda: api.get(f"/api/v1/jobs/{cluster.running}/").json()["state"] == "RUNNING",
+        120,
+        "long-run to run",
+    )
+    wait_for(
+        lambda: api.get(f"/api/v1/jobs/{cluster.waiting}/").json()["reason"] != FIRST_REASON,
+        30,
+        "the scheduler to give next-in-line its reason",
+    )
+    page.goto(cluster.url + "/")
+    waiting = page.locator(f"#jobs tr[data-job='{cluster.waiting}']")
+    reason = api.get(f"/api/v1/jobs/{cluster.waiting}/").json()["reason"]
+    assert reason and reason in waiting.locator(".reason").inner_text()
+    assert waiting.locator(".position").inner_text() == "#1"
+    assert "QUEUED" in waiting.inner_text()
+    running = page.locator(f"#jobs tr[data-job='{cluster.running}']")
+    assert "RUNNING" in running.inner_text()
+    usage = page.locator("#team-usage [data-team=demo]")
+    assert "2 GPUs in use of 4 guaranteed" in usage.inner_text()
+    assert usage.locator(".in-quota").get_attribute("style") == "width:50.0%"
+    _shot(page, "home")
+
+
+def test_job_page_draws_charts_zooms_and_fetches_the_zoomed_range(cluster, page):
+    metrics = []
+    page.on(
+        "request",
+        lambda r: metrics.append(parse_qs(urlparse(r.url).query)) if "/metrics/" in r.url else None,
+    )
+    page.goto(f"{cluster.url}/jobs/{cluster.running}/")
+    page.wait_for_function("() => window.lockstepJob && window.lockstepJob.ready")
+    _wait_for_points(page, "loss-chart", 40)
+    _wait_for_points(page, "step-time-chart", 20)
+    # Every rank has its own throughput and step-time trace, so a straggler stands out.
+    assert page.evaluate("() => document.getElementById('step-time-chart').data.length") == 2
+    first = [m for m in metrics if m["name"] == ["loss"]]
+    assert first and first[0]["max_points"] == ["2000"] and "until_step" not in first[0]
+
+    # Drag across the middle of the loss chart: the chart asks for just those steps again.
+    page.locator("#loss-chart").scroll_into_view_if_needed()
+    box = page.locator("#loss-chart .nsewdrag").first.bounding_box()
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + box["width"] * 0.3, y)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.5, y, steps=5)
+    page.mouse.move(box["x"] + box["width"] * 0.6, y, steps=5)
+    page.mouse.up()
+    _wait_in_page(
+        page,
+        lambda: any("until_step" in m and m["name"] == ["loss"] for m in metrics),
+        10,
+        "a second loss request for the zoomed range",
+    )
+    zoomed = next(m for m in metrics if "until_step" in m and m["name"] == ["loss"])
+    lo, hi = int(zoomed["since_step"][0]), int(zoomed["until_step"][0])
+    last = page.evaluate("() => window.lockstepJob.charts.loss.last['0']")
+    assert 0 <= lo < hi < last, (lo, hi, last)
+    page.wait_for_function(
+        "() => document.getElementById('detail-note').textContent.startsWith('zoomed')"
+    )
+    # Inside the range: every step, fetched again; outside it, the overview stays.
+    chart = page.evaluate(
+        "() => { const e = document.getElementById('loss-chart');"
+        " return {x: e.data[0].x, range: e.layout.xaxis.range}; }"
+    )
+    assert [x for x in chart["x"] if lo < x <= hi] == list(range(lo + 1, hi + 1))
+    assert lo <= chart["range"][0] < chart["range"][1] <= hi + 1
+
+    # The timeline shows the running attempt.
+    timeline = page.evaluate(
+        "() => document.getElementById('timeline-chart').data.map(t => t.y[0])"
+    )
+    assert "attempt 1" in timeline
+    page.wait_for_timeout(1500)
+    _shot(page, "job")
+
+    # Double-click resets the zoom and asks for the whole series again.
+    count = len(metrics)
+    page.locator("#loss-chart .nsewdrag").first.dblclick()
+    _wait_in_page(
+        page,
+        lambda: any("until_step" not in m and m["name"] == ["loss"] for m in metrics[count:]),
+        10,
+        "the full series again after the reset",
+    )
+
+
+def test_logs_follow_the_chosen_rank(cluster, page):
+    page.goto(f"{cluster.url}/jobs/{cluster.running}/")
+    page.wait_for_function("() => window.lockstepJob && window.lockstepJob.ready")
+    page.select_option("#log-rank", "1")
+    page.wait_for_function("() => /step \\d+/.test(document.getElementById('logs').textContent)")
+    text = page.locator("#logs").inner_text()
+    assert "[rank 0]" not in text
+    before = len(text)
+    page.wait_for_function(
+        f"() => document.getElementById('logs').textContent.length > {before}", timeout=60_000
+    )
+    assert page.is_checked("#log-follow")
+    at_bottom = page.evaluate(
+        "() => { const l = document.getElementById('logs');"
+        " return l.scrollTop + l.clientHeight >= l.scrollHeight - 5; }"
+    )
+    assert at_bottom
+
+
+def test_resubmit_prefills_the_form(cluster, page):
+    page.goto(f"{cluster.url}/jobs/{cluster.running}/")
+    page.click("#resubmit")
+    page.wait_for_url(f"**/jobs/new/?from={cluster.running}")
+    assert page.input_value("#id_name") == "long-run"
+    assert page.input_value("#id_command").startswith("python -m trainer --steps 100000")
+    assert page.input_value("#id_gpus") == "2"
+    assert page.locator("#id_team").input_value() == "demo"
+    # The memory planner's section is still there and answers.
+    page.locator("#planner summary").click()
+    page.click("#planner-check")
+    page.wait_for_selector("#planner-result .planner-fits, #planner-result .planner-nofit")
+    # A pasted spec with a bad value: the error sits next to its field, nothing is submitted.
+    page.locator("#spec summary").click()
+    page.fill(
+        "#id_spec_text",
+        '{"name": "pasted", "team": "demo", "image": "x", "command": ["python"], "gpus": 0}',
+    )
+    page.click("#spec-form button[type=submit]")
+    assert page.input_value("#id_name") == "pasted"
+    assert "greater than or equal to 1" in page.locator("#id_gpus ~ .errorlist").inner_text()
+    page.fill("#id_gpus", "1")
+    _shot(page, "submit")
+
+
+def test_a_checkpoint_becomes_a_model_version_with_lineage_and_weights(cluster, page):
+    page.goto(f"{cluster.url}/jobs/{cluster.running}/")
+    row = page.locator("#checkpoints tbody tr[data-step]").first
+    row.wait_for(timeout=120_000)
+    step = row.get_attribute("data-step")
+    row.locator("input[name=name]").fill("adder")
+    row.locator("input[name=notes]").fill("first look")
+    row.locator("button").click()
+    page.wait_for_url("**/models/*")
+    version = page.locator("#models article.version").first
+    assert f"step {step}" in version.inner_text() and "first look" in version.inner_text()
+    assert "long-run" in version.inner_text() and "synthetic://" in version.inner_text()
+
+    def exported():
+        page.reload()
+        return page.locator("#models a.button", has_text="Download state dict").count() > 0
+
+    wait_for(exported, 120, "the export to finish", interval=2)
+    with page.expect_download() as download:
+        page.click("#models a.button >> nth=0")
+    assert download.value.suggested_filename == "adder-v1-state_dict.pt"
+    _shot(page, "models")
+
+
+def test_cluster_grid_hover_shows_the_job(cluster, page):
+    page.goto(cluster.url + "/cluster/")
+    gpus = page.locator("#nodes a.gpu.busy")
+    assert gpus.count() == 2
+    gpus.first.hover()
+    tip = page.locator("#gpu-tip")
+    tip.wait_for(state="visible")
+    assert re.search(rf"job {cluster.running} long-run \(demo\), rank \d", tip.inner_text())
+    _shot(page, "cluster")
+
+
+@pytest.mark.parametrize("path", ["/", "/jobs/new/", "job", "/models/", "/cluster/"])
+def test_pages_fit_a_phone_without_horizontal_scrolling(cluster, page, path):
+    page.set_viewport_size({"width": 390, "height": 844})
+    try:
+        url = f"{cluster.url}/jobs/{cluster.running}/" if path == "job" else cluster.url + path
+        page.goto(url)
+        if path == "job":
+            page.wait_for_function("() => window.lockstepJob && window.lockstepJob.ready")
+            width = page.evaluate(
+                "() => document.getElementById('loss-chart').getBoundingClientRect().width"
+            )
+            assert 300 <= width <= 390
+        overflow = page.evaluate(
+            "() => document.documentElement.scrollWidth - document.documentElement.clientWidth"
+        )
+        assert overflow <= 0, f"{path}: {overflow}px wider than the phone"
+        name = {"/": "home", "/jobs/new/": "submit", "job": "job", "/models/": "models"}.get(
+            path, "cluster"
+        )
+        if path in ("/", "job", "/cluster/"):
+            page.wait_for_timeout(800)
+            _shot(page, f"{name}-phone")
+    finally:
+        page.set_viewport_size({"width": 1280, "height": 900})
