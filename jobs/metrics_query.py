@@ -12,10 +12,13 @@ so neither placement is visible; zooming in asks again for the narrower range, d
 point.
 """
 
+import math
+
+from django.core.cache import cache
 from django.db.models import Count, F, IntegerField, Max, Min
 from django.db.models.expressions import ExpressionWrapper
 
-from jobs.models import MetricPoint
+from jobs.models import Job, MetricPoint
 
 
 def metric_series(
@@ -41,8 +44,18 @@ def metric_series(
         points = points.filter(attempt__number=attempt)
     if _at_most(points, max_points):
         return _raw(name, points)
-    span = points.order_by().aggregate(lo=Min("step"), hi=Max("step"))
-    kept, counts = _bucketed(points, span["lo"], span["hi"], max(max_points // 2, 1))
+    # Two ordered LIMIT 1 reads walk the (job, name, step) index from either end; one
+    # aggregate with both MIN and MAX would read every row.
+    lo = points.order_by("step").values_list("step", flat=True).first()
+    hi = points.order_by("-step").values_list("step", flat=True).first()
+    buckets = max(max_points // 2 - 1, 1)
+    if since_step is None and until_step is None and attempt is None:
+        by_rank = _overview(points, job_id, name, rank, lo, hi, buckets)
+    else:
+        width = -(-(hi - lo + 1) // buckets)
+        by_rank = _bucket_rows(points, width, lo)
+    kept = {r: _line(rows) for r, rows in by_rank.items()}
+    counts = {r: sum(row[5] for row in rows) for r, rows in by_rank.items()}
     # A rank with few points next to long ones comes back whole.
     small = {r for r, n in counts.items() if n <= max_points}
     result = _raw(name, points.filter(rank__in=small) if small else None)
@@ -75,40 +88,101 @@ def _raw(name: str, points) -> dict:
     return out
 
 
-def _bucketed(points, lo: int, hi: int, buckets: int):
-    """Per rank, (steps, values) with each bucket's minimum and maximum; and per rank, how many
-    points it has. One pass over the rows, whatever the number of ranks."""
-    width = -(-(hi - lo + 1) // buckets)
+def _bucket_rows(points, width: int, origin: int = 0) -> dict[int, list]:
+    """Per rank, [bucket, first step, last step, min, max, count] for buckets of `width` steps
+    from `origin`, in bucket order. One GROUP BY pass, whatever the number of ranks."""
     rows = (
         points.order_by()
-        .annotate(bucket=ExpressionWrapper((F("step") - lo) / width, output_field=IntegerField()))
+        .annotate(
+            bucket=ExpressionWrapper((F("step") - origin) / width, output_field=IntegerField())
+        )
         .values("rank", "bucket")
         .annotate(
             first=Min("step"), last=Max("step"), lo=Min("value"), hi=Max("value"), n=Count("id")
         )
         .order_by("rank", "bucket")
-        .values_list("rank", "first", "last", "lo", "hi", "n")
+        .values_list("rank", "bucket", "first", "last", "lo", "hi", "n")
     )
     by_rank: dict[int, list] = {}
     for r, *bucket in rows:
         by_rank.setdefault(r, []).append(bucket)
-    kept: dict[int, tuple[list, list]] = {}
-    counts: dict[int, int] = {}
-    for r, rank_buckets in by_rank.items():
-        steps, values = kept[r] = ([], [])
-        counts[r] = sum(b[4] for b in rank_buckets)
-        for index, (first, last, low, high, _) in enumerate(rank_buckets):
-            if low == high:
-                steps.append(first)
-                values.append(low)
-                continue
-            if values:
-                previous = values[-1]
-            else:  # the first bucket: go towards where the curve goes next
-                after = rank_buckets[index + 1] if index + 1 < len(rank_buckets) else None
-                falling = after is not None and (after[2] + after[3]) < (low + high)
-                previous = high if falling else low
-            pair = (low, high) if abs(previous - low) <= abs(previous - high) else (high, low)
-            steps.extend((first, last))
-            values.extend(pair)
-    return kept, counts
+    return by_rank
+
+
+CACHE_S = 24 * 3600
+
+
+def _overview(points, job_id: int, name: str, rank, lo: int, hi: int, buckets: int) -> dict:
+    """The whole run's buckets, on a grid anchored at step 0 whose width is a power of two, so
+    the grid stays put while the run grows. Buckets every rank has moved past are complete and
+    cached; a later request reads only the rows from the first open bucket on. A new attempt
+    (which may write steps again from its checkpoint) starts the cache afresh."""
+    width = 1 << max(0, math.ceil(math.log2(max(1, -(-(hi - lo + 1) // buckets)))))
+    while hi // width - lo // width + 1 > buckets:
+        width *= 2
+    stamp = (
+        Job.objects.filter(pk=job_id)
+        .annotate(latest=Max("attempts__number"))
+        .values_list("submitted_at", "latest")
+        .first()
+    )
+    key = f"lockstep:metrics:{job_id}:{name}:{rank}:{width}"
+    version = [stamp[0].isoformat(), stamp[1]] if stamp else None
+    try:
+        cached = cache.get(key)
+    except Exception:  # a cache outage costs speed, never the answer
+        cached = None
+    if cached and cached.get("version") == version and cached.get("sealed") is not None:
+        # Points are appended, so the sealed part is unchanged while its row count is: a
+        # count over the (job, name, step) index, which holds every column it needs.
+        below = MetricPoint.objects.filter(
+            job_id=job_id, name=name, step__lt=cached["sealed"] * width
+        ).count()
+        if below != cached.get("below"):
+            cached = None
+    else:
+        cached = None
+    cached = cached or {"sealed": None, "rows": {}}
+    sealed = cached["sealed"]
+    tail = points if sealed is None else points.filter(step__gte=sealed * width)
+    fresh = _bucket_rows(tail, width)
+    rows = {}
+    for r in set(cached["rows"]) | set(fresh):
+        old = [row for row in cached["rows"].get(r, []) if sealed is not None and row[0] < sealed]
+        rows[r] = old + fresh.get(r, [])
+    if rows and all(rows.values()):
+        # The last bucket of the slowest rank may still fill, and the one before it, should
+        # a heartbeat carry a rank's steps late.
+        now_sealed = min(rank_rows[-1][0] for rank_rows in rows.values()) - 1
+        keep = {r: [row for row in rr if row[0] < now_sealed] for r, rr in rows.items()}
+        below = MetricPoint.objects.filter(
+            job_id=job_id, name=name, step__lt=now_sealed * width
+        ).count()
+        entry = {"version": version, "sealed": now_sealed, "rows": keep, "below": below}
+        try:
+            cache.set(key, entry, timeout=CACHE_S)
+        except Exception:
+            pass
+    return rows
+
+
+def _line(rank_rows: list) -> tuple[list, list]:
+    """A rank's buckets as (steps, values): each bucket's min and max at its first and last
+    step, the extreme nearer the line so far first."""
+    steps: list[int] = []
+    values: list[float] = []
+    for index, (_, first, last, low, high, _n) in enumerate(rank_rows):
+        if low == high:
+            steps.append(first)
+            values.append(low)
+            continue
+        if values:
+            previous = values[-1]
+        else:  # the first bucket: go towards where the curve goes next
+            after = rank_rows[index + 1] if index + 1 < len(rank_rows) else None
+            falling = after is not None and (after[3] + after[4]) < (low + high)
+            previous = high if falling else low
+        pair = (low, high) if abs(previous - low) <= abs(previous - high) else (high, low)
+        steps.extend((first, last))
+        values.extend(pair)
+    return steps, values
