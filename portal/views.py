@@ -161,7 +161,7 @@ def submit_job(request):
         status = 400
     else:
         form = JobForm(initial=_submit_initial(request, teams), teams=teams)
-    source = request.GET.get("from", "")
+    source = request.GET.get("from", "") if request.method == "GET" else ""
     return render(
         request,
         "submit.html",

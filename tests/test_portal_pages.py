@@ -100,7 +100,7 @@ def test_home_lists_my_teams_jobs_with_reason_queue_position_and_quota_use(clien
     # Second in the cluster's estimated start order: the other team's job starts first.
     assert f'<tr data-job="{mine.id}">' in html
     row = html.split(f'<tr data-job="{mine.id}">')[1].split("</tr>")[0]
-    assert '<td class="position">#2</td>' in row
+    assert '<td data-label="Queue" class="position">#2</td>' in row
     assert "(in 1" in row  # estimated start, "in 19 minutes"
     running_row = html.split(f'<tr data-job="{running.id}">')[1].split("</tr>")[0]
     assert "1.0 h" in running_row or "60.0 min" in running_row

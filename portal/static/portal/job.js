@@ -352,8 +352,14 @@
           var attempts = page.timeline.attempts;
           var number = attempts.length ? attempts[attempts.length - 1].number : "";
           [c.step, number, fmtBytes(c.bytes), c.save_s.toFixed(2) + "s", new Date(c.created_at).toTimeString().slice(0, 8)]
-            .forEach(function (v) { var td = document.createElement("td"); td.textContent = v; tr.appendChild(td); });
+            .forEach(function (v, i) {
+              var cell = document.createElement("td");
+              cell.textContent = v;
+              cell.dataset.label = ["Step", "Attempt", "Size", "Save time", "Saved"][i];
+              tr.appendChild(cell);
+            });
           var td = document.createElement("td");
+          td.dataset.label = "Register";
           var form = document.createElement("form");
           form.className = "inline-form register";
           form.method = "post";
