@@ -126,22 +126,30 @@ def _overview(points, job_id: int, name: str, rank, lo: int, hi: int, buckets: i
         .values_list("submitted_at", "latest")
         .first()
     )
-    key = f"lockstep:metrics:{job_id}:{name}:{rank}:{width}"
+    key = f"lockstep:metrics:{job_id}:{name}:{rank}:{{}}"
     version = [stamp[0].isoformat(), stamp[1]] if stamp else None
-    try:
-        cached = cache.get(key)
-    except Exception:  # a cache outage costs speed, never the answer
-        cached = None
-    if cached and cached.get("version") == version and cached.get("sealed") is not None:
-        # Points are appended, so the sealed part is unchanged while its row count is: a
-        # count over the (job, name, step) index, which holds every column it needs.
-        below = MetricPoint.objects.filter(
-            job_id=job_id, name=name, step__lt=cached["sealed"] * width
-        ).count()
-        if below != cached.get("below"):
-            cached = None
-    else:
-        cached = None
+    cached = _cached(key.format(width), version, job_id, name, width)
+    if cached is None and width > 1:
+        # The run doubled its span since the last look: pairs of the old grid's buckets are
+        # exactly the new grid's (min, max, first, last and count all merge).
+        half = _cached(key.format(width // 2), version, job_id, name, width // 2)
+        if half is not None:
+            cached = {"sealed": half["sealed"] // 2, "rows": {}}
+            for r, half_rows in half["rows"].items():
+                merged: dict[int, list] = {}
+                for b, first, last, low, high, n in half_rows:
+                    row = merged.get(b // 2)
+                    if row is None:
+                        merged[b // 2] = [b // 2, first, last, low, high, n]
+                    else:
+                        row[1:] = [
+                            min(row[1], first),
+                            max(row[2], last),
+                            min(row[3], low),
+                            max(row[4], high),
+                            row[5] + n,
+                        ]
+                cached["rows"][r] = [merged[b] for b in sorted(merged)]
     cached = cached or {"sealed": None, "rows": {}}
     sealed = cached["sealed"]
     tail = points if sealed is None else points.filter(step__gte=sealed * width)
@@ -160,10 +168,26 @@ def _overview(points, job_id: int, name: str, rank, lo: int, hi: int, buckets: i
         ).count()
         entry = {"version": version, "sealed": now_sealed, "rows": keep, "below": below}
         try:
-            cache.set(key, entry, timeout=CACHE_S)
+            cache.set(key.format(width), entry, timeout=CACHE_S)
         except Exception:
             pass
     return rows
+
+
+def _cached(key: str, version, job_id: int, name: str, width: int) -> dict | None:
+    """A cache entry still true of the database, or None."""
+    try:
+        cached = cache.get(key)
+    except Exception:  # a cache outage costs speed, never the answer
+        return None
+    if not cached or cached.get("version") != version or cached.get("sealed") is None:
+        return None
+    # Points are only ever appended, so the sealed part is unchanged while its row count is:
+    # a count over the (job, name, step) index, which holds every column it needs.
+    below = MetricPoint.objects.filter(
+        job_id=job_id, name=name, step__lt=cached["sealed"] * width
+    ).count()
+    return cached if below == cached.get("below") else None
 
 
 def _line(rank_rows: list) -> tuple[list, list]:

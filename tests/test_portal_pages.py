@@ -403,6 +403,8 @@ def test_cluster_grid_colours_gpus_by_team_and_names_only_visible_jobs(
 
 def test_the_cached_overview_follows_a_growing_run_and_a_restart(two_teams):
     from django.core.cache import cache
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
 
     lab, ann, _, _ = two_teams
     job = _job(lab, ann, state="RUNNING")
@@ -418,6 +420,15 @@ def test_the_cached_overview_follows_a_growing_run_and_a_restart(two_teams):
     assert 999.0 in grown["ranks"]["0"]["value"] and max(grown["ranks"]["0"]["step"]) == 11_999
     cache.clear()
     assert metric_series(job.id, "loss", max_points=200) == grown
+    # The span doubles: the cached buckets merge in pairs into the wider grid.
+    _points(job, first, [float(i % 30) for i in range(8_000)], first_step=12_000)
+    with CaptureQueriesContext(connection) as queries:
+        doubled = metric_series(job.id, "loss", max_points=200)
+    grouped = [q["sql"] for q in queries if "GROUP BY" in q["sql"] and "metricpoint" in q["sql"]]
+    assert len(grouped) == 1 and '"step" >= 11' in grouped[0]  # only the open buckets
+    cache.clear()
+    assert metric_series(job.id, "loss", max_points=200) == doubled
+    assert 999.0 in doubled["ranks"]["0"]["value"]
     # A new attempt writes steps again from its checkpoint: the cache starts afresh.
     second = _attempt(job, 2, start=now)
     _points(job, second, [-50.0], first_step=500)
