@@ -210,7 +210,11 @@
   var LIVE_STATES = ["STARTING", "RUNNING", "PREEMPTING"];
   var gpu = {traces: {}, timer: null};
   function gpuLayout(title, ytitle) {
-    return layout(title, ytitle, {xaxis: {title: {text: "time"}, type: "date"}});
+    return layout(title, ytitle, {
+      xaxis: {type: "date", tickformat: "%H:%M:%S", nticks: 4},
+      yaxis: {title: {text: ytitle}, rangemode: "tozero"},
+      legend: {orientation: "h", y: -0.2},
+    });
   }
   Plotly.newPlot("gpu-util-chart", [], gpuLayout("GPU utilization per rank", "%"), config);
   Plotly.newPlot("gpu-mem-chart", [], gpuLayout("GPU memory per rank", "GiB"), config);
