@@ -214,6 +214,28 @@ def test_job_page_draws_charts_zooms_and_fetches_the_zoomed_range(cluster, page)
     )
 
 
+def test_live_points_reach_the_chart_within_2_s_of_their_step(cluster, page):
+    """From the trainer writing a step's record to the point arriving in the page (agent tail,
+    heartbeat every 0.5 s here, 1 s by default, portal, channel layer, websocket)."""
+    page.goto(f"{cluster.url}/jobs/{cluster.running}/")
+    page.wait_for_function("() => window.lockstepJob && window.lockstepJob.ready")
+    page.wait_for_function(
+        "() => Object.keys(window.lockstepJob.arrivals).length >= 30", timeout=120_000
+    )
+    arrivals = page.evaluate("() => window.lockstepJob.arrivals")
+    written = {}
+    for path in cluster.work.glob("agents/**/rank-0.metrics.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("kind") == "step":
+                written[str(record["step"])] = record["time"]
+    latencies = sorted(arrivals[s] - written[s] for s in arrivals if s in written)
+    assert len(latencies) >= 30
+    median, worst = latencies[len(latencies) // 2], latencies[-1]
+    print(f"live latency over {len(latencies)} steps: median {median:.2f} s, max {worst:.2f} s")
+    assert median < 2.0, latencies
+
+
 def test_logs_follow_the_chosen_rank(cluster, page):
     page.goto(f"{cluster.url}/jobs/{cluster.running}/")
     page.wait_for_function("() => window.lockstepJob && window.lockstepJob.ready")

@@ -12,8 +12,9 @@
   var jobId = page.job;
   var MAX_POINTS = page.max_points;
   var LIVE_CAP = 50000; // points kept per trace while streaming
+  // arrivals: step -> when (epoch s) rank 0's loss for it reached the page (latency checks).
   var state = (window.lockstepJob = {
-    ready: false, charts: {}, requests: [], liveAt: [], startedAt: performance.now(),
+    ready: false, charts: {}, requests: [], liveAt: [], arrivals: {}, startedAt: performance.now(),
   });
   var config = {responsive: true, displaylogo: false, modeBarButtonsToRemove: ["lasso2d", "select2d"]};
   var webgl = null; // asked on first need: creating a WebGL context costs time
@@ -385,7 +386,9 @@
     var msg = JSON.parse(ev.data);
     if (msg.type === "metrics") {
       var grouped = {};
+      var arrived = Date.now() / 1000;
       msg.points.forEach(function (p) {
+        if (p.name === "loss" && Number(p.rank) === 0) state.arrivals[p.step] = arrived;
         var key = p.name + "|" + p.rank;
         var g = (grouped[key] = grouped[key] || {name: p.name, rank: p.rank, s: [], v: []});
         g.s.push(p.step); g.v.push(p.value);
