@@ -109,7 +109,7 @@ def _bucket_rows(points, width: int, origin: int = 0) -> dict[int, list]:
     return by_rank
 
 
-CACHE_S = 24 * 3600
+CACHE_S = 7 * 24 * 3600  # an entry lives a week past its last use
 
 
 def _overview(points, job_id: int, name: str, rank, lo: int, hi: int, buckets: int) -> dict:
