@@ -41,6 +41,9 @@ SCENARIOS = {
     "msft-4096": ("msft_itp_2021.csv", {"gpus": 4096}),
     "msft-4096-load3.5": ("msft_itp_2021.csv", {"gpus": 4096, "load_scale": 3.5}),
     "msft-1280": ("msft_itp_2021.csv", {"gpus": 1280}),
+    # As the live system preempts: the victim saves when told to stop and loses nothing (the
+    # default above assumes it loses the work since its last periodic checkpoint).
+    "msft-1280-ckpt-on-stop": ("msft_itp_2021.csv", {"gpus": 1280, "checkpoint_on_stop": True}),
     "alibaba-4096": ("alibaba_openb_2023.csv", {"gpus": 4096}),
     "alibaba-64": ("alibaba_openb_2023.csv", {"gpus": 64}),
 }

@@ -978,6 +978,11 @@ def _agent_time(value, now: datetime) -> datetime:
     return now
 
 
+def _report_order(report) -> int:
+    attempt_id = report.get("attempt_id") if isinstance(report, dict) else None
+    return attempt_id if isinstance(attempt_id, int) else -1
+
+
 def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
     """Apply one agent heartbeat; returns the response (what should run on the node)."""
     acked = []
@@ -991,10 +996,18 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
         node.telemetry = body.get("telemetry") or []
         node.save(update_fields=["state", "state_reason", "last_heartbeat_at", "telemetry"])
 
-        for report in body.get("attempts") or []:
+        # In attempt id order, so two heartbeats lock shared attempts in one order (no deadlock).
+        for report in sorted(body.get("attempts") or [], key=_report_order):
             attempt_id = report.get("attempt_id")
+            # Locked: the nodes of one gang report at the same moment (every rank exits at
+            # the end, or on a stop), each in its own transaction. Unlocked, on PostgreSQL each
+            # saw the other nodes' ranks still running and none ended the attempt (or marked it
+            # RUNNING), leaving it to the stop deadline or the start timeout.
             attempt = (
-                Attempt.objects.select_related("job").filter(pk=attempt_id).first()
+                Attempt.objects.select_for_update(of=("self",))
+                .select_related("job")
+                .filter(pk=attempt_id)
+                .first()
                 if isinstance(attempt_id, int)
                 else None
             )

@@ -8,6 +8,19 @@ from jobs import actions
 from teams.actions import do_add_member, do_create_team, do_issue_token
 
 
+@pytest.fixture(autouse=True)
+def fresh_heartbeat_intake(monkeypatch):
+    """The scheduler's heartbeat intake lives in a module global (one per scheduler process).
+    A test that runs passes at future times leaves it "resumed" in the future, and a later
+    test's hang or lost-node detection then waits for a timeout from that moment: each test
+    gets an intake as if its scheduler had been running for an hour."""
+    from datetime import timedelta
+
+    from jobs.scheduling import loop
+
+    monkeypatch.setattr(loop, "intake", loop.HeartbeatIntake(timezone.now() - timedelta(hours=1)))
+
+
 @pytest.fixture
 def setup(make_team, make_user, make_nodes, settings, tmp_path):
     settings.LOCKSTEP = {
