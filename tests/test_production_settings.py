@@ -14,6 +14,9 @@ SECRET_VARS = ("LOCKSTEP_SECRET_KEY", "DJANGO_SECRET_KEY")
 def manage(args: list[str], env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith(SECRET_VARS)}
     base.pop("LOCKSTEP_DEBUG", None)
+    # Set by the browser tests' modules at collection (Playwright's sync API in pytest); a
+    # deployment never has it, and check --deploy rightly refuses it (async.E001).
+    base.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     return subprocess.run(
         [sys.executable, "manage.py", *args],
         cwd=ROOT,
