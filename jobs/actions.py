@@ -38,6 +38,9 @@ from teams.models import Team, token_digest
 log = logging.getLogger(__name__)
 
 STEP_METRICS = ("loss", "tokens_per_s", "step_time_s", "compute_s")
+# Steps and ranks are PositiveIntegerFields: 32 bits on PostgreSQL. A report beyond them is
+# dropped as bad, rather than failing the whole heartbeat in the database.
+MAX_COUNTER = 2**31 - 1
 
 
 class ClaimRejected(Exception):
@@ -45,7 +48,8 @@ class ClaimRejected(Exception):
 
 
 def _event(kind: str, message: str, **refs) -> Event:
-    return Event.objects.create(kind=kind, message=message[:2000], **refs)
+    # Messages quote agent and trainer reports; PostgreSQL text cannot hold a NUL character.
+    return Event.objects.create(kind=kind, message=message.replace("\x00", "\ufffd")[:2000], **refs)
 
 
 def _push_state(job: Job) -> None:
@@ -727,6 +731,8 @@ def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Chec
     if not resolved.is_relative_to(job_dir) or not (resolved / "COMMITTED").exists():
         log.warning("ignoring checkpoint record outside %s or uncommitted: %s", job_dir, path)
         return None
+    if not 0 <= int(record["step"]) <= MAX_COUNTER or not 0 <= int(record.get("bytes", 0)) < 2**63:
+        raise ValueError(f"checkpoint step or size out of range: {record}")
     checkpoint, created = Checkpoint.objects.get_or_create(
         job_id=attempt.job_id,
         path=str(resolved),
@@ -767,8 +773,12 @@ def _ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[d
         kind = record.get("kind")
         try:
             rank = int(record.get("rank", 0))
+            if not 0 <= rank <= MAX_COUNTER:
+                raise ValueError(f"rank {rank} out of range")
             if kind == "step":
                 step = int(record["step"])
+                if not 0 <= step <= MAX_COUNTER:
+                    raise ValueError(f"step {step} out of range")
                 when = datetime.fromtimestamp(
                     float(record.get("time", now.timestamp())), now.tzinfo
                 )
@@ -814,7 +824,8 @@ def _ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[d
                     job_id=attempt.job_id,
                     attempt=attempt,
                 )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError, OSError) as exc:
+            # OverflowError, OSError: a timestamp out of the platform's range.
             log.warning("bad metric record from attempt %s: %s (%s)", attempt.id, record, exc)
     if points:
         MetricPoint.objects.bulk_create(points, batch_size=1000)
@@ -971,10 +982,9 @@ def desired_for_node(node: Node, now: datetime) -> list[dict]:
 
 def _agent_time(value, now: datetime) -> datetime:
     """An agent's wall-clock timestamp, trusted only if plausible (clocks drift)."""
-    if isinstance(value, int | float):
-        when = datetime.fromtimestamp(value, now.tzinfo)
-        if now - timedelta(hours=1) <= when <= now:
-            return when
+    # Compared as numbers first: fromtimestamp() raises on values out of the platform's range.
+    if isinstance(value, int | float) and now.timestamp() - 3600 <= value <= now.timestamp():
+        return datetime.fromtimestamp(value, now.tzinfo)
     return now
 
 
@@ -1023,7 +1033,11 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
             pushed = _ingest_records(attempt, report.get("records") or [], now=now)
             chunks = [
                 LogChunk(
-                    attempt=attempt, rank=int(item["rank"]), text=str(item["text"]), created_at=now
+                    attempt=attempt,
+                    rank=int(item["rank"]),
+                    # A worker may print NUL characters; PostgreSQL text cannot store them.
+                    text=str(item["text"]).replace("\x00", "\ufffd"),
+                    created_at=now,
                 )
                 for item in report.get("logs") or []
                 if isinstance(item, dict) and item.get("text")

@@ -5,6 +5,7 @@ node and valid on the heartbeat endpoint only."""
 import hmac
 
 from django.utils import timezone
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers, status
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
@@ -31,6 +32,109 @@ class RegisterSerializer(serializers.Serializer):
     rack = serializers.CharField(max_length=64, required=False, default="default")
     boot_id = serializers.CharField(max_length=64, required=False, allow_blank=True, default="")
     killed_orphans = serializers.IntegerField(min_value=0, required=False, default=0)
+
+
+MAX_RANK = 100_000
+INT32 = 2**31 - 1
+
+
+@extend_schema_field({"type": "array", "items": {"type": "object"}})
+class ObjectListField(serializers.Field):
+    """A list of JSON objects, checked for shape only: a heartbeat may carry thousands of metric
+    records, which do_heartbeat checks one by one as it ingests them."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, list) or not all(isinstance(item, dict) for item in data):
+            raise serializers.ValidationError("Expected a list of objects.")
+        return data
+
+    def to_representation(self, value):
+        return value
+
+
+@extend_schema_field({"type": "string"})
+class LogTextField(serializers.Field):
+    """Any string, NUL characters included (CharField refuses them): a worker's output is
+    whatever it printed, and refusing it would fail every heartbeat that re-sends it."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            raise serializers.ValidationError("Expected a string.")
+        return data
+
+    def to_representation(self, value):
+        return value
+
+
+class RankReportSerializer(serializers.Serializer):
+    rank = serializers.IntegerField(min_value=0, max_value=MAX_RANK)
+    pid = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=INT32)
+    state = serializers.CharField(max_length=16)
+    exit_code = serializers.IntegerField(
+        required=False, allow_null=True, min_value=-INT32, max_value=INT32
+    )
+    exited_at = serializers.FloatField(required=False, allow_null=True)
+
+
+class LogReportSerializer(serializers.Serializer):
+    rank = serializers.IntegerField(min_value=0, max_value=MAX_RANK)
+    text = LogTextField()
+
+
+METRIC_RECORD = {
+    "type": "object",
+    "description": "A line of the rank's LOCKSTEP_METRICS_PATH file; bad ones are skipped",
+    "properties": {
+        "kind": {"type": "string", "enum": ["step", "checkpoint", "start", "end"]},
+        "rank": {"type": "integer", "minimum": 0},
+        "step": {"type": "integer", "minimum": 0},
+        "time": {"type": "number"},
+        **{name: {"type": "number"} for name in actions.STEP_METRICS},
+        "path": {"type": "string"},
+        "bytes": {"type": "integer", "minimum": 0},
+        "save_s": {"type": "number"},
+        "reason": {"type": "string"},
+    },
+    "required": ["kind"],
+}
+
+
+@extend_schema_field({"type": "array", "items": METRIC_RECORD})
+class RecordListField(ObjectListField):
+    pass
+
+
+class AttemptReportSerializer(serializers.Serializer):
+    attempt_id = serializers.IntegerField()
+    ranks = RankReportSerializer(many=True, required=False, default=list)
+    records = RecordListField(required=False, default=list)
+    logs = LogReportSerializer(many=True, required=False, default=list)
+    dumped = serializers.BooleanField(required=False, default=False)
+
+
+def _has_nul(value) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
+class HeartbeatSerializer(serializers.Serializer):
+    """The heartbeat body (docs/agent-protocol.md). Its structure is checked here, so that a
+    malformed one is a 400 that names the field, not an error half-way through applying it."""
+
+    boot_id = serializers.CharField(max_length=64, allow_blank=True, required=False, default="")
+    telemetry = ObjectListField(required=False, default=list)
+    attempts = AttemptReportSerializer(many=True, required=False, default=list)
+
+    def validate_telemetry(self, value):
+        # Shown on pages and stored as JSON; PostgreSQL's jsonb cannot hold a NUL character.
+        if any(_has_nul(reading) for reading in value):
+            raise serializers.ValidationError("Telemetry must not contain NUL characters.")
+        return value
 
 
 class AgentRegisterView(APIView):
@@ -61,9 +165,8 @@ class AgentHeartbeatView(APIView):
                 {"detail": "Unknown node token; register again."},
                 status=status.HTTP_401_UNAUTHORIZED,
             )
-        body = request.data if isinstance(request.data, dict) else {}
-        if body.get("boot_id", "") != node.boot_id:
+        body = HeartbeatSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        if body.validated_data["boot_id"] != node.boot_id:
             return Response({"detail": "stale boot"}, status=status.HTTP_409_CONFLICT)
-        if not isinstance(body.get("attempts", []), list):
-            return Response({"attempts": ["must be a list"]}, status=status.HTTP_400_BAD_REQUEST)
-        return Response(actions.do_heartbeat(node, body, now=timezone.now()))
+        return Response(actions.do_heartbeat(node, body.validated_data, now=timezone.now()))

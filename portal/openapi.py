@@ -18,7 +18,12 @@ from drf_spectacular.utils import (
 )
 from rest_framework import serializers
 
-from jobs.agent_api import AgentHeartbeatView, AgentRegisterView, RegisterSerializer
+from jobs.agent_api import (
+    AgentHeartbeatView,
+    AgentRegisterView,
+    HeartbeatSerializer,
+    RegisterSerializer,
+)
 from jobs.api import JobViewSet, ModelVersionViewSet, NodeReasonSerializer, NodeViewSet
 from jobs.plan_api import PlanRequestSerializer, PlanView
 from jobs.preemption_api import PreemptionSerializer, PreemptionViewSet
@@ -266,7 +271,31 @@ extend_schema_view(
 
 extend_schema_view(
     post=extend_schema(
-        request=OpenApiTypes.OBJECT,
+        request=HeartbeatSerializer,
+        examples=[
+            OpenApiExample(
+                "Two ranks running, a step and a log line",
+                request_only=True,
+                value={
+                    "boot_id": "3f1c...",
+                    "telemetry": [{"index": 0, "util": 97.0, "mem_used": 70, "mem_total": 80}],
+                    "attempts": [
+                        {
+                            "attempt_id": 17,
+                            "ranks": [
+                                {"rank": 0, "pid": 1234, "state": "running", "exit_code": None},
+                                {"rank": 1, "pid": 1235, "state": "exited", "exit_code": -9},
+                            ],
+                            "records": [
+                                {"rank": 0, "kind": "step", "step": 12, "loss": 2.1},
+                                {"rank": 0, "kind": "end", "step": 12, "reason": "done"},
+                            ],
+                            "logs": [{"rank": 0, "text": "step 12 loss 2.1\n"}],
+                        }
+                    ],
+                },
+            )
+        ],
         responses={
             200: inline_serializer(
                 "AgentHeartbeatReply",
@@ -276,6 +305,7 @@ extend_schema_view(
                     "acked": serializers.ListField(child=serializers.IntegerField()),
                 },
             ),
+            400: OpenApiResponse(description="A malformed body: a message per field"),
             401: DetailSerializer,
             409: CONFLICT,
         },

@@ -404,6 +404,8 @@ class PortalPeer:
         self.registrations: list[dict[str, Any]] = []
         self.accepted: list[dict[str, Any]] = []  # heartbeat bodies answered with 200
         self.refused: list[dict[str, Any]] = []  # heartbeat bodies answered with an error
+        # The real portal's checks on the body (jobs.agent_api): what the agent sends must pass.
+        self.invalid: list[dict[str, Any]] = []
         self.node_token: str | None = None
         self.boot_id: str | None = None
         self.fail_first_beat_with_records = False
@@ -448,6 +450,12 @@ class PortalPeer:
                     return 401, {"detail": "unknown node token"}
                 if body["boot_id"] != self.boot_id:
                     return 409, {"detail": "stale boot"}
+                from jobs.agent_api import HeartbeatSerializer
+
+                checked = HeartbeatSerializer(data=body)
+                if not checked.is_valid():
+                    self.invalid.append(checked.errors)
+                    return 400, checked.errors
                 has_records = any(a["records"] for a in body["attempts"])
                 if self.fail_first_beat_with_records and has_records:
                     self.fail_first_beat_with_records = False
@@ -599,6 +607,7 @@ def test_agent_runs_reports_and_forgets_an_attempt(portal, running_agent):
     mark = len(portal.beats_since(0))
     wait_until(lambda: len(portal.beats_since(mark)) >= 2, what="later heartbeats")
     assert portal.attempt_in_beats(21, since=mark + 1) == []
+    assert portal.invalid == []  # every heartbeat had the shape the portal checks
 
 
 def test_agent_fences_an_attempt_dropped_from_desired(portal, running_agent):

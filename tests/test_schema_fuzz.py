@@ -30,6 +30,7 @@ from schemathesis.specs.openapi.checks import (
 
 from jobs import actions
 from jobs.models import (
+    Attempt,
     Checkpoint,
     Job,
     LogChunk,
@@ -40,7 +41,7 @@ from jobs.models import (
 )
 from jobs.scheduling.loop import run_pass
 from teams.actions import do_add_member
-from teams.models import Team
+from teams.models import Team, token_digest
 from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
 
 EXAMPLES_PER_OPERATION = 25  # per role and operation: about 2 minutes in all on 2 cores
@@ -108,8 +109,9 @@ def existing_ids() -> dict[str, list[int]]:
     }
 
 
-def fuzz_operation(operation, headers: dict) -> set[int]:
-    """Call the operation with generated input; the status codes seen."""
+def fuzz_operation(operation, headers: dict, prepare=None) -> set[int]:
+    """Call the operation with generated input (passed through `prepare(case, real)` when
+    given); the status codes seen."""
     seen = set()
 
     strategy = st.one_of(
@@ -134,6 +136,8 @@ def fuzz_operation(operation, headers: dict) -> set[int]:
         ids = existing_ids().get(collection)
         if real and ids and "id" in params:
             params["id"] = ids[pick % len(ids)]
+        if prepare is not None:
+            prepare(case, real)
         # Our token, not whatever the generator made up for the security scheme.
         case.headers = {**(case.headers or {}), **headers}
         seen.add(case.call_and_validate(headers=headers, checks=CHECKS).status_code)
@@ -165,6 +169,44 @@ def test_every_operation_answers_without_5xx_and_as_its_schema_says(role, world,
         set(operations) - set(succeeded)
     )
     assert time.monotonic() - started < 300, "fuzzing should stay a couple of minutes"
+
+
+@pytest.mark.django_db
+def test_agent_endpoints_answer_without_5xx_and_as_their_schema_says(world, wsgi_app, settings):
+    """The cluster agent token on register; a node token on heartbeat, with half the bodies
+    given that node's boot id and its live attempt, so records and logs are ingested."""
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "AGENT_TOKEN": "cluster-secret"}
+    attempt = Attempt.objects.get(ended_at__isnull=True)
+    node = attempt.allocations.first().node
+    Node.objects.filter(pk=node.pk).update(token_digest=token_digest("node_fuzz"))
+
+    def heartbeat_of_that_node(case, real):
+        body = case.body
+        if not (real and isinstance(body, dict)):
+            return
+        body["boot_id"] = node.boot_id
+        for report in body.get("attempts") or []:
+            if isinstance(report, dict):
+                report["attempt_id"] = attempt.id
+                # Ranks keep running, so the attempt stays live for the next examples.
+                report["ranks"] = [{"rank": 0, "pid": 1, "state": "running"}]
+
+    schema = schemathesis.openapi.from_wsgi("/api/schema/", wsgi_app)
+    register = schema["/api/v1/agent/register/"]["POST"]
+    heartbeat = schema["/api/v1/agent/heartbeat/"]["POST"]
+    failures, seen = [], {}
+    for operation, token, prepare in [
+        (register, "cluster-secret", None),
+        (heartbeat, "node_fuzz", heartbeat_of_that_node),
+    ]:
+        try:
+            seen[operation.label] = fuzz_operation(
+                operation, {"Authorization": f"Bearer {token}"}, prepare
+            )
+        except (Exception, BaseExceptionGroup) as exc:
+            failures.append(f"{operation.label}: {str(exc)[:4000]}")
+    assert not failures, "\n\n".join(failures)
+    assert all(200 in codes for codes in seen.values()), seen
 
 
 @pytest.mark.django_db
