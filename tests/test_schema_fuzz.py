@@ -44,7 +44,7 @@ from teams.actions import do_add_member
 from teams.models import Team, token_digest
 from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
 
-EXAMPLES_PER_OPERATION = 25  # per role and operation: about 2 minutes in all on 2 cores
+EXAMPLES_PER_OPERATION = 60  # per role and operation: 1.5-3 minutes in all on 2 cores
 CHECKS = [not_a_server_error, response_schema_conformance, content_type_conformance]
 
 
