@@ -8,7 +8,8 @@ save minus the next step's step_time_s (what the training loop lost to the save)
 records give the bytes written and save_s; save_stall_s / save_background_s are taken too when
 the trainer emits them.
 
-    .venv/bin/python bench/ckpt_stall.py   # writes bench/results/ckpt_stall.json, docs/figures/ckpt_stall.png
+    .venv/bin/python bench/ckpt_stall.py
+    # writes bench/results/ckpt_stall.json and docs/figures/ckpt_stall.png
 """
 
 from __future__ import annotations
@@ -36,8 +37,20 @@ def run(mode: str, work: Path) -> dict:
         LOCKSTEP_JOB_ID=f"bench-{mode}",
         PYTHONUNBUFFERED="1",
     )
-    argv = [sys.executable, "-m", "trainer", "--steps", str(STEPS), "--checkpoint-every",
-            str(EVERY), "--batch-size", "2", "--log-every", "5", *MODEL]
+    argv = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--steps",
+        str(STEPS),
+        "--checkpoint-every",
+        str(EVERY),
+        "--batch-size",
+        "2",
+        "--log-every",
+        "5",
+        *MODEL,
+    ]
     if mode == "async":
         argv.append("--async-checkpoint")
     t0 = time.monotonic()
@@ -52,8 +65,9 @@ def run(mode: str, work: Path) -> dict:
     for s in range(EVERY, STEPS, EVERY):  # the final save (step STEPS) has no step after it
         if s in steps and s + 1 in steps:
             gap = steps[s + 1]["time"] - steps[s]["time"]
-            saves.append({"after_step": s, "blocked_s": gap - steps[s + 1]["step_time_s"],
-                          "gap_s": gap})
+            saves.append(
+                {"after_step": s, "blocked_s": gap - steps[s + 1]["step_time_s"], "gap_s": gap}
+            )
     plain = [steps[s]["step_time_s"] for s in steps if s > 2]
     return {
         "mode": mode,
@@ -75,28 +89,46 @@ def main() -> None:
     ratio = asy / sync if sync > 0 else float("nan")
     out = {
         "benchmark": "checkpoint stall, async vs sync (issue 5)",
-        "model_flags": MODEL, "steps": STEPS, "checkpoint_every": EVERY,
-        "cpu_count": os.cpu_count(), "loadavg_at_end": os.getloadavg(),
+        "model_flags": MODEL,
+        "steps": STEPS,
+        "checkpoint_every": EVERY,
+        "cpu_count": os.cpu_count(),
+        "loadavg_at_end": os.getloadavg(),
         "state_bytes": runs["sync"]["save_bytes"],
-        "median_blocked_sync_s": sync, "median_blocked_async_s": asy,
-        "ratio_async_over_sync": ratio, "goal_ratio_max": 0.10, "goal_met": ratio <= 0.10,
+        "median_blocked_sync_s": sync,
+        "median_blocked_async_s": asy,
+        "ratio_async_over_sync": ratio,
+        "goal_ratio_max": 0.10,
+        "goal_met": ratio <= 0.10,
         "runs": runs,
     }
     (ROOT / "bench/results/ckpt_stall.json").write_text(json.dumps(out, indent=1, default=str))
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1, default=str))
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for m, c in (("sync", "tab:red"), ("async", "tab:blue")):
         st = runs[m]["step_times_s"]
         b.plot(list(st), list(st.values()), marker=".", color=c, label=f"{m} step_time_s")
         xs = [x["after_step"] for x in runs[m]["saves"]]
-        a.bar([x + (-0.8 if m == "sync" else 0.8) for x in xs],
-              [x["blocked_s"] for x in runs[m]["saves"]], width=1.5, color=c, label=m)
-    a.set_xlabel("save after step"); a.set_ylabel("training loop blocked (s)")
-    a.set_title(f"save stall, {out['state_bytes']/1e6:.0f} MB state: async/sync = {ratio:.1%}")
-    a.legend(); b.set_xlabel("step"); b.set_ylabel("s"); b.legend(); b.set_title("step time")
+        a.bar(
+            [x + (-0.8 if m == "sync" else 0.8) for x in xs],
+            [x["blocked_s"] for x in runs[m]["saves"]],
+            width=1.5,
+            color=c,
+            label=m,
+        )
+    a.set_xlabel("save after step")
+    a.set_ylabel("training loop blocked (s)")
+    a.set_title(f"save stall, {out['state_bytes'] / 1e6:.0f} MB state: async/sync = {ratio:.1%}")
+    a.legend()
+    b.set_xlabel("step")
+    b.set_ylabel("s")
+    b.legend()
+    b.set_title("step time")
     fig.tight_layout()
     fig.savefig(ROOT / "docs/figures/ckpt_stall.png", dpi=100)
 
