@@ -1,0 +1,588 @@
+"""The `lockstep` commands that talk to a portal over the REST API: submit, jobs, status, wait,
+logs, cancel, checkpoints, models. Where the portal and token come from, the output formats and
+the exit codes are described in the README ("The lockstep command")."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the job failed or was cancelled, or what was asked for does not exist
+EXIT_USAGE = 2  # bad arguments or a bad spec: the server's field errors are printed
+EXIT_AUTH = 3  # no token, a wrong, expired or revoked token, or not allowed
+EXIT_UNREACHABLE = 4  # no answer from the portal (refused, timed out, not a Lockstep portal)
+EXIT_SERVER = 5  # the portal answered 5xx, or throttled the request (429)
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+END_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
+SPEC_FIELDS = (
+    "name",
+    "team",
+    "image",
+    "command",
+    "dataset",
+    "gpus",
+    "priority",
+    "max_restarts",
+    "checkpoint_interval_s",
+    "time_limit_s",
+    "env",
+)
+SPEC_DEFAULTS = {"image": "lockstep/trainer:latest", "dataset": "synthetic://addition"}
+
+
+class CliError(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+# --- where the portal and the token come from ----------------------------------------------
+
+
+def config_path() -> Path:
+    explicit = os.environ.get("LOCKSTEP_CONFIG")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(base) / "lockstep" / "config.toml"
+
+
+def load_config() -> dict:
+    """The config file's `url` and `token`; {} when there is none (an explicit LOCKSTEP_CONFIG
+    that does not exist is an error: the user meant a file)."""
+    path = config_path()
+    if not path.exists():
+        if os.environ.get("LOCKSTEP_CONFIG"):
+            raise CliError(EXIT_USAGE, f"LOCKSTEP_CONFIG={path}: no such file")
+        return {}
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise CliError(EXIT_USAGE, f"{path}: {exc}") from exc
+    unknown = sorted(set(data) - {"url", "token"})
+    if unknown:
+        raise CliError(EXIT_USAGE, f"{path}: unknown key(s) {', '.join(unknown)} (url, token)")
+    if "token" in data and path.stat().st_mode & 0o077:
+        print(
+            f"lockstep: warning: {path} holds a token and others may read it (chmod 600 it)",
+            file=sys.stderr,
+        )
+    return data
+
+
+def resolve(args) -> tuple[str, str | None]:
+    """(url, token): each from the command line, else the environment, else the config file;
+    the URL falls back to a local portal."""
+    config = None
+
+    def from_config(key: str):
+        nonlocal config
+        if config is None:
+            config = load_config()
+        return config.get(key)
+
+    url = (
+        getattr(args, "url", None)
+        or os.environ.get("LOCKSTEP_URL")
+        or os.environ.get("LOCKSTEP_PORTAL")  # the older name, still read
+        or from_config("url")
+        or DEFAULT_URL
+    )
+    token = getattr(args, "token", None) or os.environ.get("LOCKSTEP_TOKEN") or from_config("token")
+    return url.rstrip("/"), token
+
+
+# --- the HTTP client -------------------------------------------------------------------------
+
+
+def _field_errors(body) -> str:
+    if not isinstance(body, dict):
+        return f"  {body}"
+    lines = []
+    for field, messages in body.items():
+        if isinstance(messages, dict):  # nested, e.g. env entries
+            messages = [f"{k}: {v}" for k, v in messages.items()]
+        elif not isinstance(messages, list):
+            messages = [messages]
+        for message in messages:
+            lines.append(f"  {field}: {message}")
+    return "\n".join(lines)
+
+
+class Portal:
+    def __init__(self, url: str, token: str | None, *, timeout: float = 30.0):
+        import requests
+
+        if not token:
+            raise CliError(
+                EXIT_AUTH,
+                'no API token: pass --token, set LOCKSTEP_TOKEN, or put token = "lst_..." in '
+                f"{config_path()} (create one on the portal's Tokens page)",
+            )
+        self.url = url
+        self.timeout = timeout
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {token}"
+        self.session.headers["Accept"] = "application/json"
+
+    def call(self, method: str, path: str, **kwargs):
+        import requests
+
+        try:
+            response = self.session.request(method, self.url + path, timeout=self.timeout, **kwargs)
+        except requests.Timeout as exc:
+            raise CliError(
+                EXIT_UNREACHABLE, f"the portal at {self.url} did not answer in {self.timeout:g} s"
+            ) from exc
+        except requests.RequestException as exc:
+            raise CliError(EXIT_UNREACHABLE, f"cannot reach the portal at {self.url}") from exc
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        code = response.status_code
+        if code < 400:
+            if body is None:
+                raise CliError(EXIT_UNREACHABLE, f"{self.url} is not a Lockstep portal")
+            return body
+        detail = body.get("detail") if isinstance(body, dict) else None
+        if code == 400:
+            raise CliError(EXIT_USAGE, "the portal refused the request:\n" + _field_errors(body))
+        if code == 401:
+            raise CliError(EXIT_AUTH, f"authentication failed: {detail or 'bad token'}")
+        if code == 403:
+            raise CliError(EXIT_AUTH, f"not allowed: {detail or 'forbidden'}")
+        if code == 404:
+            raise CliError(EXIT_FAILED, "not found (or not yours)")
+        if code == 429:
+            wait = response.headers.get("Retry-After")
+            raise CliError(
+                EXIT_SERVER, f"throttled by the portal{f'; retry in {wait} s' if wait else ''}"
+            )
+        if body is None and code >= 500:
+            raise CliError(EXIT_SERVER, f"the portal at {self.url} failed ({code})")
+        raise CliError(EXIT_SERVER, f"the portal answered {code}: {detail or body}")
+
+
+def _portal(args) -> Portal:
+    return Portal(*resolve(args))
+
+
+def _emit(args, data) -> None:
+    print(json.dumps(data, indent=1))
+
+
+def _table(rows: list[list], headers: list[str]) -> None:
+    cells = [[str(c) for c in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _when(value: str | None) -> str:
+    # "2026-12-01T00:20:20.123456Z" -> "2026-12-01 00:20:20"
+    return value.replace("T", " ")[:19] if value else ""
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return ""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# --- submit ----------------------------------------------------------------------------------
+
+
+def read_spec(path: str) -> dict:
+    """A job spec file: JSON or YAML, an object of job fields (the portal's spec download)."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(EXIT_USAGE, f"cannot read the spec {path}: {exc}") from exc
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError:
+        import yaml
+
+        try:
+            spec = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise CliError(EXIT_USAGE, f"{path} is neither JSON nor YAML: {exc}") from exc
+    if not isinstance(spec, dict):
+        raise CliError(EXIT_USAGE, f"{path}: a spec is a mapping of job fields")
+    unknown = sorted(set(spec) - set(SPEC_FIELDS))
+    if unknown:
+        raise CliError(
+            EXIT_USAGE,
+            f"{path}: unknown field(s) {', '.join(unknown)}; a spec has {', '.join(SPEC_FIELDS)}",
+        )
+    return spec
+
+
+def _env_pairs(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise CliError(EXIT_USAGE, f"--env {item!r}: give NAME=VALUE")
+        env[name] = value
+    return env
+
+
+def job_body(args) -> dict:
+    """The spec file's fields, overridden by the flags given, plus defaults for the image and
+    dataset; the portal validates everything (and its field errors are printed)."""
+    body = read_spec(args.file) if args.file else {}
+    for field in SPEC_FIELDS:
+        value = getattr(args, field, None)
+        if field == "command":
+            value = value or None
+        if field == "env" and value:
+            value = {**(body.get("env") or {}), **_env_pairs(value)}
+        if value is not None:
+            body[field] = value
+    for field, default in SPEC_DEFAULTS.items():
+        body.setdefault(field, default)
+    if "command" not in body:
+        raise CliError(
+            EXIT_USAGE,
+            "no command: give it after --, e.g. lockstep submit ... -- python -m trainer, "
+            "or as `command:` in the spec",
+        )
+    return body
+
+
+def cmd_submit(args) -> int:
+    portal = _portal(args)
+    job = portal.call("POST", "/api/v1/jobs/", json=job_body(args))
+    print(f"submitted job {job['id']} ({job['state']})", file=sys.stderr)
+    if args.wait:
+        job = wait_for_job(portal, job["id"], until_running=True, timeout=args.timeout)
+    _show_job_line(args, job)
+    return _outcome(job) if args.wait else EXIT_OK
+
+
+def _show_job_line(args, job: dict) -> None:
+    if args.json:
+        _emit(args, job)
+    else:
+        reason = f": {job['reason']}" if job.get("reason") else ""
+        print(f"job {job['id']} {job['name']} {job['state']}{reason}")
+
+
+def _outcome(job: dict) -> int:
+    return EXIT_FAILED if job["state"] in ("FAILED", "CANCELLED") else EXIT_OK
+
+
+def wait_for_job(
+    portal: Portal,
+    job_id: int,
+    *,
+    until_running: bool,
+    timeout: float | None,
+    poll_s: float = 1.0,
+    heartbeat_s: float = 30.0,
+) -> dict:
+    """Poll until the job runs (when until_running) or ends; each change of state or reason
+    goes to stderr, and a 'still ...' line every heartbeat_s while nothing changes."""
+    start = time.monotonic()
+    last, last_line = None, start
+    while True:
+        job = portal.call("GET", f"/api/v1/jobs/{job_id}/")
+        now = time.monotonic()
+        seen = (job["state"], job.get("reason") or "")
+        if seen != last:
+            reason = f": {seen[1]}" if seen[1] else ""
+            print(f"[{now - start:6.1f}s] job {job_id} {seen[0]}{reason}", file=sys.stderr)
+            last, last_line = seen, now
+        elif now - last_line >= heartbeat_s:
+            print(f"[{now - start:6.1f}s] job {job_id} still {seen[0]}", file=sys.stderr)
+            last_line = now
+        if job["state"] in END_STATES or (until_running and job["state"] == "RUNNING"):
+            return job
+        if timeout is not None and now - start >= timeout:
+            raise CliError(EXIT_FAILED, f"job {job_id} is still {job['state']} after {timeout:g} s")
+        time.sleep(poll_s)
+
+
+def cmd_wait(args) -> int:
+    job = wait_for_job(
+        _portal(args), args.job, until_running=args.until == "running", timeout=args.timeout
+    )
+    _show_job_line(args, job)
+    return _outcome(job)
+
+
+# --- reading jobs ----------------------------------------------------------------------------
+
+
+def cmd_jobs(args) -> int:
+    params = {"limit": args.limit}
+    if args.state:
+        params["state"] = args.state
+    if args.team:
+        params["team"] = args.team
+    data = _portal(args).call("GET", "/api/v1/jobs/", params=params)
+    if args.json:
+        _emit(args, data["results"])
+        return EXIT_OK
+    _table(
+        [
+            [
+                j["id"],
+                j["name"][:32],
+                j["team"],
+                j["state"],
+                j["gpus"],
+                j["priority"],
+                _when(j["submitted_at"]),
+                (j["reason"] or "")[:60],
+            ]
+            for j in data["results"]
+        ],
+        ["ID", "NAME", "TEAM", "STATE", "GPUS", "PRIORITY", "SUBMITTED", "REASON"],
+    )
+    if data["count"] > len(data["results"]):
+        print(f"({len(data['results'])} of {data['count']}; --limit for more)", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_status(args) -> int:
+    job = _portal(args).call("GET", f"/api/v1/jobs/{args.job}/")
+    if args.json:
+        _emit(args, job)
+        return EXIT_OK
+    rows = [
+        ("job", f"{job['id']} {job['name']} (team {job['team']}, by {job['owner']})"),
+        ("state", job["state"] + (f": {job['reason']}" if job["reason"] else "")),
+        ("gpus", f"{job['gpus']}, priority {job['priority']}"),
+        ("image", job["image"]),
+        ("command", " ".join(job["command"])),
+        ("submitted", _when(job["submitted_at"])),
+        ("restarts", f"{job['restart_count']} of {job['max_restarts']}"),
+    ]
+    if job.get("latest_checkpoint"):
+        c = job["latest_checkpoint"]
+        rows.append(("checkpoint", f"step {c['step']} (id {c['id']})"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    for attempt in job["attempts"]:
+        ended = attempt["ended"]["reason"] if attempt["ended"] else "live"
+        print(
+            f"  attempt {attempt['number']} on {', '.join(attempt['nodes']) or '-'}: "
+            f"{attempt['state']}, from step {attempt['resumed_from_step']}, "
+            f"last step {attempt['last_step']}; {ended}"
+        )
+    return EXIT_OK
+
+
+def cmd_logs(args) -> int:
+    portal = _portal(args)
+    params = {"rank": args.rank, "tail": args.tail}
+    if args.attempt:
+        params["attempt"] = args.attempt
+    data = portal.call("GET", f"/api/v1/jobs/{args.job}/logs/", params=params)
+    for line in data["lines"]:
+        print(line)
+    if not args.follow:
+        return EXIT_OK
+    # Follow: re-read the attempt's whole (bounded) log each poll and print what is new; a new
+    # attempt (a restart) starts over with a header line.
+    attempt, printed = data["attempt"], None
+    while True:
+        sys.stdout.flush()
+        job = portal.call("GET", f"/api/v1/jobs/{args.job}/")
+        data = portal.call(
+            "GET", f"/api/v1/jobs/{args.job}/logs/", params={"rank": args.rank, "tail": 10_000}
+        )
+        if data["attempt"] != attempt:
+            if data["attempt"] is not None and attempt is not None:
+                print(f"--- attempt {data['attempt']}", file=sys.stderr)
+            attempt, printed = data["attempt"], 0
+        if printed is None:  # first poll: skip what the initial tail already showed
+            printed = len(data["lines"])
+        for line in data["lines"][printed:]:
+            print(line)
+        printed = max(printed, len(data["lines"]))
+        if job["state"] in END_STATES and not args.attempt:
+            # The state was read before the logs: what the last attempt wrote is all printed.
+            print(f"job {args.job} {job['state']}", file=sys.stderr)
+            return _outcome(job)
+        time.sleep(args.poll_s)
+
+
+def cmd_cancel(args) -> int:
+    job = _portal(args).call("POST", f"/api/v1/jobs/{args.job}/cancel/")
+    _show_job_line(args, job)
+    return EXIT_OK
+
+
+def cmd_checkpoints(args) -> int:
+    rows = _portal(args).call("GET", f"/api/v1/jobs/{args.job}/checkpoints/")
+    if args.json:
+        _emit(args, rows)
+        return EXIT_OK
+    _table(
+        [
+            [
+                c["id"],
+                c["step"],
+                c["attempt"],
+                _size(c["bytes"]),
+                c["save_s"],
+                _when(c["created_at"]),
+                c["path"],
+            ]
+            for c in rows
+        ],
+        ["ID", "STEP", "ATTEMPT", "SIZE", "SAVE_S", "CREATED", "PATH"],
+    )
+    return EXIT_OK
+
+
+def cmd_models(args) -> int:
+    portal = _portal(args)
+    if args.models_cmd == "register":
+        version = portal.call(
+            "POST",
+            "/api/v1/models/",
+            json={"name": args.name, "checkpoint": args.checkpoint, "notes": args.notes},
+        )
+        if args.json:
+            _emit(args, version)
+        else:
+            print(
+                f"registered {version['name']} v{version['version']} from job {version['job']} "
+                f"step {version['step']} (export {version['export_state']})"
+            )
+        return EXIT_OK
+    data = portal.call("GET", "/api/v1/models/", params={"limit": args.limit})
+    if args.json:
+        _emit(args, data["results"])
+        return EXIT_OK
+    _table(
+        [
+            [
+                m["id"],
+                m["name"],
+                f"v{m['version']}",
+                m["job"],
+                m["step"],
+                m["export_state"],
+                _when(m["created_at"]),
+            ]
+            for m in data["results"]
+        ],
+        ["ID", "NAME", "VERSION", "JOB", "STEP", "EXPORT", "CREATED"],
+    )
+    return EXIT_OK
+
+
+# --- the argument parsers --------------------------------------------------------------------
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    # Also accepted after the subcommand (`lockstep jobs --json`); SUPPRESS keeps a value given
+    # before it (`lockstep --json jobs`).
+    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON output")
+    p.add_argument("--url", default=argparse.SUPPRESS, help="portal URL")
+    p.add_argument("--token", default=argparse.SUPPRESS, help="API token")
+
+
+def add_commands(sub) -> dict:
+    """Add the portal commands to the `lockstep` parser; returns {name: handler}."""
+    p = sub.add_parser(
+        "submit",
+        help="submit a job from flags and/or a spec file",
+        description="Submit a job. Fields come from a JSON/YAML spec (-f), overridden by flags; "
+        "the command goes after --. Exit 2 with the portal's field errors on bad input.",
+    )
+    _common(p)
+    p.add_argument("-f", "--file", help="job spec, JSON or YAML ('-' for stdin)")
+    p.add_argument("--name")
+    p.add_argument("--team")
+    p.add_argument("--gpus", type=int)
+    p.add_argument("--image", help=f"default {SPEC_DEFAULTS['image']}")
+    p.add_argument("--dataset", help=f"default {SPEC_DEFAULTS['dataset']}")
+    p.add_argument("--priority", choices=["low", "normal", "high", "urgent"])
+    p.add_argument("--max-restarts", type=int)
+    p.add_argument("--checkpoint-interval-s", type=int)
+    p.add_argument("--time-limit-s", type=int)
+    p.add_argument("--env", action="append", metavar="NAME=VALUE", help="repeatable")
+    p.add_argument(
+        "--wait", action="store_true", help="wait until it runs or ends; changes on stderr"
+    )
+    p.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
+
+    p = sub.add_parser("jobs", help="list jobs you may see")
+    _common(p)
+    p.add_argument("--state", help="comma-separated, e.g. queued,running")
+    p.add_argument("--team")
+    p.add_argument("--limit", type=int, default=50)
+
+    for name, text in (
+        ("status", "one job: state, reason, attempts"),
+        ("cancel", "cancel a job"),
+        ("checkpoints", "a job's committed checkpoints"),
+    ):
+        p = sub.add_parser(name, help=text)
+        _common(p)
+        p.add_argument("job", type=int)
+
+    p = sub.add_parser("wait", help="wait for a job to end (or run); exit 1 if it failed")
+    _common(p)
+    p.add_argument("job", type=int)
+    p.add_argument("--until", choices=["end", "running"], default="end")
+    p.add_argument("--timeout", type=float)
+
+    p = sub.add_parser("logs", help="a rank's log lines; --follow until the job ends")
+    _common(p)
+    p.add_argument("job", type=int)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--tail", type=int, default=100)
+    p.add_argument("--attempt", type=int, help="default: the latest")
+    p.add_argument("-F", "--follow", action="store_true", help="print new lines until it ends")
+    p.add_argument("--poll-s", type=float, default=1.0, help=argparse.SUPPRESS)
+
+    p = sub.add_parser("models", help="list model versions, or register one")
+    _common(p)
+    p.add_argument("--limit", type=int, default=50)
+    models = p.add_subparsers(dest="models_cmd")
+    r = models.add_parser("register", help="register a checkpoint as a model version")
+    _common(r)
+    r.add_argument("name")
+    r.add_argument("--checkpoint", type=int, required=True, help="checkpoint id")
+    r.add_argument("--notes", default="")
+    return {
+        "submit": cmd_submit,
+        "jobs": cmd_jobs,
+        "status": cmd_status,
+        "wait": cmd_wait,
+        "logs": cmd_logs,
+        "cancel": cmd_cancel,
+        "checkpoints": cmd_checkpoints,
+        "models": cmd_models,
+    }
+
+
+def run(handler, args) -> int:
+    try:
+        return handler(args)
+    except CliError as exc:
+        print(f"lockstep: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
