@@ -11,6 +11,7 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied, ValidationError
 from rest_framework.permissions import IsAdminUser
 from rest_framework.response import Response
+from rest_framework.throttling import ScopedRateThrottle
 
 from jobs import actions
 from jobs.metrics_query import metric_series
@@ -49,6 +50,10 @@ class JobViewSet(
     viewsets.GenericViewSet,
 ):
     serializer_class = JobSerializer
+    throttle_scope = "submit"  # per user, LOCKSTEP_THROTTLE_SUBMIT; a 429 beyond it
+
+    def get_throttles(self):
+        return [ScopedRateThrottle()] if self.action == "create" else []
 
     def get_queryset(self):
         jobs = visible_jobs(self.request.user).select_related("team", "owner")

@@ -245,6 +245,8 @@ REST_FRAMEWORK = {
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "portal.api_errors.exception_handler",
+    # Counted in the project's cache (Redis), so every daphne process shares the counters.
+    "DEFAULT_THROTTLE_RATES": {"submit": os.environ.get("LOCKSTEP_THROTTLE_SUBMIT", "120/min")},
 }
 
 # OpenAPI 3 schema at /api/schema/, Swagger UI at /api/docs/ with its JavaScript and CSS served
