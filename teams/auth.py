@@ -1,9 +1,13 @@
 """Bearer-token authentication for the REST API (tokens are stored as SHA-256 digests)."""
 
+from datetime import timedelta
+
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 
 from teams.models import ApiToken, token_digest
+
+LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 
 def user_for_token(raw: str):
@@ -15,8 +19,12 @@ def user_for_token(raw: str):
     )
     if token is None or not token.user.is_active:
         return None
-    if token.expires_at is not None and token.expires_at <= timezone.now():
+    now = timezone.now()
+    if token.expires_at is not None and token.expires_at <= now:
         return None
+    if token.last_used_at is None or now - token.last_used_at > LAST_USED_RESOLUTION:
+        # At most one write a minute per token, not one per request.
+        ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
     return token.user
 
 

@@ -1,5 +1,5 @@
-"""Browser sessions on the API: an unsafe request without the CSRF token is refused (403) and
-changes nothing; with it, it goes through."""
+"""Browser sessions and API tokens: an unsafe session request without the CSRF token is refused
+(403) and changes nothing, with it it goes through; a token records when it was last used."""
 
 import pytest
 from django.test import Client
@@ -31,3 +31,17 @@ def test_a_session_post_needs_the_csrf_token(make_team, make_user, make_nodes):
     )
     assert accepted.status_code == 201, accepted.content
     assert Job.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_a_token_records_when_it_was_last_used(make_user, token_for):
+    from rest_framework.test import APIClient
+
+    from teams.models import ApiToken
+
+    raw = token_for(make_user("uma"))
+    assert ApiToken.objects.get().last_used_at is None
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    assert api.get("/api/v1/jobs/").status_code == 200
+    assert ApiToken.objects.get().last_used_at is not None
