@@ -16,7 +16,12 @@ def export_model_version(version_id: int) -> str | None:
     from jobs.models import ModelVersion
 
     version = ModelVersion.objects.select_related("checkpoint").get(pk=version_id)
-    out_dir = Path(lockstep_setting("MODEL_ROOT")).resolve() / version.name / f"v{version.version}"
+    root = Path(lockstep_setting("MODEL_ROOT")).resolve()
+    out_dir = (root / version.name / f"v{version.version}").resolve()
+    if not out_dir.is_relative_to(root) or out_dir.parent.parent != root:
+        # Names are validated where they are entered; this holds even for one that was not.
+        do_finish_model_export(version, path=None, error=f"unsafe model name {version.name!r}")
+        return None
     out = out_dir / "state_dict.pt"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
