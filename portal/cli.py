@@ -38,7 +38,11 @@ def _print_simulation(m: dict) -> None:
         ),
         ("JCT mean / median / p99", "{jct_mean_s} / {jct_median_s} / {jct_p99_s} s".format(**m)),
         ("finish-time fairness max / p99", f"{m['ftf_max']} / {m['ftf_p99']}"),
-        ("reclaim time max / p99", "{reclaim_max_s} / {reclaim_p99_s} s".format(**m)),
+        (
+            "reclaim time max / p99",
+            "{reclaim_max_s} / {reclaim_p99_s} s; {reclaims_over_bound} of {reclaims_total} "
+            "over the {reclaim_bound_s} s bound".format(**m),
+        ),
         (
             "preemptions",
             f"{m['preemptions']['executed']} executed, {m['preempted_gpu_hours']} GPU-hours lost",
