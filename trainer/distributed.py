@@ -7,7 +7,10 @@ the ranks (DDP, ZeRO-1, FSDP2, tensor parallelism) is trainer/parallel.py's busi
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -15,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_PG_TIMEOUT_S = 120.0
+# How long leaving the process group may take once the work is done and committed.
+TEARDOWN_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,37 @@ def init_distributed() -> DistInfo:
     )
 
 
-def close_distributed(info: DistInfo) -> None:
-    if info.distributed and dist.is_initialized():
+def close_distributed(info: DistInfo, *, grace_s: float = TEARDOWN_GRACE_S) -> None:
+    """Leave the process group: a barrier first, then destroy, under a watchdog.
+
+    Without the barrier a rank that is done early tears down its side while another is still
+    busy (rank 0 hosts the rendezvous store and computes the final accuracy), which PyTorch's
+    own guidance warns can hang destroy_process_group. Teardown happens after the last
+    checkpoint is committed, so a teardown that still sticks must not turn a finished run into
+    a "hung" one: past `grace_s` the watchdog writes every thread's stack to stderr and ends the
+    process with exit status 0."""
+    if not (info.distributed and dist.is_initialized()):
+        return
+    watchdog = threading.Timer(grace_s, _teardown_stuck, args=(info.rank, grace_s))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        try:
+            info.barrier()
+        except Exception as exc:  # a peer already gone: nothing left to agree on
+            print(f"[rank {info.rank}] teardown barrier failed: {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
+    finally:
+        watchdog.cancel()
+
+
+def _teardown_stuck(rank: int, grace_s: float) -> None:
+    print(
+        f"[rank {rank}] leaving the process group took over {grace_s:.0f} s; "
+        "stacks follow, exiting 0 (the run's work is committed)",
+        file=sys.stderr,
+        flush=True,
+    )
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stdout.flush()
+    os._exit(0)
