@@ -7,6 +7,7 @@ import hmac
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers, status
+from rest_framework.exceptions import Throttled
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -15,6 +16,7 @@ from jobs import actions
 from jobs.conf import lockstep_setting
 from jobs.models import Node
 from teams.models import token_digest
+from teams.throttle import client_address, record_failure, retry_after
 
 
 def _bearer(request) -> str:
@@ -142,8 +144,12 @@ class AgentRegisterView(APIView):
     permission_classes = [AllowAny]
 
     def post(self, request):
+        address = client_address(request)
+        if (wait := retry_after(address)) is not None:
+            raise Throttled(wait, detail="Too many failed authentications.")
         expected = lockstep_setting("AGENT_TOKEN")
         if not expected or not hmac.compare_digest(_bearer(request), expected):
+            record_failure(address)
             return Response({"detail": "Invalid agent token."}, status=status.HTTP_401_UNAUTHORIZED)
         serializer = RegisterSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -158,9 +164,13 @@ class AgentHeartbeatView(APIView):
     permission_classes = [AllowAny]
 
     def post(self, request):
+        address = client_address(request)
+        if (wait := retry_after(address)) is not None:
+            raise Throttled(wait, detail="Too many failed authentications.")
         raw = _bearer(request)
         node = Node.objects.filter(token_digest=token_digest(raw)).first() if raw else None
         if node is None:
+            record_failure(address)
             return Response(
                 {"detail": "Unknown node token; register again."},
                 status=status.HTTP_401_UNAUTHORIZED,

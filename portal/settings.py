@@ -248,6 +248,9 @@ REST_FRAMEWORK = {
     # Counted in the project's cache (Redis), so every daphne process shares the counters.
     "DEFAULT_THROTTLE_RATES": {"submit": os.environ.get("LOCKSTEP_THROTTLE_SUBMIT", "120/min")},
 }
+# Failed credentials per client address before it is refused (429) for the rest of the window:
+# API tokens, agent and node tokens, the sign-in form (teams/throttle.py).
+LOCKSTEP_THROTTLE_AUTH_FAILURES = os.environ.get("LOCKSTEP_THROTTLE_AUTH_FAILURES", "20/min")
 
 # OpenAPI 3 schema at /api/schema/, Swagger UI at /api/docs/ with its JavaScript and CSS served
 # from the sidecar package under /static/ (no CDN; drf-spectacular's Redoc page is left out: its

@@ -10,9 +10,10 @@ from jobs.plan_api import PlanView
 from jobs.preemption_api import PreemptionViewSet
 from jobs.whatif_api import WhatIfViewSet
 from portal import console as console_views
-from portal import openapi, prometheus, views  # noqa: F401  (openapi: schema corrections)
+from portal import openapi, prometheus, tokens, views  # noqa: F401  (openapi: schema corrections)
 from portal.static_views import plotly_js
 from teams.api import TeamViewSet
+from teams.tokens_api import TokenViewSet
 
 router = DefaultRouter()
 router.register("jobs", JobViewSet, basename="job")
@@ -21,10 +22,11 @@ router.register("nodes", NodeViewSet, basename="node")
 router.register("teams", TeamViewSet, basename="team")
 router.register("preemptions", PreemptionViewSet, basename="preemption")
 router.register("whatif", WhatIfViewSet, basename="whatif")
+router.register("tokens", TokenViewSet, basename="token")
 
 urlpatterns = [
     path("", views.home, name="home"),
-    path("login/", auth_views.LoginView.as_view(template_name="login.html"), name="login"),
+    path("login/", tokens.ThrottledLoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("jobs/new/", views.submit_job, name="submit"),
     path("jobs/<int:job_id>/", views.job_page, name="job"),
@@ -34,6 +36,8 @@ urlpatterns = [
     path("models/", views.model_registry, name="models"),
     path("models/<int:version_id>/weights/", views.model_weights, name="model_weights"),
     path("cluster/", views.cluster, name="cluster"),
+    path("tokens/", tokens.tokens, name="tokens"),
+    path("tokens/<int:token_id>/revoke/", tokens.revoke_token, name="revoke_token"),
     path("console/teams/", views.team_quotas, name="team_quotas"),
     path("console/preemptions/", views.preemptions, name="preemptions"),
     path("console/queue/", console_views.queue, name="console_queue"),

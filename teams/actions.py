@@ -86,3 +86,18 @@ def do_issue_token(
         actor=user, kind="token.issued", message=f"API token {name!r} issued to {user.username}"
     )
     return token, raw
+
+
+@transaction.atomic
+def do_revoke_token(token: ApiToken, *, actor, now: datetime) -> bool:
+    """Revoke a token at once; False (and no Event) when it was already revoked."""
+    revoked = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=now)
+    if not revoked:
+        return False
+    token.revoked_at = now
+    Event.objects.create(
+        actor=actor,
+        kind="token.revoked",
+        message=f"API token {token.name!r} ({token.prefix}...) of {token.user.username} revoked",
+    )
+    return True

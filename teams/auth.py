@@ -6,6 +6,7 @@ from django.utils import timezone
 from rest_framework import authentication, exceptions
 
 from teams.models import ApiToken, token_digest
+from teams.throttle import client_address, record_failure, retry_after
 
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 
@@ -36,6 +37,10 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
         parts = header.split()
         if not parts or parts[0] != self.keyword:
             return None
+        address = client_address(request)
+        wait = retry_after(address)
+        if wait is not None:
+            raise exceptions.Throttled(wait, detail="Too many failed authentications.")
         if len(parts) != 2:
             raise exceptions.AuthenticationFailed("Authorization header must be 'Bearer <token>'.")
         if parts[1].startswith("node_"):
@@ -43,6 +48,7 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
             raise exceptions.AuthenticationFailed("Agent tokens are not valid here.")
         user = user_for_token(parts[1])
         if user is None:
+            record_failure(address)
             raise exceptions.AuthenticationFailed("Invalid, expired or revoked token.")
         return (user, None)
 

@@ -21,6 +21,14 @@ def fresh_heartbeat_intake(monkeypatch):
     monkeypatch.setattr(loop, "intake", loop.HeartbeatIntake(timezone.now() - timedelta(hours=1)))
 
 
+@pytest.fixture(autouse=True)
+def lenient_auth_throttle(settings):
+    """Every test client comes from 127.0.0.1, and the failed-auth counters live in Redis across
+    tests: tests that send wrong credentials on purpose would otherwise lock out later ones.
+    tests/test_tokens.py sets its own small limits, on addresses of its own."""
+    settings.LOCKSTEP_THROTTLE_AUTH_FAILURES = "1000000/min"
+
+
 @pytest.fixture
 def setup(make_team, make_user, make_nodes, settings, tmp_path):
     settings.LOCKSTEP = {
