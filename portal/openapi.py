@@ -315,3 +315,26 @@ extend_schema_view(
         "(docs/agent-protocol.md).",
     ),
 )(AgentHeartbeatView)
+
+
+ERROR_RESPONSES = {
+    "401": "No credentials, or an unknown, expired or revoked token",
+    "403": "Signed in, but not allowed",
+    "404": "Missing, or not yours (the same answer either way)",
+    "429": "Too many requests: see the Retry-After header (seconds)",
+}
+
+
+def document_error_responses(result, generator, request, public):
+    """Every operation can answer 401, 403 and 429 ({"detail": ...}; docs/api.md, Errors), and
+    every operation on one object 404: state them in the schema so clients and the fuzzer know
+    them, without repeating them on every view."""
+    detail = {"application/json": {"schema": {"$ref": "#/components/schemas/Detail"}}}
+    for path, operations in result.get("paths", {}).items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            for code, description in ERROR_RESPONSES.items():
+                if code == "404" and "{" not in path:
+                    continue
+                responses.setdefault(code, {"description": description, "content": detail})
+    return result

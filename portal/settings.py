@@ -271,6 +271,10 @@ SPECTACULAR_SETTINGS = {
         "validatorUrl": None,
     },
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "portal.openapi.document_error_responses",
+    ],
     # The agent endpoints take node tokens, not user tokens (teams.auth refuses them there).
     "APPEND_COMPONENTS": {
         "securitySchemes": {

@@ -315,7 +315,31 @@ def test_cluster_grid_hover_shows_the_job(cluster, page):
     _shot(page, "cluster")
 
 
-@pytest.mark.parametrize("path", ["/", "/jobs/new/", "job", "/models/", "/cluster/"])
+def test_a_token_made_on_the_tokens_page_works_once_shown_and_stops_when_revoked(cluster, page):
+    page.goto(cluster.url + "/")
+    page.click("header a[title='API tokens']")
+    page.wait_for_url(cluster.url + "/tokens/")
+    page.fill("#id_name", "browser-made")
+    page.select_option("#id_expires_in_days", "30")
+    page.click("#token-form button[type=submit]")
+    raw = page.locator("#new-token").inner_text().strip()
+    assert raw.startswith("lst_")
+    assert "will not be shown again" in page.locator("#token-created").inner_text()
+    row = page.locator("#tokens tr[data-token='browser-made']")
+    assert "active" in row.inner_text() and raw[:10] in row.inner_text()
+    _shot(page, "tokens")
+    api = Api(cluster.url, raw)
+    assert api.get("/api/v1/jobs/").status_code == 200
+    page.goto(cluster.url + "/tokens/")
+    assert raw not in page.content()  # shown once
+    page.once("dialog", lambda dialog: dialog.accept())
+    row.locator("button.danger").click()
+    page.wait_for_selector("#tokens tr[data-token='browser-made'] .state-revoked")
+    assert "revoked" in page.locator(".messages").inner_text()
+    assert api.get("/api/v1/jobs/").status_code == 401
+
+
+@pytest.mark.parametrize("path", ["/", "/jobs/new/", "job", "/models/", "/cluster/", "/tokens/"])
 def test_pages_fit_a_phone_without_horizontal_scrolling(cluster, page, path):
     page.set_viewport_size({"width": 390, "height": 844})
     try:
@@ -331,9 +355,8 @@ def test_pages_fit_a_phone_without_horizontal_scrolling(cluster, page, path):
             "() => document.documentElement.scrollWidth - document.documentElement.clientWidth"
         )
         assert overflow <= 0, f"{path}: {overflow}px wider than the phone"
-        name = {"/": "home", "/jobs/new/": "submit", "job": "job", "/models/": "models"}.get(
-            path, "cluster"
-        )
+        name = {"/": "home", "/jobs/new/": "submit", "job": "job", "/models/": "models",
+                "/tokens/": "tokens"}.get(path, "cluster")  # fmt: skip
         if path in ("/", "job", "/cluster/"):
             page.wait_for_timeout(800)
             _shot(page, f"{name}-phone")
