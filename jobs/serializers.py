@@ -33,6 +33,14 @@ class JobCreateSerializer(serializers.Serializer):
         validators=[_django(validation.validate_dataset)],
     )
     gpus = serializers.IntegerField(min_value=1, max_value=100_000)
+    min_gpus = serializers.IntegerField(
+        min_value=1,
+        max_value=100_000,
+        required=False,
+        allow_null=True,
+        help_text="Elastic: when the cluster is short the job may start or restart on fewer "
+        "GPUs, a divisor of gpus not below this; omit for always all of them.",
+    )
     priority = serializers.ChoiceField(choices=Priority.choices, default=Priority.NORMAL)
     max_restarts = serializers.IntegerField(min_value=0, max_value=100, default=3)
     checkpoint_interval_s = serializers.IntegerField(min_value=10, required=False, allow_null=True)
@@ -58,6 +66,10 @@ class JobCreateSerializer(serializers.Serializer):
             validation.validate_gpus(attrs["gpus"], attrs.get("team"))
         except DjangoValidationError as exc:
             raise serializers.ValidationError({"gpus": exc.messages}) from exc
+        try:
+            validation.validate_min_gpus(attrs.get("min_gpus"), attrs["gpus"])
+        except DjangoValidationError as exc:
+            raise serializers.ValidationError({"min_gpus": exc.messages}) from exc
         return attrs
 
 
@@ -70,6 +82,7 @@ class AttemptSerializer(serializers.ModelSerializer):
         fields = [
             "id",
             "number",
+            "world_size",
             "state",
             "nodes",
             "resumed_from_step",
@@ -114,6 +127,7 @@ class JobSerializer(serializers.ModelSerializer):
             "command",
             "dataset",
             "gpus",
+            "min_gpus",
             "priority",
             "max_restarts",
             "checkpoint_interval_s",

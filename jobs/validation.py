@@ -99,6 +99,17 @@ def cluster_gpu_count() -> int:
     return GPU.objects.count()
 
 
+def validate_min_gpus(min_gpus: int | None, gpus: int) -> None:
+    """An elastic job's floor: at least 1 and at most its GPU count. The scheduler starts it on
+    a divisor of gpus not below min_gpus, so say so when there is none but gpus itself."""
+    if min_gpus is None:
+        return
+    if min_gpus < 1:
+        raise ValidationError("min_gpus must be at least 1.")
+    if min_gpus > gpus:
+        raise ValidationError(f"min_gpus ({min_gpus}) must not exceed gpus ({gpus}).")
+
+
 def validate_gpus(gpus: int, team) -> None:
     """GPU count within the cluster and the team's quota plus borrow limit."""
     if gpus < 1:

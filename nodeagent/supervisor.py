@@ -105,6 +105,7 @@ def build_worker_env(
         "LOCKSTEP_CHECKPOINT_DIR": launch.get("checkpoint_dir") or "",
         "LOCKSTEP_RESUME_FROM": resume_from,
         "LOCKSTEP_DATASET": launch.get("dataset") or "",
+        "LOCKSTEP_JOB_GPUS": launch.get("job_gpus") or world_size,
         "LOCKSTEP_METRICS_PATH": metrics_path,
         "LOCKSTEP_DEVICE": gpu_kind,
     }

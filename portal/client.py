@@ -28,6 +28,7 @@ SPEC_FIELDS = (
     "command",
     "dataset",
     "gpus",
+    "min_gpus",
     "priority",
     "max_restarts",
     "checkpoint_interval_s",
@@ -514,6 +515,9 @@ def add_commands(sub) -> dict:
     p.add_argument("--name")
     p.add_argument("--team")
     p.add_argument("--gpus", type=int)
+    p.add_argument(
+        "--min-gpus", type=int, help="elastic: may run on fewer GPUs (a divisor) when short"
+    )
     p.add_argument("--image", help=f"default {SPEC_DEFAULTS['image']}")
     p.add_argument("--dataset", help=f"default {SPEC_DEFAULTS['dataset']}")
     p.add_argument("--priority", choices=["low", "normal", "high", "urgent"])

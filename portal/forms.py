@@ -29,6 +29,13 @@ class JobForm(forms.Form):
         validators=[validation.validate_dataset],
     )
     gpus = forms.IntegerField(min_value=1, initial=1, label="GPUs")
+    min_gpus = forms.IntegerField(
+        min_value=1,
+        required=False,
+        label="Min GPUs (elastic)",
+        help_text="Empty: always all GPUs. Else, when the cluster is short the job may start or "
+        "restart on fewer: a divisor of GPUs not below this (same global batch).",
+    )
     priority = forms.ChoiceField(choices=Priority.choices, initial=Priority.NORMAL)
     max_restarts = forms.IntegerField(min_value=0, max_value=100, initial=3)
     checkpoint_interval_s = forms.IntegerField(
@@ -78,6 +85,11 @@ class JobForm(forms.Form):
                 validation.validate_gpus(data["gpus"], data["team"])
             except ValidationError as exc:
                 self.add_error("gpus", exc)
+        if data.get("gpus"):
+            try:
+                validation.validate_min_gpus(data.get("min_gpus"), data["gpus"])
+            except ValidationError as exc:
+                self.add_error("min_gpus", exc)
         return data
 
 
@@ -93,6 +105,7 @@ def job_spec(job) -> dict:
         "command": list(job.command),
         "dataset": job.dataset,
         "gpus": job.gpus,
+        "min_gpus": job.min_gpus,
         "priority": job.priority,
         "max_restarts": job.max_restarts,
         "checkpoint_interval_s": job.checkpoint_interval_s,

@@ -282,6 +282,53 @@ def test_a_zombie_on_a_frozen_node_never_runs_beside_its_successor_unfenced(clus
     assert nodes[frozen] == "up"
 
 
+def test_an_elastic_job_restarts_on_the_node_left_with_the_same_global_batch(cluster):
+    """Issue 5's elastic restart, with real workers: a 4-GPU job that allows 2 runs across both
+    agents; one agent is frozen past the heartbeat timeout; the job restarts at once on the 2
+    GPUs left, resharding its checkpoint, keeping the global batch by gradient accumulation,
+    says so in its events, and finishes."""
+    api = cluster.alice
+    job = _submit(
+        api,
+        "e2e-elastic",
+        ["python", "-m", "trainer", "--steps", "160", "--checkpoint-every", "20"],
+        min_gpus=2,
+    )
+    checkpoint = wait_for(
+        lambda: api.get(f"/api/v1/jobs/{job}/checkpoints/").json(), 180, "a committed checkpoint"
+    )[0]
+    first = api.get(f"/api/v1/jobs/{job}/").json()["attempts"][0]
+    assert first["world_size"] == 4 and len(first["nodes"]) == 2
+    frozen = first["nodes"][1]
+    agent = cluster.procs[f"agent-{frozen}"]
+    os.kill(agent.pid, signal.SIGSTOP)
+    try:
+
+        def shrunk():
+            cluster.check_alive()
+            attempts = api.get(f"/api/v1/jobs/{job}/").json()["attempts"]
+            return len(attempts) == 2 and attempts[1]["state"] == "running" and attempts
+
+        attempts = wait_for(shrunk, 120, "the job to restart on the node left")
+        assert attempts[1]["world_size"] == 2 and frozen not in attempts[1]["nodes"]
+        assert attempts[1]["resumed_from_step"] >= checkpoint["step"] > 0
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    events = api.get(f"/api/v1/jobs/{job}/events/").json()
+    (note,) = [e for e in events if e["kind"] == "attempt.shrunk"]
+    assert "runs on 2 of the job's 4 GPUs" in note["message"]
+    wait_for(
+        lambda: api.get(f"/api/v1/jobs/{job}/").json()["state"] == "SUCCEEDED",
+        300,
+        "the elastic job to succeed",
+    )
+    log = "\n".join(api.get(f"/api/v1/jobs/{job}/logs/", params={"attempt": 2}).json()["lines"])
+    assert "elastic attempt on 2 of the job's 4 GPUs" in log
+    # The first attempt's global batch (4 ranks x the default batch size of 32), now as 2 ranks
+    # x 2 micro-batches.
+    assert "global batch 128 = 2 x 2 micro-batches" in log, log[-2000:]
+
+
 def test_portal_and_scheduler_restarts_lose_no_running_job(cluster):
     """The portal and the scheduler hold no state of their own: restarting them mid-run leaves
     the attempt running (agents keep their workers and retry heartbeats) and the job finishes

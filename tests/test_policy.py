@@ -1,6 +1,8 @@
 """The pure scheduling policy, rule by rule (no database)."""
 
-from jobs.scheduling.policy import plan
+import dataclasses
+
+from jobs.scheduling.policy import plan, shrink_sizes
 from tests.builders import job, node, running, snapshot, team
 
 
@@ -369,3 +371,63 @@ def test_reclaims_of_one_pass_never_take_the_lending_teams_guaranteed_gpus_toget
     queue = [job(1, 8, team_id=owner.id), job(2, 8, team_id=owner.id)]
     p = plan(snapshot(nodes, queue, [owner, guest], runs))
     assert [(pre.claimant_job_id, pre.kind) for pre in p.preemptions] == [(1, "reclaim")]
+
+
+def elastic(job_id: int, gpus: int, min_gpus: int, **kw):
+    return dataclasses.replace(job(job_id, gpus, **kw), min_gpus=min_gpus)
+
+
+def test_shrink_sizes_are_divisors_of_the_gpu_count_down_to_min_gpus():
+    t = team()
+    assert shrink_sizes(elastic(1, 16, 4, team_id=t.id)) == [8, 4]
+    assert shrink_sizes(elastic(1, 12, 3, team_id=t.id)) == [6, 4, 3]
+    assert shrink_sizes(elastic(1, 8, 3, team_id=t.id)) == [4]
+    assert shrink_sizes(job(1, 8, team_id=t.id)) == []
+
+
+def test_an_elastic_job_starts_on_fewer_nodes_when_the_cluster_is_short():
+    mine, other = team("mine", quota=0, borrow=64), team("other", quota=8, used=8)
+    nodes = [node("a", 8), node("b", 8), node("c", 8, busy=8)]
+    runs = [running(50, nodes[2], range(8), team_id=other.id)]
+    rigid = plan(snapshot(nodes, [job(1, 32, team_id=mine.id)], [mine, other], runs))
+    assert rigid.placements == () and "only 24 GPUs are on schedulable" in rigid.reasons[1]
+    p = plan(snapshot(nodes, [elastic(1, 32, 8, team_id=mine.id)], [mine, other], runs))
+    (placement,) = p.placements
+    assert len(placement.slots) == 16 and set(placement.node_ids) == {nodes[0].id, nodes[1].id}
+    assert [s.rank for s in placement.slots] == list(range(16))
+    assert 1 not in p.reasons
+    # Short of free GPUs rather than of nodes: the same.
+    nodes.append(node("d", 8))
+    rigid = plan(snapshot(nodes, [job(1, 32, team_id=mine.id)], [mine, other], runs))
+    assert rigid.placements == () and "waiting for 32 GPUs" in rigid.reasons[1]
+    p = plan(snapshot(nodes, [elastic(1, 32, 8, team_id=mine.id)], [mine, other], runs))
+    assert len(p.placements[0].slots) == 16
+
+
+def test_an_elastic_job_within_its_quota_reclaims_for_its_full_size_instead():
+    mine, other = team("mine", quota=16), team("other", quota=0, borrow=8, used=8)
+    nodes = [node("a", 8), node("b", 8, busy=8)]
+    runs = [running(50, nodes[1], range(8), team_id=other.id)]
+    p = plan(snapshot(nodes, [elastic(1, 16, 8, team_id=mine.id)], [mine, other], runs))
+    assert p.placements == ()
+    (pre,) = p.preemptions
+    assert (pre.victim_job_id, pre.claimant_job_id, pre.kind) == (50, 1, "reclaim")
+
+
+def test_a_shrunk_job_counts_its_smaller_size_against_its_team_and_the_free_gpus():
+    t = team(quota=0, borrow=64)
+    nodes = [node("a", 8), node("b", 8, busy=4)]
+    jobs = [elastic(1, 16, 4, team_id=t.id, submitted=0), job(2, 4, team_id=t.id, submitted=1)]
+    p = plan(snapshot(nodes, jobs, [t]))
+    got = placed(p)
+    assert len(got[1].slots) == 8 and got[1].node_ids == (nodes[0].id,)
+    assert len(got[2].slots) == 4 and got[2].node_ids == (nodes[1].id,)
+
+
+def test_an_elastic_job_never_shrinks_onto_a_higher_jobs_reservation():
+    t = team()
+    nodes = [node("a", 8), node("b", 8, busy=1)]
+    jobs = [job(1, 16, team_id=t.id, prio=2), elastic(2, 16, 8, team_id=t.id, prio=1)]
+    p = plan(snapshot(nodes, jobs, [t]))
+    assert p.placements == ()
+    assert p.reservation[0] == 1 and "reservation held by job 1" in p.reasons[2]

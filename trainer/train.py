@@ -234,6 +234,22 @@ def lr_scale_at(state: TrainState, step: int, warmup_steps: int) -> float:
     return state.lr_scale_from + (state.lr_scale_to - state.lr_scale_from) * frac
 
 
+def batch_dp(dp: int, world_size: int, tag: str = "") -> int:
+    """Data-parallel ranks the default global batch (batch size x ranks) is sized for: the job's
+    full size. An elastic attempt on fewer GPUs than the job asked for ($LOCKSTEP_JOB_GPUS, set
+    by the node agent) keeps the full-size global batch and accumulates gradients over more
+    micro-batches, so a shrunk run trains the same model as a full one."""
+    asked = int(os.environ.get("LOCKSTEP_JOB_GPUS") or 0)
+    if asked <= world_size or asked % world_size:
+        return dp
+    print(
+        f"{tag}trainer: elastic attempt on {world_size} of the job's {asked} GPUs; "
+        f"global batch sized for {dp * asked // world_size} data-parallel ranks",
+        flush=True,
+    )
+    return dp * asked // world_size
+
+
 def resolve_batch(cfg: JobConfig, dp: int, resumed: TrainState | None, tag: str = "") -> TrainState:
     """The train state to continue with: the global batch, its reference, the lr ramp and the
     data position, reconciled with this launch's world size and flags."""
@@ -308,7 +324,7 @@ def train(cfg: JobConfig) -> int:
 
     resume_dir = ckpt.resolve_resume(cfg.train.resume_from)
     resumed = ckpt.load(resume_dir) if resume_dir else None
-    state = resolve_batch(cfg, par.dims.dp, resumed, tag)
+    state = resolve_batch(cfg, batch_dp(par.dims.dp, info.world_size, tag), resumed, tag)
     start_step = state.step
     plan = BatchPlan(state.global_batch, par.dims.dp, cfg.train.batch_size)
     feed = DataFeed(dataset, cfg, plan, par.dims.dp_rank, info.rank)

@@ -17,13 +17,18 @@ Rules (DESIGN.md section 6):
    borrowed GPUs, lowest priority first, then those that did not just (re)start, then least
    work lost since their last checkpoint.
    Higher-priority jobs blocked by lower-priority ones get priority preemption proposals.
-6. Every job left queued gets a reason a person can read.
+6. Elastic jobs (min_gpus below gpus) that cannot start at full size, and get no reclaim or
+   priority preemption for it, start now on fewer GPUs where that fits: the largest divisor of
+   their GPU count not below min_gpus (so the global batch splits evenly over the ranks; the
+   trainer keeps it by gradient accumulation and resumes by resharding). A job within its
+   team's quota reclaims for its full size instead.
+7. Every job left queued gets a reason a person can read.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 
@@ -122,6 +127,22 @@ def place(job: JobView, free: dict[int, list[int]], nodes: list[NodeView], large
     if job.gpus <= largest:
         return _single_node(job.gpus, free, nodes)
     return _whole_nodes(job.gpus, free, nodes)
+
+
+def shrink_sizes(job: JobView) -> list[int]:
+    """The smaller GPU counts an elastic job may start on, largest first: divisors of its
+    GPU count, not below its min_gpus."""
+    low = job.min_gpus or job.gpus
+    return [n for n in range(job.gpus - 1, max(low, 1) - 1, -1) if job.gpus % n == 0]
+
+
+def _shrunk(job: JobView, free, usable, largest):
+    """(GPU count, placement) of the largest smaller size that fits now, or None."""
+    for size in shrink_sizes(job):
+        choice = place(replace(job, gpus=size), free, usable, largest)
+        if choice is not None:
+            return size, choice
+    return None
 
 
 def _to_slots(choice) -> tuple[Slot, ...]:
@@ -358,6 +379,7 @@ def plan(snapshot: Snapshot) -> Plan:
     lent: dict[int, int] = defaultdict(int)  # team id -> its lent GPUs reclaimed this pass
     claiming: dict[int, int] = defaultdict(int)  # team id -> GPUs its reclaims of this pass free
     claim_failed: set[tuple] = set()
+    shrunk: dict[int, int] = {}  # elastic job id -> the smaller GPU count it starts on
     largest = max((n.total for n in nodes), default=0)
     all_usable, unreserved = nodes, nodes
     smallest_failed: dict[tuple[bool, bool], int] = {}
@@ -455,7 +477,8 @@ def plan(snapshot: Snapshot) -> Plan:
             )
             ahead += 1
             continue
-        if job.gpus > capacity:
+        # An elastic job may still start smaller on what is left (nodes down or cordoned).
+        if min(job.min_gpus or job.gpus, job.gpus) > capacity:
             reasons[job.id] = (
                 f"needs {job.gpus} GPUs but only {capacity} GPUs are on schedulable nodes"
             )
@@ -506,7 +529,11 @@ def plan(snapshot: Snapshot) -> Plan:
                 )
                 if claimed is None:
                     claim_failed.add(attempt_key)
-            if reservation is None or claimed is not None:
+            elastic = _shrunk(job, free, usable, largest) if claimed is None else None
+            if elastic is not None:
+                size, choice = elastic
+                shrunk[job.id] = size
+            elif reservation is None or claimed is not None:
                 if claimed is not None:
                     victims, choice, kind = claimed
                     taken.update(v.id for v in victims)
@@ -550,12 +577,13 @@ def plan(snapshot: Snapshot) -> Plan:
                     f"waiting for {job.gpus} GPUs; {free_now} free outside the reservation "
                     f"held by job {reservation[0]}; {ahead} job(s) ahead"
                 )
-            ahead += 1
-            continue
+            if elastic is None:
+                ahead += 1
+                continue
         for node, indices in choice:
             free[node.id] = [i for i in free[node.id] if i not in set(indices)]
         version[0] += 1
-        used[team.id] += job.gpus
+        used[team.id] += shrunk.get(job.id, job.gpus)
         placements.append(Placement(job.id, job.team_id, _to_slots(choice)))
 
     return Plan(

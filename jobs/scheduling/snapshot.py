@@ -29,6 +29,7 @@ class JobView:
     submitted_at: datetime
     name: str = ""
     runtime_estimate_s: float | None = None  # time limit or estimate, for backfill
+    min_gpus: int | None = None  # elastic: may run on fewer GPUs (down to this) when short
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ def take_snapshot(now: datetime) -> Snapshot:
             "name",
             "time_limit_s",
             "first_started_at",
+            "min_gpus",
         )
     )
     # A requeued job's limit is what is left of it (limits count run time, not wall time).
@@ -139,6 +141,7 @@ def take_snapshot(now: datetime) -> Snapshot:
             runtime_estimate_s=max(j.time_limit_s - ran.get(j.id, 0.0), 1.0)
             if j.time_limit_s
             else None,
+            min_gpus=j.min_gpus,
         )
         for j in queued_jobs
     )
