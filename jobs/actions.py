@@ -297,6 +297,18 @@ def _held_gpus(gpu_ids) -> set[int]:
     )
 
 
+def allowed_sizes(job: Job) -> set[int]:
+    """GPU counts an attempt of the job may have: all it asked for, or, elastic, a divisor of
+    that down to min_gpus (jobs.scheduling.policy.shrink_sizes)."""
+    low = job.min_gpus or job.gpus
+    return {job.gpus} | {n for n in range(max(low, 1), job.gpus) if job.gpus % n == 0}
+
+
+def world_size(attempt: Attempt) -> int:
+    """Ranks of the attempt (attempts from before elastic jobs have world_size 0: all)."""
+    return attempt.world_size or attempt.job.gpus
+
+
 def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt], dict[int, str]]:
     """Claim many gangs at once, each whole or not at all: ({job id: attempt} started,
     {job id: why} rejected). A rejected job changes nothing and stays queued.
@@ -369,9 +381,11 @@ def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt],
             why = f"job {job.id} is placed twice in one plan"
         elif job.state != Job.State.QUEUED:
             why = f"job {job.id} is {job.state}, not QUEUED"
-        elif len(placement.slots) != job.gpus:
-            why = f"placement has {len(placement.slots)} GPUs, job needs {job.gpus}"
-        elif used.get(team.id, 0) + job.gpus > team.gpu_cap:
+        elif len(placement.slots) not in allowed_sizes(job):
+            why = f"placement has {len(placement.slots)} GPUs, job needs {job.gpus}" + (
+                f" (or, elastic, a divisor of it down to {job.min_gpus})" if job.min_gpus else ""
+            )
+        elif used.get(team.id, 0) + len(placement.slots) > team.gpu_cap:
             why = f"team {team.name} would exceed {team.gpu_cap} GPUs"
         elif any(slot.node_id not in nodes for slot in placement.slots):
             why = "a node of the placement is no longer up"
@@ -385,7 +399,7 @@ def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt],
             why = f"GPU {min(given.intersection(gpu_ids))} is given to another job of the plan"
         else:
             accepted.append((placement, job, team))
-            used[team.id] = used.get(team.id, 0) + job.gpus
+            used[team.id] = used.get(team.id, 0) + len(placement.slots)
             given.update(gpu_ids)
             claimed.add(job.id)
             continue
@@ -418,6 +432,7 @@ def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt],
             Attempt(
                 job=job,
                 number=numbers.get(job.id, 0) + 1,
+                world_size=len(placement.slots),
                 created_at=now,
                 master_addr=nodes[placement.slots[0].node_id].address,
                 master_port=0,
@@ -476,6 +491,8 @@ def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt],
         )
         job.state = Job.State.STARTING
         job.reason = f"attempt {attempt.number} starting on {where}; {resume}"
+        if attempt.world_size < job.gpus:
+            job.reason += f"; on {attempt.world_size} of its {job.gpus} GPUs (elastic)"
         if job.first_started_at is None:
             job.first_started_at = now
     # QUEUED -> STARTING, conditional although the rows are locked: a job that moved on
@@ -498,6 +515,26 @@ def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt],
                 team=team,
             )
             for (_, job, team), attempt in zip(accepted, attempts, strict=True)
+        ]
+        + [
+            Event(
+                kind="attempt.shrunk",
+                message=(
+                    f"attempt {attempt.number} runs on {attempt.world_size} of the job's "
+                    f"{job.gpus} GPUs: the cluster is short of {job.gpus} and the job is elastic "
+                    f"(min {job.min_gpus}); the global batch is kept by gradient accumulation"
+                    + (
+                        f", resuming step {attempt.resumed_from_step} resharded"
+                        if attempt.resumed_from_id
+                        else ""
+                    )
+                ),
+                job=job,
+                attempt=attempt,
+                team=team,
+            )
+            for (_, job, team), attempt in zip(accepted, attempts, strict=True)
+            if attempt.world_size < job.gpus
         ],
         batch_size=500,
     )
@@ -655,12 +692,12 @@ def do_mark_attempt_running(attempt: Attempt, *, now: datetime) -> None:
     job = Job.objects.get(pk=attempt.job_id)
     if job.state == Job.State.STARTING:
         job.state = Job.State.RUNNING
-        job.reason = f"attempt {attempt.number} running, all {job.gpus} ranks up"
+        job.reason = f"attempt {attempt.number} running, all {world_size(attempt)} ranks up"
         job.save(update_fields=["state", "reason"])
         _push_state(job)
     _event(
         "attempt.running",
-        f"attempt {attempt.number}: all {job.gpus} ranks up",
+        f"attempt {attempt.number}: all {world_size(attempt)} ranks up",
         job=job,
         attempt=attempt,
         team_id=job.team_id,
@@ -940,7 +977,10 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
                 else {}
             ),
         },
-        "world_size": job.gpus,
+        "world_size": world_size(attempt),
+        # The size the job asked for: an elastic attempt on fewer GPUs keeps the global batch
+        # of that size (the trainer accumulates gradients).
+        "job_gpus": job.gpus,
         "local_world_size": len(allocations),
         "group_rank": allocations[0].group_rank if allocations else 0,
         "group_world_size": len(group_ranks),
@@ -1213,7 +1253,7 @@ def do_end_hung_attempt(attempt: Attempt, *, now: datetime) -> Attempt:
         attempt,
         state=Attempt.State.FAILED,
         now=now,
-        reason=f"{reason} (stacks from {len(stacks)} of {attempt.job.gpus} ranks)",
+        reason=f"{reason} (stacks from {len(stacks)} of {world_size(attempt)} ranks)",
         failed_at=attempt.last_progress_at or attempt.running_at,
         blame_node=blame,
         data={"stacks": stacks, "silent_ranks": silent_ranks},

@@ -79,6 +79,12 @@ class Job(models.Model):
     command = models.JSONField(help_text="argv list; never passed through a shell")
     dataset = models.CharField(max_length=1000, blank=True)
     gpus = models.PositiveIntegerField()
+    min_gpus = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Elastic: when the cluster is short the scheduler may start or restart the job "
+        "on fewer GPUs, down to this (a divisor of gpus); empty: always all of them",
+    )
     priority = models.CharField(max_length=16, choices=Priority.choices, default=Priority.NORMAL)
     max_restarts = models.PositiveIntegerField(default=3)
     checkpoint_interval_s = models.PositiveIntegerField(null=True, blank=True)
@@ -127,6 +133,9 @@ class Attempt(models.Model):
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
     number = models.PositiveIntegerField()
+    world_size = models.PositiveIntegerField(
+        default=0, help_text="Ranks (GPUs) of this attempt: fewer than the job's when shrunk"
+    )
     state = models.CharField(max_length=16, choices=State.choices, default=State.STARTING)
     master_addr = models.CharField(max_length=255)
     master_port = models.PositiveIntegerField()
