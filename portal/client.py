@@ -149,6 +149,8 @@ class Portal:
         except ValueError:
             body = None
         code = response.status_code
+        if code == 204:  # done, nothing to say (a revoke)
+            return {}
         if code < 400:
             if body is None:
                 raise CliError(EXIT_UNREACHABLE, f"{self.url} is not a Lockstep portal")
@@ -491,6 +493,54 @@ def cmd_models(args) -> int:
     return EXIT_OK
 
 
+def cmd_tokens(args) -> int:
+    """My API tokens: list, create (the secret is printed once), revoke."""
+    portal = _portal(args)
+    if args.tokens_cmd == "create":
+        days = None if args.never_expires else args.expires_days
+        token = portal.call(
+            "POST", "/api/v1/tokens/", json={"name": args.name, "expires_in_days": days}
+        )
+        if args.json:
+            _emit(args, token)
+        else:
+            expiry = (
+                f"expires {_when(token['expires_at'])}" if token["expires_at"] else "never expires"
+            )
+            print(token["token"])
+            print(
+                f"token {token['name']!r} (id {token['id']}, {expiry}): shown this once; "
+                "store it now (e.g. LOCKSTEP_TOKEN)",
+                file=sys.stderr,
+            )
+        return EXIT_OK
+    if args.tokens_cmd == "revoke":
+        portal.call("DELETE", f"/api/v1/tokens/{args.id}/")
+        if not args.json:
+            print(f"token {args.id} revoked")
+        return EXIT_OK
+    data = portal.call("GET", "/api/v1/tokens/", params={"limit": 200})
+    if args.json:
+        _emit(args, data["results"])
+        return EXIT_OK
+    _table(
+        [
+            [
+                t["id"],
+                t["name"],
+                t["prefix"] + "...",
+                t["state"],
+                _when(t["created_at"]),
+                _when(t["expires_at"]) if t["expires_at"] else "never",
+                _when(t["last_used_at"]) if t["last_used_at"] else "never",
+            ]
+            for t in data["results"]
+        ],
+        ["ID", "NAME", "TOKEN", "STATE", "CREATED", "EXPIRES", "LAST USED"],
+    )
+    return EXIT_OK
+
+
 # --- the argument parsers --------------------------------------------------------------------
 
 
@@ -570,6 +620,18 @@ def add_commands(sub) -> dict:
     r.add_argument("name")
     r.add_argument("--checkpoint", type=int, required=True, help="checkpoint id")
     r.add_argument("--notes", default="")
+
+    p = sub.add_parser("tokens", help="your API tokens: list, create (shown once), revoke")
+    _common(p)
+    tokens = p.add_subparsers(dest="tokens_cmd")
+    c = tokens.add_parser("create", help="create a token; its secret is printed once, on stdout")
+    _common(c)
+    c.add_argument("name", help="what it is for, e.g. 'sweeps'")
+    c.add_argument("--expires-days", type=int, default=90, help="1-366 (default 90)")
+    c.add_argument("--never-expires", action="store_true")
+    r = tokens.add_parser("revoke", help="revoke a token: it stops working at once")
+    _common(r)
+    r.add_argument("id", type=int)
     return {
         "submit": cmd_submit,
         "jobs": cmd_jobs,
@@ -579,6 +641,7 @@ def add_commands(sub) -> dict:
         "cancel": cmd_cancel,
         "checkpoints": cmd_checkpoints,
         "models": cmd_models,
+        "tokens": cmd_tokens,
     }
 
 
