@@ -17,6 +17,7 @@ from django.db import transaction
 from django.db.models import Max
 from django.template.defaultfilters import filesizeformat
 
+from jobs import rollup
 from jobs.conf import lockstep_setting
 from jobs.models import (
     GPU,
@@ -866,6 +867,7 @@ def _ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[d
             log.warning("bad metric record from attempt %s: %s (%s)", attempt.id, record, exc)
     if points:
         MetricPoint.objects.bulk_create(points, batch_size=1000)
+        rollup.record(attempt.job_id, points)
         # Progress is what the hang detector watches: the portal's clock, not the workers'.
         attempt.last_progress_at = now
         attempt.first_step_at = attempt.first_step_at or now

@@ -3,7 +3,9 @@
 A rank's series within the asked step range comes back raw when it has at most `max_points`
 points. A longer one is cut into `max_points // 2` equal step buckets and each bucket keeps its
 minimum and its maximum, so spikes survive downsampling. The bucketing is one GROUP BY pass in
-the database, not a loop in Python: a million-point series leaves it as about 2,000 rows.
+the database, not a loop in Python. The whole run's overview reads the series' rollup
+(`jobs/rollup.py`, kept at ingest) instead of the raw points: a million-point series costs a
+few thousand rollup rows, on its first view as on any later one.
 
 A bucket's two extremes are placed at its first and last step, the one nearer the previous
 bucket's last value first, so a rising or falling curve stays a clean line instead of a zigzag.
@@ -14,11 +16,11 @@ point.
 
 import math
 
-from django.core.cache import cache
 from django.db.models import Count, F, IntegerField, Max, Min
 from django.db.models.expressions import ExpressionWrapper
 
-from jobs.models import Job, MetricPoint
+from jobs import rollup
+from jobs.models import MetricPoint
 
 
 def metric_series(
@@ -109,85 +111,18 @@ def _bucket_rows(points, width: int, origin: int = 0) -> dict[int, list]:
     return by_rank
 
 
-CACHE_S = 7 * 24 * 3600  # an entry lives a week past its last use
-
-
 def _overview(points, job_id: int, name: str, rank, lo: int, hi: int, buckets: int) -> dict:
     """The whole run's buckets, on a grid anchored at step 0 whose width is a power of two, so
-    the grid stays put while the run grows. Buckets every rank has moved past are complete and
-    cached; a later request reads only the rows from the first open bucket on. A new attempt
-    (which may write steps again from its checkpoint) starts the cache afresh."""
+    the grid stays put while the run grows. Read from the series' rollup (`jobs/rollup.py`,
+    kept at ingest): a few thousand rows at most, never the raw points, unless the grid is
+    finer than the rollup's finest (a short run: at most about 16 x `buckets` steps)."""
     width = 1 << max(0, math.ceil(math.log2(max(1, -(-(hi - lo + 1) // buckets)))))
     while hi // width - lo // width + 1 > buckets:
         width *= 2
-    stamp = (
-        Job.objects.filter(pk=job_id)
-        .annotate(latest=Max("attempts__number"))
-        .values_list("submitted_at", "latest")
-        .first()
-    )
-    key = f"lockstep:metrics:{job_id}:{name}:{rank}:{{}}"
-    version = [stamp[0].isoformat(), stamp[1]] if stamp else None
-    cached = _cached(key.format(width), version, job_id, name, width)
-    if cached is None and width > 1:
-        # The run doubled its span since the last look: pairs of the old grid's buckets are
-        # exactly the new grid's (min, max, first, last and count all merge).
-        half = _cached(key.format(width // 2), version, job_id, name, width // 2)
-        if half is not None:
-            cached = {"sealed": half["sealed"] // 2, "rows": {}}
-            for r, half_rows in half["rows"].items():
-                merged: dict[int, list] = {}
-                for b, first, last, low, high, n in half_rows:
-                    row = merged.get(b // 2)
-                    if row is None:
-                        merged[b // 2] = [b // 2, first, last, low, high, n]
-                    else:
-                        row[1:] = [
-                            min(row[1], first),
-                            max(row[2], last),
-                            min(row[3], low),
-                            max(row[4], high),
-                            row[5] + n,
-                        ]
-                cached["rows"][r] = [merged[b] for b in sorted(merged)]
-    cached = cached or {"sealed": None, "rows": {}}
-    sealed = cached["sealed"]
-    tail = points if sealed is None else points.filter(step__gte=sealed * width)
-    fresh = _bucket_rows(tail, width)
-    rows = {}
-    for r in set(cached["rows"]) | set(fresh):
-        old = [row for row in cached["rows"].get(r, []) if sealed is not None and row[0] < sealed]
-        rows[r] = old + fresh.get(r, [])
-    if rows and all(rows.values()):
-        # The last bucket of the slowest rank may still fill, and the one before it, should
-        # a heartbeat carry a rank's steps late.
-        now_sealed = min(rank_rows[-1][0] for rank_rows in rows.values()) - 1
-        keep = {r: [row for row in rr if row[0] < now_sealed] for r, rr in rows.items()}
-        below = MetricPoint.objects.filter(
-            job_id=job_id, name=name, step__lt=now_sealed * width
-        ).count()
-        entry = {"version": version, "sealed": now_sealed, "rows": keep, "below": below}
-        try:
-            cache.set(key.format(width), entry, timeout=CACHE_S)
-        except Exception:
-            pass
-    return rows
-
-
-def _cached(key: str, version, job_id: int, name: str, width: int) -> dict | None:
-    """A cache entry still true of the database, or None."""
-    try:
-        cached = cache.get(key)
-    except Exception:  # a cache outage costs speed, never the answer
-        return None
-    if not cached or cached.get("version") != version or cached.get("sealed") is None:
-        return None
-    # Points are only ever appended, so the sealed part is unchanged while its row count is:
-    # a count over the (job, name, step) index, which holds every column it needs.
-    below = MetricPoint.objects.filter(
-        job_id=job_id, name=name, step__lt=cached["sealed"] * width
-    ).count()
-    return cached if below == cached.get("below") else None
+    if width < rollup.LEVELS[0]:
+        return _bucket_rows(points, width)
+    rollup.ensure_current(job_id, name)
+    return rollup.buckets(job_id, name, width, rank)
 
 
 def _line(rank_rows: list) -> tuple[list, list]:

@@ -409,3 +409,32 @@ class WhatIfRun(models.Model):
 
     def __str__(self) -> str:
         return f"what-if {self.id} ({self.state})"
+
+
+class MetricRollup(models.Model):
+    """One bucket of one rank's metric series on a grid of `width` steps anchored at step 0
+    (bucket b holds steps b*width .. (b+1)*width - 1), kept up to date at ingest
+    (`jobs/rollup.py`) so a whole-run chart never reads the raw points. Width 0 is the series'
+    header (rank 0, bucket 0): its totals over every rank, and the row every change to the
+    series' rollup locks first."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+")
+    name = models.CharField(max_length=64)
+    rank = models.PositiveIntegerField()
+    width = models.PositiveIntegerField()
+    bucket = models.PositiveIntegerField()
+    first_step = models.PositiveIntegerField()
+    last_step = models.PositiveIntegerField()
+    low = models.FloatField()
+    high = models.FloatField()
+    count = models.PositiveBigIntegerField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["job", "name", "width", "rank", "bucket"], name="metric_rollup_bucket"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} {self.name} rank {self.rank} [{self.width} x {self.bucket}]"

@@ -1,0 +1,304 @@
+"""Metric rollups: per (job, name, rank) buckets kept at ingest, so that a whole-run chart
+reads a few thousand rollup rows instead of scanning every raw point.
+
+Each series has buckets on fixed grids anchored at step 0, of `LEVELS` widths (16, 256, 4096,
+65536 and 1048576 steps). A bucket holds its first and last step, minimum and maximum value and
+point count: numbers that merge exactly (min of minima, sum of counts, ...), so
+
+- ingest (`record`, called by `jobs.actions._ingest_records` in the heartbeat's transaction)
+  merges a batch of new points into the buckets they fall in, at every level;
+- a chart asking for buckets of width w (a power of two, `jobs.metrics_query`) reads the widest
+  level of at most w and merges w / level adjacent buckets in SQL: at most 16 rows per bucket
+  asked, per rank, whatever the length of the run.
+
+A series' header row (width 0) holds its totals over every rank. Every change to a series'
+rollup first locks its header, so two heartbeats of one job (or a heartbeat and a read that
+repairs) take turns per series and never lose a count or deadlock: a transaction locks the
+headers of the names it touches in name order, and nothing else before them.
+
+Points written some other way (a bulk load, older data, tests) are noticed by count: a read
+compares the header's count with the raw rows' (one index-only count) and, when they differ,
+re-reads the raw rows from the start of each rank's last finest bucket if the counts below it
+agree (points are appended), or else the whole series (`ensure_current`). Migration 0006
+builds the rollups of the series that existed before.
+"""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.db.models import Count, F, IntegerField, Max, Min, Q, Sum
+from django.db.models.expressions import ExpressionWrapper
+
+LEVELS = (16, 256, 4096, 65536, 1048576)  # each 16 x the one before
+HEADER = 0  # the width of a series' header row
+FIELDS = ("first_step", "last_step", "low", "high", "count")
+
+
+def _models():
+    from jobs.models import MetricPoint, MetricRollup
+
+    return MetricPoint, MetricRollup
+
+
+def _merge(into: list, first: int, last: int, low: float, high: float, n: int) -> None:
+    if into[4] == 0:
+        into[:] = [first, last, low, high, n]
+        return
+    into[0] = min(into[0], first)
+    into[1] = max(into[1], last)
+    into[2] = min(into[2], low)
+    into[3] = max(into[3], high)
+    into[4] += n
+
+
+def record(job_id: int, points) -> None:
+    """Merge new points (MetricPoint objects of one job, just stored) into the job's rollups."""
+    _, Rollup = _models()
+    headers: dict[str, list] = {}
+    buckets: dict[tuple, list] = {}  # (name, width, rank, bucket) -> [first, last, lo, hi, n]
+    for p in points:
+        step, value = p.step, p.value
+        _merge(headers.setdefault(p.name, [0, 0, 0.0, 0.0, 0]), step, step, value, value, 1)
+        for width in LEVELS:
+            key = (p.name, width, p.rank, step // width)
+            _merge(buckets.setdefault(key, [0, 0, 0.0, 0.0, 0]), step, step, value, value, 1)
+    if not headers:
+        return
+    with transaction.atomic():
+        locked = _lock_headers(job_id, sorted(headers))
+        wanted: dict[tuple, list] = {}
+        for name, width, rank, bucket in sorted(buckets):
+            wanted.setdefault((name, width, rank), []).append(bucket)
+        existing = {}
+        for match in _chunks(wanted):
+            for row in Rollup.objects.filter(match, job_id=job_id):
+                existing[(row.name, row.width, row.rank, row.bucket)] = row
+        existing.update(((n, HEADER, 0, 0), locked[n]) for n in headers)
+        buckets.update(((n, HEADER, 0, 0), totals) for n, totals in headers.items())
+        rows = []
+        for key in sorted(buckets):
+            name, width, rank, bucket = key
+            row = Rollup(job_id=job_id, name=name, width=width, rank=rank, bucket=bucket, count=0)
+            if key in existing:
+                _apply(row, _values(existing[key]))
+            _apply(row, buckets[key])
+            rows.append(row)
+        # Merged here, under the headers' locks: the upsert writes the merged values.
+        Rollup.objects.bulk_create(
+            rows,
+            batch_size=500,
+            update_conflicts=True,
+            unique_fields=["job", "name", "width", "rank", "bucket"],
+            update_fields=FIELDS,
+        )
+
+
+def _chunks(wanted: dict[tuple, list], size: int = 500):
+    """Filters for the wanted buckets, about `size` buckets each (bounded query parameters)."""
+    match, n = Q(), 0
+    for (name, width, rank), numbers in wanted.items():
+        for i in range(0, len(numbers), size):
+            part = numbers[i : i + size]
+            match |= Q(name=name, width=width, rank=rank, bucket__in=part)
+            n += len(part)
+            if n >= size:
+                yield match
+                match, n = Q(), 0
+    if n:
+        yield match
+
+
+def _values(row) -> list:
+    return [row.first_step, row.last_step, row.low, row.high, row.count]
+
+
+def _apply(row, totals: list) -> None:
+    current = _values(row)
+    _merge(current, *totals)
+    row.first_step, row.last_step, row.low, row.high, row.count = current
+
+
+def _lock_headers(job_id: int, names: list[str], Rollup=None) -> dict:
+    """The series' header rows, created if missing and locked, in name order."""
+    Rollup = Rollup or _models()[1]
+    Rollup.objects.bulk_create(
+        [
+            Rollup(
+                job_id=job_id,
+                name=name,
+                width=HEADER,
+                rank=0,
+                bucket=0,
+                first_step=0,
+                last_step=0,
+                low=0.0,
+                high=0.0,
+                count=0,
+            )
+            for name in sorted(names)
+        ],
+        ignore_conflicts=True,
+    )
+    rows = (
+        Rollup.objects.select_for_update()
+        .filter(job_id=job_id, width=HEADER, name__in=names)
+        .order_by("name")
+    )
+    return {row.name: row for row in rows}
+
+
+def ensure_current(job_id: int, name: str) -> None:
+    """Make the series' rollup agree with its raw points, should they have been written other
+    than through `record`. One index-only count when it already does."""
+    Point, Rollup = _models()
+    points = Point.objects.filter(job_id=job_id, name=name)
+    stored = (
+        Rollup.objects.filter(job_id=job_id, name=name, width=HEADER)
+        .values_list("count", flat=True)
+        .first()
+    )
+    if stored == points.count():
+        return
+    with transaction.atomic():
+        header = _lock_headers(job_id, [name])[name]
+        total = points.count()
+        if header.count == total:
+            return  # another request repaired it meanwhile
+        since = 0
+        base = LEVELS[0]
+        ends = Rollup.objects.filter(job_id=job_id, name=name, width=base).values("rank")
+        ends = ends.annotate(end=Max("bucket")).values_list("end", flat=True)
+        oldest = min(ends, default=None)
+        if oldest:
+            # Points are appended: below the start of every rank's last bucket, the same number
+            # of raw points as of counted ones means the same points.
+            below = (
+                Rollup.objects.filter(
+                    job_id=job_id, name=name, width=base, bucket__lt=oldest
+                ).aggregate(n=Sum("count"))["n"]
+                or 0
+            )
+            if below == points.filter(step__lt=oldest * base).count():
+                since = oldest * base
+        rebuild(job_id, name, since=since)
+
+
+def rebuild(job_id: int, name: str, *, since: int = 0, Point=None, Rollup=None) -> None:
+    """Recompute the series' buckets from the raw points at steps >= since (a multiple of the
+    finest width; 0 = all), then its header. Callers hold the header's lock, or are alone
+    (the migration)."""
+    if Point is None or Rollup is None:
+        Point, Rollup = _models()
+    base = LEVELS[0]
+    assert since % base == 0
+    series = Rollup.objects.filter(job_id=job_id, name=name)
+    series.filter(width=base, bucket__gte=since // base).delete()
+    rows = (
+        Point.objects.filter(job_id=job_id, name=name, step__gte=since)
+        .order_by()
+        .annotate(b=_div("step", base))
+        .values("rank", "b")
+        .annotate(
+            first=Min("step"), last=Max("step"), lo=Min("value"), hi=Max("value"), n=Count("id")
+        )
+        .values_list("rank", "b", "first", "last", "lo", "hi", "n")
+    )
+    _store(Rollup, job_id, name, base, rows)
+    for finer, width in zip(LEVELS, LEVELS[1:], strict=False):
+        start = since // width
+        series.filter(width=width, bucket__gte=start).delete()
+        rows = (
+            series.filter(width=finer, bucket__gte=start * (width // finer))
+            .order_by()
+            .annotate(b=_div("bucket", width // finer))
+            .values("rank", "b")
+            .annotate(
+                first=Min("first_step"),
+                last=Max("last_step"),
+                lo=Min("low"),
+                hi=Max("high"),
+                n=Sum("count"),
+            )
+            .values_list("rank", "b", "first", "last", "lo", "hi", "n")
+        )
+        _store(Rollup, job_id, name, width, rows)
+    totals = series.filter(width=LEVELS[-1]).aggregate(
+        first=Min("first_step"),
+        last=Max("last_step"),
+        lo=Min("low"),
+        hi=Max("high"),
+        n=Sum("count"),
+    )
+    values = {
+        "first_step": totals["first"] or 0,
+        "last_step": totals["last"] or 0,
+        "low": totals["lo"] or 0.0,
+        "high": totals["hi"] or 0.0,
+        "count": totals["n"] or 0,
+    }
+    if not series.filter(width=HEADER).update(**values):
+        Rollup.objects.create(job_id=job_id, name=name, width=HEADER, rank=0, bucket=0, **values)
+
+
+def _store(Rollup, job_id: int, name: str, width: int, rows) -> None:
+    Rollup.objects.bulk_create(
+        (
+            Rollup(
+                job_id=job_id,
+                name=name,
+                width=width,
+                rank=rank,
+                bucket=bucket,
+                first_step=first,
+                last_step=last,
+                low=lo,
+                high=hi,
+                count=n,
+            )
+            for rank, bucket, first, last, lo, hi, n in list(rows)
+        ),
+        batch_size=1000,
+    )
+
+
+def _div(field: str, by: int):
+    return ExpressionWrapper(F(field) / by, output_field=IntegerField())
+
+
+def buckets(job_id: int, name: str, width: int, rank: int | None = None) -> dict[int, list]:
+    """Per rank, [bucket, first step, last step, min, max, count] for buckets of `width` steps
+    (a power of two, at least LEVELS[0]) from step 0, in bucket order: what one GROUP BY over
+    the raw points would give, read from the widest level of at most `width`."""
+    _, Rollup = _models()
+    level = max(w for w in LEVELS if w <= width)
+    rows = Rollup.objects.filter(job_id=job_id, name=name, width=level)
+    if rank is not None:
+        rows = rows.filter(rank=rank)
+    fields = ("rank", "b", "first", "last", "lo", "hi", "n")
+    if width == level:
+        rows = rows.annotate(
+            b=F("bucket"),
+            first=F("first_step"),
+            last=F("last_step"),
+            lo=F("low"),
+            hi=F("high"),
+            n=F("count"),
+        )
+    else:
+        rows = (
+            rows.order_by()
+            .annotate(b=_div("bucket", width // level))
+            .values("rank", "b")
+            .annotate(
+                first=Min("first_step"),
+                last=Max("last_step"),
+                lo=Min("low"),
+                hi=Max("high"),
+                n=Sum("count"),
+            )
+        )
+    by_rank: dict[int, list] = {}
+    for r, b, first, last, lo, hi, n in rows.order_by("rank", "b").values_list(*fields):
+        # int(): PostgreSQL's sum of a bigint is a numeric.
+        by_rank.setdefault(r, []).append([b, first, last, lo, hi, int(n)])
+    return by_rank
