@@ -31,6 +31,7 @@ import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 from drf_spectacular.generators import SchemaGenerator
@@ -111,18 +112,7 @@ def _user(username: str, *, team=None, role: str = Membership.Role.MEMBER, staff
     return user
 
 
-@pytest.fixture
-def world(settings, tmp_path, monkeypatch) -> World:
-    settings.LOCKSTEP = {
-        **settings.LOCKSTEP,
-        "CHECKPOINT_ROOT": str(tmp_path / "ckpt"),
-        "MODEL_ROOT": str(tmp_path / "models"),
-        "AGENT_TOKEN": AGENT_TOKEN,
-    }
-    # The submit throttle counts per user id in the shared cache, where ids repeat from test
-    # to test: no case here submits more than once, and this rate keeps earlier counts away.
-    monkeypatch.setattr(ScopedRateThrottle, "THROTTLE_RATES", {"submit": "100000/min"})
-
+def build_world(tmp_path) -> World:
     w = World()
     now = timezone.now()
     w.alpha = do_create_team("alpha", quota=8)
@@ -180,6 +170,44 @@ def world(settings, tmp_path, monkeypatch) -> World:
     w.tokens["agent"] = AGENT_TOKEN
     w.tokens["node"] = nodes[w.node.id][1]
     return w
+
+
+@pytest.fixture(scope="module")
+def shared_world(django_db_setup, django_db_blocker, tmp_path_factory):
+    """The world, built once for the module inside a transaction that is rolled back at the
+    end; each test runs in a savepoint inside it (pytest-django's own transaction), so each
+    case still starts from this world, whatever the case before it changed."""
+    from django.db import transaction
+    from django.test import override_settings
+
+    from jobs.scheduling import loop
+
+    tmp_path = tmp_path_factory.mktemp("matrix")
+    lockstep = {
+        **settings.LOCKSTEP,
+        "CHECKPOINT_ROOT": str(tmp_path / "ckpt"),
+        "MODEL_ROOT": str(tmp_path / "models"),
+        "AGENT_TOKEN": AGENT_TOKEN,
+    }
+    with (
+        django_db_blocker.unblock(),
+        override_settings(LOCKSTEP=lockstep),
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        # The submit throttle counts per user id in the shared cache, where ids repeat from
+        # run to run: no case here submits more than once, and this rate keeps old counts away.
+        patch.setattr(ScopedRateThrottle, "THROTTLE_RATES", {"submit": "100000/min"})
+        patch.setattr(loop, "intake", loop.HeartbeatIntake(timezone.now() - timedelta(hours=1)))
+        with transaction.atomic():
+            world = build_world(tmp_path)
+            world.pristine = snapshot()
+            yield world
+            transaction.set_rollback(True)
+
+
+@pytest.fixture
+def world(shared_world, db) -> World:
+    return shared_world
 
 
 SNAPSHOT_MODELS = [
@@ -479,14 +507,15 @@ def _text(response, swap: tuple[str, str] | None) -> str:
 @pytest.mark.parametrize(
     ("operation", "method", "path"), OPERATIONS, ids=[op for op, _, _ in OPERATIONS]
 )
-def test_matrix(operation, method, path, role, request):
+def test_matrix(operation, method, path, role, world):
     row = EXPECTATIONS.get(operation)
     if row is None:
         pytest.fail(f"operation {operation} ({method} {path}) has no expectation")
     expect = row.expect.get(role)
     assert expect is not None, f"operation {operation} has no expectation for {role}"
-    w = request.getfixturevalue("world")
+    w = world
     before = snapshot()
+    assert before == w.pristine, "the case does not start from the module's world"
     response = _call(w, role, method, path, row, ghost=False)
     body = response.json() if response.content else None
 
