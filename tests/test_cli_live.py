@@ -32,6 +32,10 @@ SHORT_TRAINING = [
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     live = LiveCluster(tmp_path_factory.mktemp("cli-cluster"), agents=1, gpus_per_agent=2)
+    # Failed credentials count per address in the shared Redis, and every client here is
+    # 127.0.0.1, like the in-process tests' clients: their failures must not get this portal
+    # to answer 429 (the wrong-token test wants the 401, exit 3).
+    live.env["LOCKSTEP_THROTTLE_AUTH_FAILURES"] = "1000000/min"
     try:
         live.start()
         live.alice_token = live.token("alice", "--team", "cli", "--quota", "2")
