@@ -290,3 +290,46 @@ def test_plan_json(cluster):
     bad = lockstep(cluster, "plan", "--layers", "0", "--hidden", "8", "--heads", "1", "--vocab",
                    "8", "--seq", "8", "--gpus", "1", "--json")  # fmt: skip
     assert bad.returncode == client.EXIT_USAGE and "--layers" in bad.stderr and bad.stdout == ""
+
+
+def test_register_a_checkpoint_as_a_model_and_list_models(cluster, trained):
+    listed = json.loads(lockstep(cluster, "checkpoints", str(trained["id"]), "--json").stdout)
+    latest = max(listed, key=lambda c: c["step"])
+    done = lockstep(cluster, "models", "register", "cli-adder", "--checkpoint", str(latest["id"]))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"registered cli-adder v1 from job {trained['id']} step 30")
+    models = json.loads(lockstep(cluster, "models", "--json").stdout)
+    assert [(m["name"], m["version"], m["job"]) for m in models] == [
+        ("cli-adder", 1, trained["id"])
+    ]
+    # Another team's user cannot register it: the checkpoint is unknown to them (exit 2).
+    theirs = lockstep(
+        cluster,
+        "models",
+        "register",
+        "stolen",
+        "--checkpoint",
+        str(latest["id"]),
+        token=cluster.mallory_token,
+    )
+    assert theirs.returncode == client.EXIT_USAGE
+    assert f"checkpoint: Unknown checkpoint {latest['id']}." in theirs.stderr
+
+
+def test_tokens_create_list_and_revoke(cluster):
+    created = lockstep(cluster, "tokens", "create", "cli-sweeps", "--expires-days", "7")
+    assert created.returncode == 0, created.stderr
+    raw = created.stdout.strip()
+    assert raw.startswith("lst_") and "shown this once" in created.stderr
+    assert lockstep(cluster, "jobs", "--json", token=raw).returncode == 0
+    listed = json.loads(lockstep(cluster, "tokens", "--json").stdout)
+    (mine,) = [t for t in listed if t["name"] == "cli-sweeps"]
+    assert mine["state"] == "active" and "token" not in mine
+    # Somebody else's token is not found, and stays working.
+    theirs = lockstep(cluster, "tokens", "revoke", str(mine["id"]), token=cluster.mallory_token)
+    assert theirs.returncode == client.EXIT_FAILED and "not found" in theirs.stderr
+    assert lockstep(cluster, "jobs", "--json", token=raw).returncode == 0
+    revoked = lockstep(cluster, "tokens", "revoke", str(mine["id"]))
+    assert revoked.returncode == 0 and f"token {mine['id']} revoked" in revoked.stdout
+    refused = lockstep(cluster, "jobs", token=raw)
+    assert refused.returncode == client.EXIT_AUTH and "authentication failed" in refused.stderr
