@@ -96,6 +96,10 @@ class LiveCluster:
             LOCKSTEP_AGENT_TOKEN=self.agent_token,
             LOCKSTEP_CHECKPOINT_ROOT=str(work / "checkpoints"),
             LOCKSTEP_MODEL_ROOT=str(work / "models"),
+            # The failed-auth counters live in the shared Redis per address, and every test
+            # client is 127.0.0.1: tests that send wrong tokens on purpose must not get the
+            # suite's agents and clients refused (tests/test_tokens.py covers the throttle).
+            LOCKSTEP_THROTTLE_AUTH_FAILURES="1000000/min",
             LOCKSTEP_HEARTBEAT_S="0.5",
             LOCKSTEP_HEARTBEAT_TIMEOUT_S="6",
             # Detectors tuned for seconds-long tests; strikes never cordon a node mid-suite
