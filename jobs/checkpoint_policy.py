@@ -12,7 +12,11 @@ from jobs.health import young_daly_interval
 from jobs.models import Attempt, Checkpoint, Job
 
 FAILED = (Attempt.State.FAILED, Attempt.State.LOST)
-MIN_INTERVAL_S, MAX_INTERVAL_S = 30.0, 6 * 3600.0
+# Bounds on the suggestion: saving at most 1/MAX_SAVE_SHARE of the time and not more often than
+# every MIN_INTERVAL_S (each save also writes bytes and counts against retention), never so
+# rarely that a failure costs hours. Young/Daly itself already balances the save cost against
+# the work a failure throws away; the floor only guards a near-zero measured stall.
+MIN_INTERVAL_S, MAX_INTERVAL_S, MAX_SAVE_SHARE = 10.0, 6 * 3600.0, 20.0
 
 
 def _mtbf(attempts, prior_s: float) -> tuple[float | None, int]:
@@ -74,8 +78,8 @@ def checkpoint_advice(job: Job) -> dict:
     stall = median(saves) if saves else None
     suggested = young_daly_interval(stall, mtbf) if stall else None
     if suggested:
-        # Never so often that saving dominates, never so rarely that a failure costs hours.
-        suggested = min(max(suggested, MIN_INTERVAL_S), MAX_INTERVAL_S)
+        floor = max(MIN_INTERVAL_S, MAX_SAVE_SHARE * stall)
+        suggested = min(max(suggested, floor), MAX_INTERVAL_S)
     return {
         "interval_s": job.checkpoint_interval_s or (round(suggested) if suggested else None),
         "source": "job setting" if job.checkpoint_interval_s else "Young/Daly",

@@ -83,6 +83,7 @@ class Agent:
         heartbeat_s: float = 2.0,
         gpu_kind: str = "auto",
         http_timeout_s: float = HTTP_TIMEOUT_S,
+        warm_start: bool = False,
     ) -> None:
         if gpus < 1:
             raise ValueError("gpus must be at least 1")
@@ -99,7 +100,9 @@ class Agent:
         self.node_id: int | None = None
         self.node_token: str | None = None
         self.log = _NodeLog(logger, {"node": name})
-        self.supervisor = WorkerSupervisor(work_dir, gpu_kind=gpu_kind, log=self.log)
+        self.supervisor = WorkerSupervisor(
+            work_dir, gpu_kind=gpu_kind, log=self.log, warm_start=warm_start
+        )
         self.telemetry = Telemetry(gpus, self.supervisor.gpu_kind, log=self.log)
         self._http = requests.Session()
         self._tracked: dict[int, _Tracked] = {}
@@ -257,6 +260,7 @@ class Agent:
             status = 1
         finally:
             alive = self.supervisor.kill_all()
+            self.supervisor.close()
             if self._stop_signal is not None:
                 reason = signal.Signals(self._stop_signal).name
             else:

@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: cuda if /dev/nvidia0 exists, else cpu",
     )
+    parser.add_argument(
+        "--cold-start",
+        action="store_true",
+        default=os.environ.get("LOCKSTEP_AGENT_COLD_START", "") not in ("", "0"),
+        help="start every worker as a fresh interpreter instead of forking it from a process "
+        "that has torch imported already (warm start, the default; see nodeagent/zygote.py)",
+    )
     return parser
 
 
@@ -111,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         work_dir=work_dir,
         heartbeat_s=args.heartbeat_s,
         gpu_kind=args.gpu_kind,
+        warm_start=not args.cold_start,
     )
     agent.install_signal_handlers()
     return agent.run()

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nodeagent.zygote import ForkedWorker, Zygote, ZygoteError, can_fork
+
 logger = logging.getLogger("nodeagent.supervisor")
 
 # Network settings an operator configures for the agent that workers need for NCCL/gloo.
@@ -128,7 +130,7 @@ class RankWorker:
     gpu_index: int
     log_path: Path
     metrics_path: Path
-    popen: subprocess.Popen[bytes] | None
+    popen: subprocess.Popen[bytes] | ForkedWorker | None
     state: str = "starting"  # starting -> running -> exited
     exit_code: int | None = None
     # Wall-clock time the exit was seen (the agent polls every 0.25 s), so the portal can tell
@@ -190,6 +192,7 @@ class WorkerSupervisor:
         base_env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         log: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
+        warm_start: bool = False,
     ) -> None:
         self.work_dir = Path(work_dir).resolve()
         self.gpu_kind = detect_gpu_kind(gpu_kind)
@@ -197,6 +200,12 @@ class WorkerSupervisor:
         self._clock = clock
         self._log = log or logger
         self._attempts: dict[int, AttemptWorkers] = {}
+        # Warm start (nodeagent/zygote.py): workers forked from a process that has imported
+        # torch already; started now, so it is warm before the first job arrives.
+        self._zygote: Zygote | None = None
+        if warm_start:
+            self._zygote = Zygote(env=dict(os.environ if base_env is None else base_env))
+            self._zygote.start()
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -267,6 +276,13 @@ class WorkerSupervisor:
             # A fresh start: tails read from offset 0, so stale bytes would be re-shipped.
             worker.metrics_path.unlink(missing_ok=True)
             with open(worker.log_path, "wb") as log_file:
+                if self._zygote is not None and can_fork(command, worker.env, self._zygote.env):
+                    try:
+                        worker.popen = self._zygote.spawn(command, worker.env, worker.log_path)
+                        attempt.workers.append(worker)
+                        continue
+                    except ZygoteError as exc:
+                        self._log.warning("warm start unavailable (%s); starting cold", exc)
                 try:
                     worker.popen = subprocess.Popen(
                         command,
@@ -292,12 +308,14 @@ class WorkerSupervisor:
                     )
             attempt.workers.append(worker)
         self._write_workers_file(attempt)
+        forked = sum(isinstance(w.popen, ForkedWorker) for w in attempt.workers)
         self._log.info(
-            "attempt %s: launched ranks %s (pids %s) on %s",
+            "attempt %s: launched ranks %s (pids %s) on %s, %s",
             attempt_id,
             [w.rank for w in attempt.workers],
             [w.pid for w in attempt.workers],
             self.gpu_kind,
+            f"{forked} warm (forked from the zygote)" if forked else "cold",
         )
         return attempt
 
@@ -408,6 +426,12 @@ class WorkerSupervisor:
         for worker in attempt.workers:
             if worker.alive:
                 self._signal_group(worker, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Let the zygote go (its workers, if any are left, are the caller's to kill first)."""
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
 
     def kill_all(self) -> int:
         """Kill every attempt's workers; returns how many workers were still alive."""

@@ -389,3 +389,19 @@ def test_rendezvous_ports_of_live_attempts_on_one_master_differ(setup, make_node
     run_pass()
     ports = [live_attempt(j).master_port for j in jobs]
     assert len(set(ports)) == 4
+
+
+@pytest.mark.django_db
+def test_the_suggested_interval_is_never_below_10_s_nor_20_save_stalls(setup, settings):
+    from jobs import checkpoint_policy
+
+    job, attempt, a, b, root = _run(setup)
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "DEFAULT_MTBF_S": 60.0}  # a failure a minute
+    for stall, expected in ((0.15, 10), (2.0, 40)):
+        record = commit_checkpoint(root, job, int(stall * 100)) | {"save_s": stall}
+        Checkpoint.objects.filter(job=job).delete()
+        beat(a, attempt, {0: None, 1: None}, records=[record])
+        checkpoint_policy._fleet_cache["at"] = 0.0
+        advice = checkpoint_advice(job)
+        # Young/Daly alone would say sqrt(2 x stall x 60 s): 4.2 s and 15.5 s.
+        assert advice["young_daly_s"] == expected and advice["interval_s"] == expected

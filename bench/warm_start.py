@@ -1,0 +1,178 @@
+"""Warm start benchmark: how long a restarted 4-rank job takes from launch to its first step,
+with workers forked from the agent's zygote (nodeagent/zygote.py) against fresh interpreters,
+in the same run.
+
+Two WorkerSupervisors play two agents with 2 ranks each (the chaos benchmark's shape). A short
+run first leaves a committed checkpoint; every timed launch then resumes from it, as a restart
+does. Rounds alternate cold, warm, cold, warm, ... so load drift hits both. For each launch:
+seconds from launch to every rank's `start` record (the trainer is up: imports done, process
+group joined, checkpoint loaded) and to the last rank's first `step` record.
+
+    .venv/bin/python bench/warm_start.py [--rounds 4]
+    # writes bench/results/warm_start.json and docs/figures/warm_start.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nodeagent.supervisor import WorkerSupervisor  # noqa: E402
+
+COMMAND = ["python", "-m", "trainer", "--log-every", "1", "--checkpoint-every", "0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(ckpt: Path, steps: int, resume: str, node: int, port: int) -> dict:
+    ranks = [{"rank": node * 2 + i, "local_rank": i, "gpu_index": i} for i in range(2)]
+    return {
+        "job_id": 1,
+        "attempt": 1,
+        "command": [*COMMAND, "--steps", str(steps)],
+        "env": {},
+        "world_size": 4,
+        "job_gpus": 4,
+        "local_world_size": 2,
+        "group_rank": node,
+        "group_world_size": 2,
+        "master_addr": "127.0.0.1",
+        "master_port": port,
+        "run_id": "bench",
+        "restart_count": 1,
+        "max_restarts": 3,
+        "checkpoint_dir": str(ckpt),
+        "resume_from": resume,
+        "dataset": "synthetic://addition",
+        "ranks": ranks,
+    }
+
+
+def records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_gang(agents, attempt_id: int, ckpt: Path, steps: int, resume: str) -> dict:
+    port = free_port()
+    t0 = time.time()
+    attempts = [
+        agent.launch(attempt_id, launch(ckpt, steps, resume, node, port))
+        for node, agent in enumerate(agents)
+    ]
+    for agent in agents:
+        assert agent.wait(attempt_id, 300), "the gang did not finish"
+    workers = [w for a in attempts for w in a.workers]
+    codes = [w.exit_code for w in workers]
+    if codes != [0] * len(workers):
+        logs = {w.rank: w.log_path.read_text()[-1500:] for w in workers}
+        raise SystemExit(f"a rank failed: {codes}\n{logs}")
+    up, first = [], []
+    for worker in workers:
+        rows = records(worker.metrics_path)
+        up.append(next(r["time"] for r in rows if r["kind"] == "start") - t0)
+        first.append(next(r["time"] for r in rows if r["kind"] == "step") - t0)
+    return {"up_s": max(up), "first_step_s": max(first), "per_rank_up_s": up}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("LOCKSTEP_", "OMP_"))}
+    base["PYTHONPATH"] = str(ROOT)
+    with tempfile.TemporaryDirectory(prefix="warm-start-") as tmp:
+        tmp = Path(tmp)
+        cold = [WorkerSupervisor(tmp / f"cold{i}", gpu_kind="cpu", base_env=base) for i in (0, 1)]
+        warm = [
+            WorkerSupervisor(tmp / f"warm{i}", gpu_kind="cpu", base_env=base, warm_start=True)
+            for i in (0, 1)
+        ]
+        for agent in warm:
+            assert agent._zygote.wait_ready(120), agent._zygote.failed
+        ckpt = tmp / "ckpt"
+        run_gang(cold, 1, ckpt, 3, "")  # leaves step-000003 to resume from
+        resume = str(ckpt / "step-000003")
+        rounds = []
+        attempt = 2
+        for number in range(args.rounds):
+            for mode, agents in (("cold", cold), ("warm", warm)):
+                result = run_gang(agents, attempt, tmp / f"ckpt-{attempt}", 5, resume)
+                attempt += 1
+                rounds.append({"round": number + 1, "mode": mode, **result})
+                print(f"round {number + 1} {mode}: up {result['up_s']:.2f} s, first step "
+                      f"{result['first_step_s']:.2f} s", flush=True)  # fmt: skip
+        for agent in (*cold, *warm):
+            agent.close()
+    summary = {}
+    for mode in ("cold", "warm"):
+        rows = [r for r in rounds if r["mode"] == mode]
+        summary[mode] = {
+            "up_s_median": statistics.median(r["up_s"] for r in rows),
+            "first_step_s_median": statistics.median(r["first_step_s"] for r in rows),
+        }
+    summary["first_step_saved_s"] = (
+        summary["cold"]["first_step_s_median"] - summary["warm"]["first_step_s_median"]
+    )
+    result = {
+        "config": {
+            "command": COMMAND,
+            "ranks": "4 (2 supervisors x 2), resuming from a committed step-3 checkpoint",
+            "rounds": args.rounds,
+            "cpus": os.cpu_count(),
+            "load_avg_at_start": os.getloadavg(),
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+        "rounds": rounds,
+        "summary": summary,
+    }
+    out = ROOT / "bench" / "results" / "warm_start.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    plot(rounds, ROOT / "docs" / "figures" / "warm_start.png")
+
+
+def plot(rounds: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no figure", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for offset, mode, colour in ((-0.18, "cold", "#b45309"), (0.18, "warm", "#15803d")):
+        rows = [r for r in rounds if r["mode"] == mode]
+        xs = [r["round"] + offset for r in rows]
+        ax.bar(xs, [r["first_step_s"] for r in rows], width=0.34, color=colour, alpha=0.5,
+               label=f"{mode}: launch to first step")  # fmt: skip
+        ax.bar(xs, [r["up_s"] for r in rows], width=0.34, color=colour,
+               label=f"{mode}: launch to trainer up")  # fmt: skip
+    ax.set_xticks(sorted({r["round"] for r in rounds}))
+    ax.set_xlabel("round")
+    ax.set_ylabel("seconds (4 ranks, resuming)")
+    ax.set_title("Restart start-up: fresh interpreters vs forked from the zygote")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
