@@ -64,7 +64,8 @@ def record(job_id: int, points) -> None:
             _merge(buckets.setdefault(key, [0, 0, 0.0, 0.0, 0]), step, step, value, value, 1)
     if not headers:
         return
-    with transaction.atomic():
+    # No savepoint: inside a heartbeat's transaction a failure here fails the heartbeat.
+    with transaction.atomic(savepoint=False):
         locked = _lock_headers(job_id, sorted(headers))
         wanted: dict[tuple, list] = {}
         for name, width, rank, bucket in sorted(buckets):
@@ -152,14 +153,11 @@ def ensure_current(job_id: int, name: str) -> None:
     than through `record`. One index-only count when it already does."""
     Point, Rollup = _models()
     points = Point.objects.filter(job_id=job_id, name=name)
-    stored = (
-        Rollup.objects.filter(job_id=job_id, name=name, width=HEADER)
-        .values_list("count", flat=True)
-        .first()
-    )
+    header = Rollup.objects.filter(job_id=job_id, name=name, width=HEADER, rank=0, bucket=0)
+    stored = next(iter(header.values_list("count", flat=True)), None)  # the unique index
     if stored == points.count():
         return
-    with transaction.atomic():
+    with transaction.atomic(savepoint=False):
         header = _lock_headers(job_id, [name])[name]
         total = points.count()
         if header.count == total:
