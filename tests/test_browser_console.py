@@ -262,3 +262,40 @@ def test_the_console_works_at_phone_width(cluster, page):
         _shot(page, "nodes-phone")
     finally:
         page.set_viewport_size({"width": 1280, "height": 900})
+
+
+def test_an_admin_approves_a_proposed_preemption(cluster, page):
+    """The waiting job was raised to high priority above: the scheduler proposed to preempt the
+    running normal-priority job for it, which waits for an admin (or its deadline)."""
+    running, waiting = cluster.jobs
+    admin = Api(cluster.url, cluster.token("admin"))
+    proposal = wait_for(
+        lambda: [
+            r
+            for r in admin.get("/api/v1/preemptions/?state=proposed").json()["results"]
+            if r["claimant"] == waiting
+        ],
+        60,
+        "the scheduler to propose a preemption for the high-priority job",
+    )[0]
+    assert (proposal["victim"], proposal["kind"]) == (running, "priority")
+    page.click("header >> text=Preemptions")
+    page.wait_for_url("**/console/preemptions/")
+    row = page.locator(f"#preemptions tr[data-request='{proposal['id']}']")
+    text = row.inner_text()
+    assert f"job {waiting}" in text and "(demo, high)" in text
+    assert f"job {running}" in text and "(demo, normal)" in text
+    assert "since its last checkpoint" in text and "proposed" in text
+    _shot(page, "preemptions")
+    row.locator("button[value=approve]").click()
+    assert f"Preemption {proposal['id']}:" in page.locator(".messages").inner_text()
+    # The victim is told to checkpoint and stop; the claimant runs on its GPUs.
+    wait_for(
+        lambda: admin.get(f"/api/v1/jobs/{waiting}/").json()["state"] == "RUNNING",
+        120,
+        "the claimant to run",
+    )
+    decided = admin.get(f"/api/v1/preemptions/{proposal['id']}/").json()
+    assert decided["state"] != "proposed" and decided["decided_by"] == "admin"
+    page.reload()
+    assert "admin" in page.locator(f"#preemptions tr[data-request='{proposal['id']}']").inner_text()
