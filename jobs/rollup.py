@@ -67,12 +67,14 @@ def record(job_id: int, points) -> None:
     # No savepoint: inside a heartbeat's transaction a failure here fails the heartbeat.
     with transaction.atomic(savepoint=False):
         locked = _lock_headers(job_id, sorted(headers))
-        wanted: dict[tuple, list] = {}
-        for name, width, rank, bucket in sorted(buckets):
-            wanted.setdefault((name, width, rank), []).append(bucket)
+        wanted: dict[tuple, tuple[set, set]] = {}
+        for name, width, rank, bucket in buckets:
+            ranks, numbers = wanted.setdefault((name, width), (set(), set()))
+            ranks.add(rank)
+            numbers.add(bucket)
         existing = {}
-        for match in _chunks(wanted):
-            for row in Rollup.objects.filter(match, job_id=job_id):
+        for match in _chunks(job_id, wanted):
+            for row in Rollup.objects.filter(match):
                 existing[(row.name, row.width, row.rank, row.bucket)] = row
         existing.update(((n, HEADER, 0, 0), locked[n]) for n in headers)
         buckets.update(((n, HEADER, 0, 0), totals) for n, totals in headers.items())
@@ -94,13 +96,18 @@ def record(job_id: int, points) -> None:
         )
 
 
-def _chunks(wanted: dict[tuple, list], size: int = 500):
-    """Filters for the wanted buckets, about `size` buckets each (bounded query parameters)."""
+def _chunks(job_id: int, wanted: dict[tuple, tuple[set, set]], size: int = 500):
+    """Filters for the rows of the wanted (name, width) -> (ranks, buckets): each term names
+    the whole unique key (one index lookup per pair on SQLite too), about `size` buckets to a
+    filter. A heartbeat's steps are few and adjacent, so ranks x buckets is what it touches."""
     match, n = Q(), 0
-    for (name, width, rank), numbers in wanted.items():
+    for (name, width), (ranks, numbers) in sorted(wanted.items()):
+        numbers = sorted(numbers)
         for i in range(0, len(numbers), size):
             part = numbers[i : i + size]
-            match |= Q(name=name, width=width, rank=rank, bucket__in=part)
+            match |= Q(
+                job_id=job_id, name=name, width=width, rank__in=sorted(ranks), bucket__in=part
+            )
             n += len(part)
             if n >= size:
                 yield match
