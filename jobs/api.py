@@ -9,7 +9,6 @@ from django.utils import timezone
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied, ValidationError
-from rest_framework.permissions import IsAdminUser
 from rest_framework.response import Response
 from rest_framework.throttling import ScopedRateThrottle
 
@@ -27,7 +26,7 @@ from jobs.serializers import (
     ModelVersionSerializer,
     NodeSerializer,
 )
-from teams.access import can_set_priority, visible_jobs
+from teams.access import IsClusterAdmin, can_set_priority, visible_jobs
 
 
 def _int_param(request, name: str, default: int | None, *, lo: int = 0, hi: int = 10**9):
@@ -245,7 +244,7 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         node = apply(node, body.validated_data["reason"] or f"by {request.user.username}")
         return Response(NodeSerializer(node).data)
 
-    @action(detail=True, methods=["post"], permission_classes=[IsAdminUser])
+    @action(detail=True, methods=["post"], permission_classes=[IsClusterAdmin])
     def cordon(self, request, pk=None):
         return self._node_action(
             request,
@@ -254,7 +253,7 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
             ),
         )
 
-    @action(detail=True, methods=["post"], permission_classes=[IsAdminUser])
+    @action(detail=True, methods=["post"], permission_classes=[IsClusterAdmin])
     def drain(self, request, pk=None):
         return self._node_action(
             request,
@@ -263,7 +262,7 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
             ),
         )
 
-    @action(detail=True, methods=["post"], permission_classes=[IsAdminUser])
+    @action(detail=True, methods=["post"], permission_classes=[IsClusterAdmin])
     def uncordon(self, request, pk=None):
         return self._node_action(
             request,

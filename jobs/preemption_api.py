@@ -5,12 +5,11 @@ from django.db.models import Q
 from django.utils import timezone
 from rest_framework import mixins, serializers, viewsets
 from rest_framework.decorators import action
-from rest_framework.permissions import IsAdminUser
 from rest_framework.response import Response
 
 from jobs import actions
 from jobs.models import PreemptionRequest
-from teams.access import visible_jobs
+from teams.access import IsClusterAdmin, visible_jobs
 
 
 class PreemptionSerializer(serializers.ModelSerializer):
@@ -64,10 +63,10 @@ class PreemptionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         )
         return Response(PreemptionSerializer(preemption).data)
 
-    @action(detail=True, methods=["post"], permission_classes=[IsAdminUser])
+    @action(detail=True, methods=["post"], permission_classes=[IsClusterAdmin])
     def approve(self, request, pk=None):
         return self._decide(request, True)
 
-    @action(detail=True, methods=["post"], permission_classes=[IsAdminUser])
+    @action(detail=True, methods=["post"], permission_classes=[IsClusterAdmin])
     def reject(self, request, pk=None):
         return self._decide(request, False)

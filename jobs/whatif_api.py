@@ -5,11 +5,11 @@ from datetime import timedelta
 
 from django.utils import timezone
 from rest_framework import mixins, serializers, status, viewsets
-from rest_framework.permissions import IsAdminUser
 from rest_framework.response import Response
 
 from jobs import whatif
 from jobs.models import WhatIfRun
+from teams.access import IsClusterAdmin
 from teams.api import TeamQuotaSerializer
 from teams.models import Team
 
@@ -89,7 +89,7 @@ class WhatIfViewSet(
     """Cluster admins only. POST runs a what-if; 201 with state `done` and the result when
     it ran at once, 202 with state `queued` when it runs on the worker."""
 
-    permission_classes = [IsAdminUser]
+    permission_classes = [IsClusterAdmin]
     queryset = WhatIfRun.objects.select_related("created_by").order_by("-id")
 
     def get_serializer_class(self):

@@ -5,7 +5,6 @@ from functools import wraps
 from pathlib import Path
 
 from django.contrib import messages
-from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.views import redirect_to_login
 from django.db.models import Count, Prefetch, Q
@@ -42,6 +41,21 @@ from portal.forms import (
 from teams import actions as team_actions
 from teams.access import is_cluster_admin, visible_jobs, visible_teams
 from teams.models import Team
+
+
+def console_staff_required(view):
+    """Cluster admins only. Anonymous users are sent to log in; anyone else gets the 404 a
+    missing page gets (a denial that leaks nothing, DESIGN.md section 10)."""
+
+    @wraps(view)
+    def wrapped(request, *args, **kwargs):
+        if not request.user.is_authenticated:
+            return redirect_to_login(request.get_full_path())
+        if not is_cluster_admin(request.user):
+            raise Http404("No such page.")
+        return view(request, *args, **kwargs)
+
+    return wrapped
 
 
 def _job_or_404(user, job_id: int) -> Job:
@@ -427,7 +441,7 @@ def cluster(request):
     )
 
 
-@staff_member_required
+@console_staff_required
 def team_quotas(request):
     if request.method == "POST":
         team = Team.objects.filter(pk=request.POST.get("team_id")).first()
@@ -452,7 +466,7 @@ def team_quotas(request):
     return render(request, "team_quotas.html", {"rows": rows})
 
 
-@staff_member_required
+@console_staff_required
 def preemptions(request):
     if request.method == "POST":
         preemption = PreemptionRequest.objects.filter(pk=request.POST.get("request_id")).first()
@@ -492,21 +506,6 @@ def preemptions(request):
 
 
 REPORT_DAYS = 7  # console reports look back this far unless ?days= says otherwise
-
-
-def console_staff_required(view):
-    """Cluster admins only. Anonymous users are sent to log in; anyone else gets the 404 a
-    missing page gets (a denial that leaks nothing, DESIGN.md section 10)."""
-
-    @wraps(view)
-    def wrapped(request, *args, **kwargs):
-        if not request.user.is_authenticated:
-            return redirect_to_login(request.get_full_path())
-        if not is_cluster_admin(request.user):
-            raise Http404("No such page.")
-        return view(request, *args, **kwargs)
-
-    return wrapped
 
 
 def _seconds(value) -> str:

@@ -3,6 +3,7 @@ their team, cluster admins (staff) do everything. Lookups outside what a user ma
 exactly like lookups of things that do not exist."""
 
 from django.db.models import QuerySet
+from rest_framework.permissions import BasePermission
 
 from teams.models import Membership, Team
 
@@ -33,3 +34,12 @@ def can_set_priority(user, team: Team) -> bool:
     if is_cluster_admin(user):
         return True
     return Membership.objects.filter(user=user, team=team, role=Membership.Role.LEAD).exists()
+
+
+class IsClusterAdmin(BasePermission):
+    """Cluster admins (staff or superusers), the same test as `is_cluster_admin` everywhere
+    else: DRF's IsAdminUser looks at is_staff only, and a superuser who is not staff would be
+    an admin on some pages and refused on others."""
+
+    def has_permission(self, request, view) -> bool:
+        return is_cluster_admin(request.user)

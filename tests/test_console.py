@@ -542,7 +542,7 @@ def test_a_priority_raised_in_the_queue_becomes_a_preemption_an_admin_approves(s
     html = client.get("/console/preemptions/").content.decode()
     table = html.split('id="preemptions"')[1]
     for request in requests:
-        row = table.split(f"<tr><td>{request.id}</td>")[1].split("</tr>")[0]
+        row = table.split(f'data-request="{request.id}"')[1].split("</tr>")[0]
         assert f"job {big.id}</a> (lab, urgent)" in row
         victim = request.victim
         assert f"job {victim.id}</a> ({victim.team.name}, {victim.priority})" in row
@@ -578,3 +578,29 @@ def test_the_console_pages_make_the_same_number_of_queries_for_more_rows(shared,
     make_nodes(3, 2, prefix="extra")
     run_pass()
     assert {url: queries(url) for url in CONSOLE} == before
+
+
+@pytest.mark.django_db
+def test_a_superuser_who_is_not_staff_is_a_cluster_admin_everywhere(make_user, make_nodes):
+    from django.contrib.auth import get_user_model
+    from rest_framework.test import APIClient
+
+    from jobs.models import Node
+
+    root = get_user_model().objects.create_user("root2", password="pw", is_superuser=True)
+    member = make_user("plain")
+    (node,) = make_nodes(1, 2)
+    api = APIClient()
+    api.force_authenticate(root)
+    answer = api.post(f"/api/v1/nodes/{node.id}/cordon/", {"reason": "disk"}, format="json")
+    assert answer.status_code == 200, answer.content
+    assert Node.objects.get(pk=node.pk).state == "cordoned"
+    browser = Client()
+    browser.force_login(root)
+    for page in ("/console/teams/", "/console/preemptions/"):
+        assert browser.get(page).status_code == 200
+    # Anyone else: the 404 a missing page gets, not a redirect that says the page exists.
+    other = Client()
+    other.force_login(member)
+    for page in ("/console/teams/", "/console/preemptions/"):
+        assert other.get(page).status_code == 404
