@@ -283,6 +283,11 @@ class WorkerSupervisor:
                         continue
                     except ZygoteError as exc:
                         self._log.warning("warm start unavailable (%s); starting cold", exc)
+                        if str(exc).startswith("stale"):
+                            # New code on disk: a new zygote imports it (warm again later).
+                            self._zygote.close()
+                            self._zygote = Zygote(env=self._zygote.env)
+                            self._zygote.start()
                 try:
                     worker.popen = subprocess.Popen(
                         command,

@@ -66,6 +66,7 @@ def serve(sock: socket.socket) -> None:
                 loaded.append(name.strip())
             except Exception as exc:  # a module that cannot load is simply not warm
                 print(f"lockstep zygote: cannot preload {name}: {exc}", file=sys.stderr)
+    code = _code_stamp()
     _send(sock, {"ready": loaded, "threads": _threads()})
     buffer = b""
     selector = selectors.DefaultSelector()
@@ -78,13 +79,40 @@ def serve(sock: socket.socket) -> None:
             buffer += data
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
-                _serve_one(sock, json.loads(line))
+                _serve_one(sock, json.loads(line), code)
         _reap(sock)
 
 
-def _serve_one(sock: socket.socket, request: dict) -> None:
+def _code_stamp() -> dict[str, float]:
+    """Modification times of every module file loaded so far."""
+    stamp = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path:
+            with contextlib.suppress(OSError):
+                stamp[path] = os.stat(path).st_mtime
+    return stamp
+
+
+def _stale(code: dict[str, float]) -> str | None:
+    """A preloaded file changed on disk since (a deploy): a fresh interpreter would run the new
+    code, so forking this one would not be the same."""
+    for path, mtime in code.items():
+        try:
+            if os.stat(path).st_mtime != mtime:
+                return path
+        except OSError:
+            return path
+    return None
+
+
+def _serve_one(sock: socket.socket, request: dict, code: dict[str, float]) -> None:
     if _threads() > 1:
         _send(sock, {"id": request["id"], "error": "the zygote has threads; not forking"})
+        return
+    changed = _stale(code)
+    if changed:
+        _send(sock, {"id": request["id"], "error": f"stale: {changed} changed since preload"})
         return
     sys.stdout.flush()
     sys.stderr.flush()
@@ -412,13 +440,12 @@ class Zygote:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Running (a zombie is not: in a container whose init never reaps, it stays one)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    return stat[stat.rfind(")") + 2] not in "ZX"
 
 
 def can_fork(argv: list[str], env: dict[str, str], zygote_env: dict[str, str]) -> bool:
