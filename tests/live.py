@@ -79,8 +79,20 @@ def worker_pids(attempt_id: int) -> dict[int, int]:
 
 
 class LiveCluster:
-    def __init__(self, work: Path, *, agents: int = 2, gpus_per_agent: int = 2):
+    def __init__(
+        self,
+        work: Path,
+        *,
+        agents: int = 2,
+        gpus_per_agent: int = 2,
+        env: dict[str, str] | None = None,
+        agent_heartbeat_s: float = 0.5,
+    ):
+        """`env` is applied over the test settings below (e.g. production defaults for a
+        benchmark); `agent_heartbeat_s` is the agents' --heartbeat-s (the portal's
+        LOCKSTEP_HEARTBEAT_S replaces it once they register)."""
         self.work = work
+        self.agent_heartbeat_s = agent_heartbeat_s
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.agent_token = "test-agent-token"
@@ -119,6 +131,7 @@ class LiveCluster:
             LOCKSTEP_MASTER_PORT_SPAN="3000",
             PYTHONUNBUFFERED="1",
         )
+        self.env.update(env or {})
 
     def _start(self, name: str, argv: list[str]) -> None:
         log = open(self.work / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
@@ -199,7 +212,7 @@ class LiveCluster:
                 "--name",
                 name,
                 "--heartbeat-s",
-                "0.5",
+                str(self.agent_heartbeat_s),
                 "--work-dir",
                 str(self.work / "agents" / name),
                 "--gpu-kind",
