@@ -68,6 +68,23 @@ def resolve_command(command: list[str]) -> list[str]:
     return argv
 
 
+# What a worker must not inherit from the agent: workers run users' code, and these hold the
+# cluster agent token (which registers nodes), the agent's own settings, and, under
+# `lockstep up`, the portal's database, Redis and Django settings.
+PRIVATE_PREFIXES = ("LOCKSTEP_", "DJANGO_")
+PRIVATE_NAMES = frozenset({"DATABASE_URL", "REDIS_URL"})
+# Trainer settings an operator may set on a node's agent for every worker there.
+WORKER_SETTINGS = frozenset({"LOCKSTEP_PG_TIMEOUT_S"})
+
+
+def inheritable_env(base_env: Mapping[str, str]) -> dict[str, str]:
+    return {
+        k: v
+        for k, v in base_env.items()
+        if k in WORKER_SETTINGS or (not k.startswith(PRIVATE_PREFIXES) and k not in PRIVATE_NAMES)
+    }
+
+
 def build_worker_env(
     launch: Mapping[str, Any],
     rank: Mapping[str, Any],
@@ -77,11 +94,12 @@ def build_worker_env(
     gpu_kind: str,
     base_env: Mapping[str, str],
 ) -> dict[str, str]:
-    """The environment of one worker: the agent's, plus launch.env, plus the launch contract.
+    """The environment of one worker: the agent's (less its own secrets and configuration, see
+    `inheritable_env`), plus launch.env, plus the launch contract.
 
     Contract variables are applied last so a user's env cannot fake another rank's identity.
     """
-    env = dict(base_env)
+    env = inheritable_env(base_env)
     env.update({str(k): str(v) for k, v in (launch.get("env") or {}).items()})
     world_size = int(launch["world_size"])
     local_world_size = int(launch["local_world_size"])
@@ -204,7 +222,12 @@ class WorkerSupervisor:
         # torch already; started now, so it is warm before the first job arrives.
         self._zygote: Zygote | None = None
         if warm_start:
-            self._zygote = Zygote(env=dict(os.environ if base_env is None else base_env))
+            # The zygote never holds what workers may not see, either.
+            agent_env = os.environ if base_env is None else base_env
+            self._zygote = Zygote(
+                env=inheritable_env(agent_env),
+                preload=agent_env.get("LOCKSTEP_ZYGOTE_PRELOAD"),
+            )
             self._zygote.start()
 
     # -- queries ---------------------------------------------------------------------------
@@ -286,7 +309,9 @@ class WorkerSupervisor:
                         if str(exc).startswith("stale"):
                             # New code on disk: a new zygote imports it (warm again later).
                             self._zygote.close()
-                            self._zygote = Zygote(env=self._zygote.env)
+                            self._zygote = Zygote(
+                                env=self._zygote.env, preload=self._zygote.preload
+                            )
                             self._zygote.start()
                 try:
                     worker.popen = subprocess.Popen(

@@ -304,8 +304,14 @@ class ForkedWorker:
 class Zygote:
     """The agent's handle on its zygote: start it, ask it to fork, learn the exits."""
 
-    def __init__(self, env: dict[str, str] | None = None, ready_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        ready_timeout_s: float = 120.0,
+        preload: str | None = None,
+    ):
         self.env = dict(os.environ if env is None else env)
+        self.preload = preload or ",".join(PRELOAD)
         self._ready_timeout_s = ready_timeout_s
         self._lock = threading.Lock()
         self._replies: dict[int, dict] = {}
@@ -337,6 +343,7 @@ class Zygote:
                 "OPENBLAS_NUM_THREADS": "1",
                 "MKL_NUM_THREADS": "1",
                 "LOCKSTEP_ZYGOTE_ROOM": ROOM_ENV,
+                "LOCKSTEP_ZYGOTE_PRELOAD": self.preload,
             },  # fmt: skip
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,

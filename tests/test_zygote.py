@@ -214,3 +214,36 @@ def test_code_changed_on_disk_starts_cold_then_a_new_zygote_warms_up_with_it(tmp
     finally:
         sup.kill_all()
         sup.close()
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_workers_inherit_none_of_the_agents_secrets_or_settings(tmp_path, probe, warm):
+    """Workers run users' code: the cluster agent token (it registers nodes), the agent's own
+    settings and, under `lockstep up`, the portal's database and Django settings stay out."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCKSTEP_", "OMP_"))}
+    env.update(
+        LOCKSTEP_AGENT_TOKEN="cluster-secret",
+        LOCKSTEP_PORTAL="http://portal",
+        DJANGO_SETTINGS_MODULE="portal.settings",
+        DATABASE_URL="postgres://db/lockstep",
+        REDIS_URL="redis://r:6379/0",
+        OPERATOR_VAR="kept",
+    )
+    sup = WorkerSupervisor(tmp_path / "work", gpu_kind="cpu", base_env=env, warm_start=warm)
+    try:
+        if warm:
+            assert sup._zygote.wait_ready(90)
+        attempt, records = _run(sup, 1, ["python", str(probe)])
+        assert all(isinstance(w.popen, ForkedWorker) == warm for w in attempt.workers)
+        for record in records:
+            seen = record["env"]
+            assert seen["OPERATOR_VAR"] == "kept" and seen["LOCKSTEP_JOB_ID"] == "5"
+            for name in ("LOCKSTEP_AGENT_TOKEN", "LOCKSTEP_PORTAL", "DJANGO_SETTINGS_MODULE",
+                         "DATABASE_URL", "REDIS_URL"):  # fmt: skip
+                assert name not in seen
+        if warm:  # nor does the zygote, whose memory every worker starts from
+            zygote_env = Path(f"/proc/{sup._zygote._proc.pid}/environ").read_bytes()
+            assert b"cluster-secret" not in zygote_env
+    finally:
+        sup.kill_all()
+        sup.close()
