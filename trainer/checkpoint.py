@@ -15,13 +15,28 @@ for resume. DCP reshards on load, so a checkpoint written by N ranks resumes on 
 the model and optimizer state dicts have the same FQN keys under every parallel mode
 (trainer/parallel.py), so one saved under FSDP loads under DDP or ZeRO-1 and back.
 
-Asynchronous saves (``async_save=True``): ``save`` stages the state (a copy to host memory, the
-only part the loop waits for) and hands the write to DCP's background process (or thread). The
-commit protocol is the same, only later: the loop calls ``poll`` at each step boundary with a vote
-of every rank; once no rank's write is still running, rank 0 writes the marker. ``wait`` blocks
-until the in-flight save is written and committed; it runs before the next save and before the
-process exits (finish or preemption), so a SIGTERM never leaves a save behind. A save killed
-half-way has no marker and is never resumed from.
+Asynchronous saves (``async_save=True``): ``save`` stages the state (a copy to host memory)
+and hands the write to DCP's background process (or thread). The commit protocol is the same,
+only later: the loop calls ``poll`` at each step boundary with a vote of every rank; once no
+rank's write is still running, rank 0 writes the marker. ``wait`` blocks until the in-flight
+save is written and committed; it runs before the next save and before the process exits
+(finish or preemption), so a SIGTERM never leaves a save behind. A save killed half-way has no
+marker and is never resumed from.
+
+Staging (``async_staging``): ``fresh`` lets DCP allocate a new host copy for every save;
+``reuse`` (the default) keeps one set of host buffers (pinned on CUDA, shared memory for the
+process writer) and copies into it at every save, so only the first save pays for allocating
+and faulting in the memory; ``overlap`` does the same copy in a background thread that runs
+during the next step's forward and backward, and an optimizer step pre-hook makes
+``optimizer.step()`` wait for it, so no parameter or optimizer state changes before its copy
+is taken. Either way the copy holds exactly the state of the saved step. Buffers are reused
+only after the write that reads them has finished (one save in flight at a time).
+
+The stall of a save (``save_stall_s`` in the ``checkpoint`` record, also ``save_s``) is all the
+time the loop thread waited on it: staging in ``save`` (``save_staging_s``), the pre-step wait
+for an overlapped copy (``save_staging_wait_s``), and the wait for its write and its commit in
+``poll``, in the next ``save`` or at exit (``save_write_wait_s``). A synchronous save's stall is
+the whole save up to its record.
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ from trainer.distributed import DistInfo
 from trainer.metrics import MetricsWriter
 
 MARKER = "COMMITTED"
+STAGING_MODES = ("fresh", "reuse", "overlap")
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 # Constant top-level keys of the saved state.
@@ -218,6 +234,7 @@ class CheckpointManager:
         commit_delay_s: float = 0.0,
         async_save: bool = False,
         async_type: str = "process",
+        async_staging: str = "reuse",
         save_delay_s: float = 0.0,
     ) -> None:
         self.root = Path(checkpoint_dir).expanduser().resolve()
@@ -233,11 +250,19 @@ class CheckpointManager:
         self.save_delay_s = save_delay_s
         self.async_save = async_save
         self.async_type = async_type
+        if async_staging not in STAGING_MODES:
+            raise ValueError(f"async_staging must be one of {STAGING_MODES}")
+        self.async_staging = async_staging
+        self._stager: Any = None  # DCP DefaultStager, made at the first async save
         self._pg: dist.ProcessGroup | None = None
         if async_save and dist_info.distributed and dist_info.device.type == "cuda":
             # async_save needs a CPU-capable group for its background collectives; NCCL is not.
             self._pg = dist.new_group(backend="gloo")
         self._pending: _Pending | None = None
+        self._step_hook: Any = None
+        if async_save and async_staging == "overlap":
+            # The overlapped copy must be complete before the state it copies changes.
+            self._step_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         if async_save and not dist_info.distributed:
             # The background thread saves outside _single_process_ok's (thread-unsafe) scope.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -291,7 +316,7 @@ class CheckpointManager:
 
         Async: wait for any earlier save first (one in flight at a time), stage, return; the
         commit comes from a later `poll` or `wait`."""
-        self.wait()
+        self.wait()  # the time this blocks is counted in the earlier save's stall
         step = train_state.step
         started = time.perf_counter()
         path = self.step_dir(step)
@@ -305,8 +330,7 @@ class CheckpointManager:
                     storage_writer=self._writer(path),
                     no_dist=not self.dist.distributed,
                 )
-            stall = time.perf_counter() - started
-            self._commit(path, train_state, stall_s=stall, background_s=0.0)
+            self._commit(path, train_state, _Stall(), background_s=0.0, blocked_since=started)
             return path
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -315,20 +339,66 @@ class CheckpointManager:
         process = self.async_type == "process" and self.dist.distributed
         kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         with _single_process_ok():
-            future = dcp.async_save(
+            response = dcp.async_save(
                 state,
                 checkpoint_id=str(path),
                 storage_writer=self._writer(path),
                 process_group=self._pg,
                 async_checkpointer_type=kind,
+                async_stager=self._get_stager(shared_memory=process),
                 no_dist=not self.dist.distributed,
             )
-        if not hasattr(future, "done"):  # AsyncSaveResponse (only with an async_stager)
-            future = future.upload_completion
-        pending = _Pending(path, train_state, future, stall_s=time.perf_counter() - started)
+        staging = None
+        if hasattr(response, "upload_completion"):  # overlap: the copy may still be running
+            staging, future = response.staging_completion, response.upload_completion
+        else:
+            future = response
+        stall = _Stall(staging_s=time.perf_counter() - started)
+        pending = _Pending(path, train_state, future, stall, staging=staging)
         future.add_done_callback(pending.mark_done)
         self._pending = pending
         return path
+
+    def _get_stager(self, *, shared_memory: bool) -> Any:
+        """The stager that async_save copies the state with: None (DCP makes a fresh one, with
+        fresh buffers, per save) for ``fresh``; else one kept for the whole run, whose cached
+        host buffers (keyed by the source storages) every later save copies into."""
+        if self.async_staging == "fresh":
+            return None
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = self.dist.device.type == "cuda"
+            overlap = self.async_staging == "overlap"
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=shared_memory,
+                    use_async_staging=overlap,
+                    use_non_blocking_copy=cuda and overlap,
+                )
+            )
+        return self._stager
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        """Optimizer step pre-hook (``overlap``): wait until the in-flight save's copy of the
+        state is taken, and count the wait as that save's stall."""
+        pending = self._pending
+        if pending is None or pending.staging is None:
+            return
+        started = time.perf_counter()
+        try:
+            pending.staging.result()  # re-raises a failed copy: the step must not run
+        finally:
+            pending.staging = None
+            pending.stall.staging_wait_s += time.perf_counter() - started
+
+    def close(self) -> None:
+        """Wait for (and commit) the save in flight, then free the staging buffers."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def poll(self, any_rank_writing: bool) -> Path | None:
         """Commit the in-flight save if no rank is still writing it (every rank calls this with
@@ -342,15 +412,26 @@ class CheckpointManager:
         pending = self._pending
         if pending is None:
             return None
+        started = time.perf_counter()
         self._pending = None
+        if pending.staging is not None:  # no optimizer step since the save: nothing changed
+            pending.staging.result()
+            pending.staging = None
         pending.future.result()  # re-raises a failed write: no commit, the job restarts
         background = (pending.done_at or time.perf_counter()) - pending.staged_at
-        self._commit(pending.path, pending.train_state, pending.stall_s, background)
+        self._commit(pending.path, pending.train_state, pending.stall, background, started)
         return pending.path
 
     def _commit(
-        self, path: Path, train_state: TrainState, stall_s: float, background_s: float
+        self,
+        path: Path,
+        train_state: TrainState,
+        stall: _Stall,
+        background_s: float,
+        blocked_since: float,
     ) -> None:
+        """Barrier, marker, record. The record's stall is ``stall`` plus the time since
+        ``blocked_since`` (when the loop began to wait in this call) up to the record."""
         # Every rank's part is written (DCP fsyncs its files) before anyone commits.
         self.dist.barrier()
         if self.commit_delay_s:
@@ -365,6 +446,7 @@ class CheckpointManager:
             }
             _write_marker(path, marker)
             size = dir_bytes(path)
+            stall.write_wait_s += time.perf_counter() - blocked_since
             # Fields beyond MetricsWriter.checkpoint's (save_stall_s, ...): written directly.
             self.metrics.write(
                 "checkpoint",
@@ -372,10 +454,14 @@ class CheckpointManager:
                 path=str(path),
                 bytes=size,
                 # save_s is what the portal's interval policy takes for the save stall.
-                save_s=stall_s,
-                save_stall_s=stall_s,
+                save_s=stall.total,
+                save_stall_s=stall.total,
+                save_staging_s=stall.staging_s,
+                save_staging_wait_s=stall.staging_wait_s,
+                save_write_wait_s=stall.write_wait_s,
                 save_background_s=background_s,
                 save_bytes=size,
+                save_staging=self.async_staging if self.async_save else "sync",
             )
         # No rank runs ahead (or exits) before the commit, so "all ranks exited after a
         # preemption save" implies "the checkpoint is committed".
@@ -417,13 +503,32 @@ class CheckpointManager:
 
 
 @dataclasses.dataclass
+class _Stall:
+    """Where the loop thread waited on one save (seconds)."""
+
+    staging_s: float = 0.0
+    """In ``save``: directory, state dicts and (unless overlapped) the copy; for a synchronous
+    save everything up to the commit is counted in write_wait_s instead."""
+    staging_wait_s: float = 0.0
+    """In the optimizer step pre-hook: the rest of an overlapped copy."""
+    write_wait_s: float = 0.0
+    """For the write to finish, the barrier and the marker (``poll``, ``wait``)."""
+
+    @property
+    def total(self) -> float:
+        return self.staging_s + self.staging_wait_s + self.write_wait_s
+
+
+@dataclasses.dataclass
 class _Pending:
     """An async save between staging and commit."""
 
     path: Path
     train_state: TrainState
     future: Any
-    stall_s: float
+    stall: _Stall
+    staging: Any = None
+    """The overlapped copy's future until the loop has waited for it."""
     staged_at: float = dataclasses.field(default_factory=time.perf_counter)
     done_at: float | None = None
 

@@ -106,6 +106,10 @@ class TrainArgs:
     written at a later step boundary, once every rank's background write has finished."""
     async_checkpoint_type: str = "process"
     """process (a background process per rank, no GIL contention) or thread."""
+    async_checkpoint_staging: str = "reuse"
+    """How an async save copies the state to host memory: fresh (new buffers every save),
+    reuse (one set of buffers for the run, copied into at the save) or overlap (the same copy
+    in a background thread during the next forward/backward; optimizer.step() waits for it)."""
     checkpoint_dir: str = "checkpoints"
     """Where step-NNNNNN/ checkpoint directories are written."""
     resume_from: str = ""
@@ -163,6 +167,8 @@ class JobConfig:
             raise ValueError("--global-batch-size must be >= 0")
         if self.train.async_checkpoint_type not in ("process", "thread"):
             raise ValueError("--async-checkpoint-type must be process or thread")
+        if self.train.async_checkpoint_staging not in ("fresh", "reuse", "overlap"):
+            raise ValueError("--async-checkpoint-staging must be fresh, reuse or overlap")
         if self.parallel.mode not in PARALLEL_MODES:
             raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}")
         if self.parallel.precision not in PRECISIONS:
@@ -230,6 +236,13 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     p.add_argument(
         "--async-checkpoint-type", choices=("process", "thread"), default=t.async_checkpoint_type
     )
+    p.add_argument(
+        "--async-checkpoint-staging",
+        choices=("fresh", "reuse", "overlap"),
+        default=t.async_checkpoint_staging,
+        help="async saves: copy into fresh or reused host buffers, or overlap the copy with "
+        "the next forward/backward (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=t.seed)
     p.add_argument(
         "--dataset",
@@ -289,6 +302,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             allow_batch_change=a.allow_batch_change,
             async_checkpoint=a.async_checkpoint,
             async_checkpoint_type=a.async_checkpoint_type,
+            async_checkpoint_staging=a.async_checkpoint_staging,
             seed=a.seed,
             dataset=a.dataset,
             log_every=a.log_every,

@@ -319,6 +319,7 @@ def train(cfg: JobConfig) -> int:
         commit_delay_s=cfg.train.fault_commit_delay_ms / 1000,
         async_save=cfg.train.async_checkpoint,
         async_type=cfg.train.async_checkpoint_type,
+        async_staging=cfg.train.async_checkpoint_staging,
         save_delay_s=cfg.train.fault_save_delay_ms / 1000,
     )
 
@@ -407,6 +408,7 @@ def train(cfg: JobConfig) -> int:
     # Finished or preempted: an async save still in flight is written and committed before
     # the process exits.
     path = ckpt.wait() or (ckpt.step_dir(step) if step > 0 and saved_step != step else None)
+    ckpt.close()  # nothing in flight now: frees the reused staging buffers
     if path and info.is_main:
         print(f"{tag}checkpoint committed: {path}", flush=True)
     reason = "preempted" if preempted else "finished"
