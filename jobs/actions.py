@@ -710,6 +710,21 @@ def stopped_state(job: Job) -> str:
     return Attempt.State.CANCELLED if job.is_terminal else Attempt.State.PREEMPTED
 
 
+# Exits this close together are one event seen at slightly different moments (agents poll their
+# workers every 0.25 s and report on their own heartbeats).
+SIMULTANEOUS_EXITS_S = 1.0
+
+
+def _culprit(failed: list[Allocation]) -> Allocation:
+    """The rank to blame among those that failed: among the first exits, one killed by a signal
+    (SIGKILL, a segfault, the OOM killer) before one that exited with an error code, and a code
+    other than 1 before 1: when a rank dies, the others' collectives break and they raise and
+    exit 1 a moment later, often within the same poll of their agent."""
+    first = min(a.exited_at for a in failed)
+    near = [a for a in failed if (a.exited_at - first).total_seconds() <= SIMULTANEOUS_EXITS_S]
+    return min(near, key=lambda a: (a.exit_code >= 0, a.exit_code == 1, a.exited_at, a.rank))
+
+
 def _record_exits(
     attempt: Attempt, node: Node, exits: dict[int, tuple[int, datetime]], *, now: datetime
 ) -> None:
@@ -743,7 +758,7 @@ def _record_exits(
                 now=now,
             )
     elif failed:
-        first = min(failed, key=lambda a: (a.exited_at, a.rank))
+        first = _culprit(failed)
         do_end_attempt(
             attempt,
             state=Attempt.State.FAILED,

@@ -363,7 +363,9 @@ class WorkerSupervisor:
                     worker.state = "running"
                     continue
                 worker.state, worker.exit_code = "exited", code
-                worker.exited_at = time.time()
+                # A forked worker's exit time is the zygote's, taken when it reaped it; a
+                # Popen child's is this poll's (at most POLL_INTERVAL_S late).
+                worker.exited_at = getattr(worker.popen, "exited_at", None) or time.time()
                 # Leftover children of a finished worker (data loaders, a stray shell) would
                 # hold GPU memory the scheduler already considers free.
                 self._signal_group(worker, signal.SIGKILL)

@@ -147,7 +147,8 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        code = os.waitstatus_to_exitcode(status)
+        _send(sock, {"exit": pid, "code": code, "at": time.time()})
 
 
 def _run_worker(argv: list[str], env: dict[str, str], log: str) -> int:
@@ -284,6 +285,11 @@ class ForkedWorker:
             self.returncode = self._zygote.exit_code(self.pid)
         return self.returncode
 
+    @property
+    def exited_at(self) -> float | None:
+        """Wall-clock time the zygote reaped it (within 50 ms of the exit), if it has."""
+        return self._zygote.exited_at(self.pid)
+
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
@@ -315,7 +321,7 @@ class Zygote:
         self._ready_timeout_s = ready_timeout_s
         self._lock = threading.Lock()
         self._replies: dict[int, dict] = {}
-        self._exits: dict[int, int] = {}
+        self._exits: dict[int, tuple[int, float]] = {}  # pid -> (status, when it was reaped)
         self._changed = threading.Condition(self._lock)
         self._next_id = 0
         self._proc: subprocess.Popen | None = None
@@ -393,11 +399,16 @@ class Zygote:
 
     def exit_code(self, pid: int) -> int | None:
         with self._lock:
-            code = self._exits.get(pid)
-        if code is None and self.failed and not _pid_alive(pid):
+            known = self._exits.get(pid)
+        if known is None and self.failed and not _pid_alive(pid):
             # The zygote died before reporting: the status is lost with it.
             return -signal.SIGKILL
-        return code
+        return None if known is None else known[0]
+
+    def exited_at(self, pid: int) -> float | None:
+        with self._lock:
+            known = self._exits.get(pid)
+        return None if known is None else known[1]
 
     def close(self) -> None:
         if self._sock is not None:
@@ -440,7 +451,8 @@ class Zygote:
                 else:
                     self.ready = list(message["ready"])
             elif "exit" in message:
-                self._exits[int(message["exit"])] = int(message["code"])
+                at = float(message.get("at") or time.time())
+                self._exits[int(message["exit"])] = (int(message["code"]), at)
             elif "id" in message:
                 self._replies[int(message["id"])] = message
             self._changed.notify_all()

@@ -257,3 +257,18 @@ def test_the_first_rank_to_die_is_blamed_and_its_exit_time_is_the_failure_time(s
     assert abs((now - attempt.failed_at).total_seconds() - 5) < 0.01
     event = Event.objects.get(attempt=attempt, kind="attempt.failed")
     assert event.data["detect_s"] == pytest.approx(5, abs=0.01)
+
+
+@pytest.mark.django_db
+def test_the_rank_killed_by_a_signal_is_blamed_not_the_one_that_raised_after_it(setup):
+    """Rank 1 is SIGKILLed; rank 0's collective breaks and it exits 1 within the same poll of
+    its agent, so both exits carry the same time: the signal death is the cause."""
+    team, user, (a, b), root = setup
+    job = submit(team, user, max_restarts=2)
+    run_pass()
+    attempt = live_attempt(job)
+    beat(a, attempt, {0: None, 1: None})
+    beat(b, attempt, {2: None, 3: None})
+    beat(a, attempt, {0: 1, 1: -9})
+    attempt.refresh_from_db()
+    assert attempt.end_reason == "rank 1 on node-0 exited with signal 9 (SIGKILL)"
