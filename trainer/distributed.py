@@ -109,15 +109,20 @@ def init_distributed() -> DistInfo:
     )
 
 
-def close_distributed(info: DistInfo, *, grace_s: float = TEARDOWN_GRACE_S) -> None:
-    """Leave the process group: a barrier first, then destroy, under a watchdog.
+def close_distributed(
+    info: DistInfo, *, grace_s: float = TEARDOWN_GRACE_S, destroy: bool = True
+) -> None:
+    """Leave the process group: a barrier first, then (unless `destroy` is False) destroy it,
+    under a watchdog.
 
     Without the barrier a rank that is done early tears down its side while another is still
-    busy (rank 0 hosts the rendezvous store and computes the final accuracy), which PyTorch's
-    own guidance warns can hang destroy_process_group. Teardown happens after the last
-    checkpoint is committed, so a teardown that still sticks must not turn a finished run into
-    a "hung" one: past `grace_s` the watchdog writes every thread's stack to stderr and ends the
-    process with exit status 0."""
+    busy (rank 0 hosts the rendezvous store and computes the final accuracy). A process that
+    exits right after (`python -m trainer` does, with os._exit) should pass destroy=False:
+    destroy_process_group on gloo sometimes never returns, holding the GIL (seen twice in CI,
+    with every rank finished and committed), and an exiting process needs no teardown: the
+    kernel closes its sockets. Teardown happens after the last checkpoint is committed, so one
+    that still sticks must not turn a finished run into a "hung" one: past `grace_s` the
+    watchdog writes every thread's stack to stderr and ends the process with exit status 0."""
     if not (info.distributed and dist.is_initialized()):
         return
     watchdog = threading.Timer(grace_s, _teardown_stuck, args=(info.rank, grace_s))
@@ -128,7 +133,8 @@ def close_distributed(info: DistInfo, *, grace_s: float = TEARDOWN_GRACE_S) -> N
             info.barrier()
         except Exception as exc:  # a peer already gone: nothing left to agree on
             print(f"[rank {info.rank}] teardown barrier failed: {exc}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
+        if destroy:
+            dist.destroy_process_group()
     finally:
         watchdog.cancel()
 

@@ -424,7 +424,8 @@ def train(cfg: JobConfig) -> int:
     print(f"{tag}trainer: {reason} at step {step}", flush=True)
     feed.close()
     metrics.close()
-    close_distributed(info)
+    # `python -m trainer` exits at once after this (trainer/__main__.py): no group teardown.
+    close_distributed(info, destroy=False)
     return 0
 
 
