@@ -191,10 +191,24 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str) -> int:
 
         traceback.print_exc()
         code = 1
+    _finalize()
+    return code
+
+
+def _finalize() -> None:
+    """What an interpreter does on its way out, before the worker's os._exit: wait for
+    non-daemon threads, run atexit callbacks (a metrics client flushing, multiprocessing ending
+    its daemon children), flush stdio. Not the rest of finalization: that is what warm workers
+    skip, like `python -m trainer` does anyway."""
+    import atexit
+
+    with contextlib.suppress(Exception):
+        threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
-    return code
 
 
 def _show_as(argv: list[str], env: dict[str, str]) -> None:

@@ -247,3 +247,26 @@ def test_workers_inherit_none_of_the_agents_secrets_or_settings(tmp_path, probe,
     finally:
         sup.kill_all()
         sup.close()
+
+
+def test_a_forked_worker_exits_like_an_interpreter_threads_joined_and_atexit_run(
+    supervisors, tmp_path
+):
+    script = tmp_path / "bye.py"
+    script.write_text(
+        "import atexit, os, threading, time\n"
+        "out = os.environ['LOCKSTEP_METRICS_PATH']\n"
+        "atexit.register(lambda: open(out, 'a').write('atexit\\n'))\n"
+        "def late():\n"
+        "    time.sleep(0.5)\n"
+        "    open(out, 'a').write('thread\\n')\n"
+        "threading.Thread(target=late).start()\n"
+    )
+    for warm in (False, True):
+        sup = supervisors(warm, "warm" if warm else "cold")
+        attempt = sup.launch(1, launch_spec("", TWO_RANKS, command=["python", str(script)]))
+        assert sup.wait(1, 60)
+        assert all(isinstance(w.popen, ForkedWorker) == warm for w in attempt.workers)
+        for worker in attempt.workers:
+            assert worker.exit_code == 0
+            assert worker.metrics_path.read_text() == "thread\natexit\n"
