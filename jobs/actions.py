@@ -725,6 +725,63 @@ def _culprit(failed: list[Allocation]) -> Allocation:
     return min(near, key=lambda a: (a.exit_code >= 0, a.exit_code == 1, a.exited_at, a.rank))
 
 
+# How long after a failed attempt ended the other nodes' reports of its exits may still change
+# which rank it blames (a few heartbeats).
+REVISE_CAUSE_S = 30.0
+
+
+def _failure_reason(allocation: Allocation) -> str:
+    return (
+        f"rank {allocation.rank} on {allocation.node.name} exited with "
+        f"{describe_exit(allocation.exit_code)}"
+    )
+
+
+def _revise_cause(attempt: Attempt, node: Node, report: dict, *, now: datetime) -> None:
+    """An attempt ends on the first report of a failed rank, so that the rest of the gang is
+    stopped at once. That report may come from a rank that only exited because its peer on
+    another node died (its collective broke) a moment earlier: when that node's report arrives
+    just after, with the real cause, the attempt's reason (and the job's) name it instead, and
+    an Event says so. Nothing else about the ended attempt changes."""
+    if attempt.ended_at is None or (now - attempt.ended_at).total_seconds() > REVISE_CAUSE_S:
+        return
+    mine = {a.rank: a for a in attempt.allocations.filter(node=node, exit_code__isnull=True)}
+    for item in report.get("ranks") or []:
+        allocation = mine.get(item.get("rank"))
+        if allocation is None or item.get("state") != "exited" or item.get("exit_code") is None:
+            continue
+        allocation.exit_code = int(item["exit_code"])
+        allocation.exited_at = _agent_time(item.get("exited_at"), now)
+        allocation.save(update_fields=["exit_code", "exited_at"])
+    # Exits after the attempt ended are the fencing's doing (its ranks killed), not a cause.
+    failed = [
+        a
+        for a in attempt.allocations.select_related("node")
+        if a.exit_code not in (None, 0)
+        and a.exited_at is not None
+        and a.exited_at <= attempt.ended_at
+    ]
+    if not failed or not attempt.end_reason.startswith("rank "):
+        return  # a hang or a lost node: not an exit to re-attribute
+    reason = _failure_reason(_culprit(failed))
+    if reason == attempt.end_reason:
+        return
+    old = attempt.end_reason
+    Attempt.objects.filter(pk=attempt.pk).update(end_reason=reason)
+    job = Job.objects.select_for_update().get(pk=attempt.job_id)
+    if job.reason.startswith(old):
+        job.reason = reason + job.reason[len(old) :]
+        job.save(update_fields=["reason"])
+    _event(
+        "attempt.cause_revised",
+        f"attempt {attempt.number}: {reason} (first reported: {old})",
+        job=job,
+        attempt=attempt,
+        node=node,
+        team_id=job.team_id,
+    )
+
+
 def _record_exits(
     attempt: Attempt, node: Node, exits: dict[int, tuple[int, datetime]], *, now: datetime
 ) -> None:
@@ -765,8 +822,7 @@ def _record_exits(
             now=now,
             failed_at=first.exited_at,
             blame_node=first.node,
-            reason=f"rank {first.rank} on {first.node.name} exited with "
-            f"{describe_exit(first.exit_code)}",
+            reason=_failure_reason(first),
         )
     elif all(c == 0 for c in codes):
         do_end_attempt(attempt, state=Attempt.State.SUCCEEDED, reason="all ranks exited 0", now=now)
@@ -1084,7 +1140,10 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
                 or not attempt.allocations.filter(node=node).exists()
             ):
                 # Fencing on the portal side: reports from attempts that are no longer live
-                # (or never were on this node) change nothing.
+                # (or never were on this node) change nothing, except the cause of a failure
+                # just ended on another node's report (`_revise_cause`).
+                if attempt is not None and attempt.state == Attempt.State.FAILED:
+                    _revise_cause(attempt, node, report, now=now)
                 acked.append(attempt_id)
                 continue
             pushed = _ingest_records(attempt, report.get("records") or [], now=now)

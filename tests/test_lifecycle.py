@@ -272,3 +272,47 @@ def test_the_rank_killed_by_a_signal_is_blamed_not_the_one_that_raised_after_it(
     beat(a, attempt, {0: 1, 1: -9})
     attempt.refresh_from_db()
     assert attempt.end_reason == "rank 1 on node-0 exited with signal 9 (SIGKILL)"
+
+
+@pytest.mark.django_db
+def test_a_cause_reported_just_after_by_another_node_revises_the_blame(setup):
+    """Node a reports rank 0's exit 1 first (its collective broke): the attempt ends on it.
+    Node b's report right after says rank 3 was SIGKILLed a moment before: the attempt and the
+    job now name rank 3, and an Event says the cause was revised. A rank that node b's agent
+    killed while fencing, after the attempt ended, is not a candidate."""
+    from datetime import timedelta
+
+    team, user, (a, b), root = setup
+    job = submit(team, user, max_restarts=2)
+    run_pass()
+    attempt = live_attempt(job)
+    beat(a, attempt, {0: None, 1: None})
+    beat(b, attempt, {2: None, 3: None})
+    t0 = timezone.now()
+    beat(a, attempt, {0: 1, 1: None}, now=t0)
+    attempt.refresh_from_db()
+    assert attempt.end_reason == "rank 0 on node-0 exited with exit code 1"
+    killed_at, fenced_at = (
+        (t0 - timedelta(seconds=0.3)).timestamp(),
+        (t0 + timedelta(seconds=0.5)).timestamp(),
+    )
+    body = {
+        "boot_id": b.boot_id,
+        "attempts": [
+            {
+                "attempt_id": attempt.id,
+                "ranks": [
+                    {"rank": 2, "state": "exited", "exit_code": -9, "exited_at": fenced_at},
+                    {"rank": 3, "state": "exited", "exit_code": -9, "exited_at": killed_at},
+                ],
+            }
+        ],
+    }
+    actions.do_heartbeat(b, body, now=t0 + timedelta(seconds=1))
+    attempt.refresh_from_db()
+    job.refresh_from_db()
+    assert attempt.end_reason == "rank 3 on node-1 exited with signal 9 (SIGKILL)"
+    assert job.reason.startswith("rank 3 on node-1 exited with signal 9 (SIGKILL); restart 1/2")
+    (revised,) = Event.objects.filter(kind="attempt.cause_revised")
+    assert "first reported: rank 0 on node-0 exited with exit code 1" in revised.message
+    assert job.state == "RESTARTING"  # nothing else about the ended attempt changed
