@@ -431,3 +431,87 @@ def test_an_elastic_job_never_shrinks_onto_a_higher_jobs_reservation():
     p = plan(snapshot(nodes, jobs, [t]))
     assert p.placements == ()
     assert p.reservation[0] == 1 and "reservation held by job 1" in p.reasons[2]
+
+
+def claiming(job_view, *nodes):
+    """The queued job as the claimant of preemptions executed on these nodes."""
+    return dataclasses.replace(job_view, claim_nodes=tuple(n.id for n in nodes))
+
+
+def stopping_for(run, claimant_id: int):
+    return dataclasses.replace(run, stopping=True, claimant_id=claimant_id)
+
+
+def test_a_claimant_waits_for_its_stopping_victims_and_claims_nothing_more():
+    owner = team("owner", quota=8, used=0)
+    guest = team("guest", quota=0, borrow=16, used=12)
+    other = team("other", quota=0, borrow=8, used=0)
+    n1 = node("n1", 8, busy={0, 1, 2, 3, 4, 5})
+    n2 = node("n2", 8, busy=8)
+    runs = [
+        stopping_for(running(11, n1, [0, 1, 2, 3], team_id=guest.id), claimant_id=1),
+        running(10, n1, [4, 5], team_id=guest.id, checkpoint_age=10),
+        running(12, n2, [0, 1, 2, 3, 4, 5], team_id=guest.id, checkpoint_age=10),
+    ]
+    claimant = claiming(job(1, 6, team_id=owner.id), n1)
+    squatter = job(2, 2, team_id=other.id)  # fits n1's 2 free GPUs now
+    p = plan(snapshot([n1, n2], [claimant, squatter], [owner, guest, other], runs))
+    # Without the claim, job 1 would have taken 2 more victims this pass (and one more in
+    # every pass until job 11 exits), and job 2 the 2 GPUs job 1 needs beside job 11's 4.
+    assert p.preemptions == ()
+    assert p.placements == ()
+    assert p.reasons[1].startswith("waiting for job 11 to checkpoint and stop")
+    assert "6 GPUs held on n1" in p.reasons[1]
+    # A claim needing only what its victims free holds none of the node's idle GPUs.
+    p = plan(snapshot([n1, n2], [claiming(job(1, 4, team_id=owner.id), n1), squatter],
+                      [owner, guest, other], runs))  # fmt: skip
+    assert set(placed(p)) == {2} and p.preemptions == ()
+
+
+def test_when_its_victims_have_gone_the_claimant_gets_their_gpus_before_anyone_ordered_ahead():
+    owner = team("owner", quota=8, used=0)
+    guest = team("guest", quota=0, borrow=16, used=4)
+    rival = team("rival", quota=8, used=0)
+    n1 = node("n1", 8, busy={4, 5, 6, 7})
+    runs = [running(10, n1, [4, 5, 6, 7], team_id=guest.id)]
+    claimant = job(1, 4, team_id=owner.id, submitted=100)
+    ahead = job(2, 4, team_id=rival.id, prio=5)  # higher priority, submitted earlier
+    p = plan(snapshot([n1], [claimant, ahead], [owner, guest, rival], runs))
+    assert set(placed(p)) == {2}  # without a claim, order decides
+    p = plan(snapshot([n1], [claiming(claimant, n1), ahead], [owner, guest, rival], runs))
+    assert set(placed(p)) == {1}
+    assert {s.node_id for s in placed(p)[1].slots} == {n1.id}
+
+
+def test_a_claimant_whose_victims_are_gone_does_not_take_gpus_another_claimant_waits_for():
+    # Jobs 1 and 2 each preempted a 1-GPU job on n1; job 1's victim has exited, job 2's has
+    # not. Job 2 is ordered first, but the freed GPU is job 1's.
+    owner = team("owner", quota=8, used=0)
+    guest = team("guest", quota=0, borrow=16, used=7)
+    n1 = node("n1", 8, busy={1, 2, 3, 4, 5, 6, 7})
+    runs = [
+        stopping_for(running(20, n1, [1], team_id=guest.id), claimant_id=2),
+        running(21, n1, [2, 3, 4, 5, 6, 7], team_id=guest.id),
+    ]
+    first = claiming(job(2, 1, team_id=owner.id, prio=5), n1)
+    second = claiming(job(1, 1, team_id=owner.id), n1)
+    p = plan(snapshot([n1], [first, second], [owner, guest], runs))
+    assert set(placed(p)) == {1}
+    assert p.reasons[2].startswith("waiting for job 20 to checkpoint and stop")
+    assert p.preemptions == ()
+
+
+def test_gpus_already_stopping_are_not_reclaimed_again_from_the_lending_team():
+    # guest holds 16 against a quota of 8; job 10 (its 8 borrowed GPUs) is already stopping
+    # for job 1. Stopping job 11 too for job 2 would take guest's guaranteed GPUs.
+    owner = team("owner", quota=16, used=0)
+    guest = team("guest", quota=8, borrow=16, used=16)
+    n1, n2 = node("n1", 8, busy=8), node("n2", 8, busy=8)
+    runs = [
+        stopping_for(running(10, n1, range(8), team_id=guest.id), claimant_id=1),
+        running(11, n2, range(8), team_id=guest.id),
+    ]
+    queue = [claiming(job(1, 8, team_id=owner.id), n1), job(2, 8, team_id=owner.id)]
+    p = plan(snapshot([n1, n2], queue, [owner, guest], runs))
+    assert p.preemptions == ()
+    assert p.reasons[1].startswith("waiting for job 10")

@@ -3,6 +3,7 @@ invariants 1 (a GPU in one allocation), 2 (whole gangs) and 6 (guaranteed GPUs a
 reclaimed for another team's borrowing), nor a team's cap."""
 
 from collections import Counter
+from dataclasses import replace
 from datetime import timedelta
 
 from hypothesis import HealthCheck, given, settings
@@ -90,6 +91,21 @@ def clusters(draw):
         )
         for j in range(1, draw(st.integers(0, 25)) + 1)
     ]
+    # Claims: some stopping jobs were preempted for a queued job, which claims their nodes
+    # (and sometimes nodes whose victims have already gone).
+    if queued:
+        claims: dict[int, list[int]] = {}
+        for i, run in enumerate(running):
+            if run.stopping and draw(st.booleans()):
+                claimant = draw(st.sampled_from(queued)).id
+                running[i] = replace(run, claimant_id=claimant)
+                claims.setdefault(claimant, []).extend(node_id for node_id, _ in run.slots)
+        for i, job in enumerate(queued):
+            gone = draw(st.lists(st.sampled_from([n.id for n in nodes]), max_size=2))
+            if job.id in claims or gone:
+                queued[i] = replace(
+                    job, claim_nodes=tuple(dict.fromkeys(claims.get(job.id, []) + gone))
+                )
     return Snapshot(
         now=T0, nodes=tuple(nodes), queued=tuple(queued), teams=tuple(teams), running=tuple(running)
     )
@@ -124,7 +140,11 @@ def test_plans_never_break_the_invariants(snap):
     # still is (so a team loses less than one victim's GPUs below its quota), and only for a
     # claimant within its own quota.
     runs = {r.id: r for r in snap.running}
+    # GPUs already stopping are gone for this purpose: they cannot be lent twice.
     reclaimed = Counter()
+    for run in snap.running:
+        if run.stopping:
+            reclaimed[run.team_id] += run.gpus
     claiming = Counter()
     claimants: set[int] = set()
     for pre in result.preemptions:

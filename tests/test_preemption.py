@@ -10,6 +10,7 @@ from rest_framework.test import APIClient
 
 from jobs.models import Event, Job, PreemptionRequest
 from jobs.scheduling.loop import run_pass
+from jobs.scheduling.snapshot import CLAIM_AFTER_EXIT_S, take_snapshot
 from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
 
 
@@ -81,6 +82,41 @@ def test_quota_reclaim_is_automatic_checkpoint_first_and_the_victim_resumes(two_
     run_pass(now=timezone.now() + timedelta(seconds=301))
     resumed = live_attempt(borrowed)
     assert resumed.number == 2 and resumed.resumed_from_step == 37
+
+
+@pytest.mark.django_db
+def test_a_reclaims_gpus_go_to_its_claimant_even_past_a_higher_priority_job(
+    two_teams, make_team, make_user
+):
+    (owner, olga), (guest, gus), node, root = two_teams
+    rival_team = make_team("rival", quota=0, borrow_limit=2)
+    rival_user = make_user("rita", team=rival_team)
+    borrowed = submit(guest, gus, gpus=2)
+    run_pass()
+    victim_attempt = live_attempt(borrowed)
+    beat(node, victim_attempt, {0: None, 1: None})
+    claimant = submit(owner, olga, gpus=2)
+    run_pass()
+    (desired,) = beat(node, victim_attempt, {0: None, 1: None})["desired"]
+    assert desired["action"] == "stop"
+    # The snapshot links the stopping victim to its claimant, and the claimant to the node.
+    snap = take_snapshot(timezone.now())
+    assert {j.id: j.claim_nodes for j in snap.queued} == {claimant.id: (node.id,)}
+    assert {r.id: r.claimant_id for r in snap.running} == {borrowed.id: claimant.id}
+    # A higher-priority job arrives while the victim checkpoints: it is ordered first.
+    rival = submit(rival_team, rival_user, gpus=2, priority="high")
+    run_pass()
+    assert PreemptionRequest.objects.count() == 1  # nothing more stopped for either
+    claimant.refresh_from_db()
+    assert claimant.reason.startswith(f"waiting for job {borrowed.id} to checkpoint and stop")
+    beat(node, victim_attempt, {0: 0, 1: 0}, records=[commit_checkpoint(root, borrowed, 5)])
+    # Once the victim is gone the claim lasts a few ticks, then it is spent.
+    later = take_snapshot(timezone.now() + timedelta(seconds=CLAIM_AFTER_EXIT_S + 1))
+    assert all(j.claim_nodes == () for j in later.queued)
+    run_pass()
+    assert live_attempt(claimant).allocations.count() == 2
+    rival.refresh_from_db()
+    assert rival.state == "QUEUED"
 
 
 @pytest.mark.django_db

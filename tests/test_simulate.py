@@ -215,6 +215,27 @@ def test_lockstep_reclaims_borrowed_gpus_within_the_grace_period(tmp_path):
     assert m["preempted_gpu_hours"] > 0
 
 
+def test_a_claimant_stops_one_victim_and_gets_its_gpu_though_passes_run_during_the_grace(
+    tmp_path,
+):
+    # a borrows all of b's 8 GPUs with 1-GPU jobs; b1 reclaims one. More of a's jobs queue
+    # during the grace, so passes run every 10 s: each used to stop one more victim for b1
+    # (the one already stopping no longer counted), and the GPUs freed went to whoever came
+    # first in the order.
+    quotas = tmp_path / "quotas.csv"
+    quotas.write_text("team,quota,borrow_limit,weight\na,8,8,1\nb,8,8,1\n")
+    rows = [(f"a{i}", 0, 1, 50_000, "a") for i in range(16)]
+    rows.append(("b1", 1_000, 1, 100, "b"))
+    rows += [(f"late{i}", 1_005 + 10 * i, 1, 100, "a") for i in range(5)]
+    config = SimConfig(gpus=16, quotas=load_quotas(quotas), grace_s=60, reclaim_backoff_s=0)
+    result = run(jobs(*rows), "lockstep", config)
+    m = result.metrics
+    assert m["preemptions"]["executed"] == 1
+    assert m["teams"]["b"]["reclaim_max_s"] == 60
+    starts = {r[0]: r[3] for r in result.records}
+    assert starts["b1"] == 1_060
+
+
 @pytest.mark.timeout(20)
 def test_checkpoints_due_at_float_times_do_not_stall_the_clock():
     # With --load-scale times are fractional: 0.1 + 3 * 0.7 - 0.1 is a hair under 3 * 0.7, so

@@ -17,6 +17,8 @@ Rules (DESIGN.md section 6):
    borrowed GPUs, lowest priority first, then those that did not just (re)start, then least
    work lost since their last checkpoint.
    Higher-priority jobs blocked by lower-priority ones get priority preemption proposals.
+   The victims' GPUs go to their claimant: while they checkpoint it claims nothing more and
+   their nodes are held for it; when they exit it is placed there before anyone else.
 6. Elastic jobs (min_gpus below gpus) that cannot start at full size, and get no reclaim or
    priority preemption for it, start now on fewer GPUs where that fits: the largest divisor of
    their GPU count not below min_gpus (so the global batch splits evenly over the ranks; the
@@ -381,6 +383,14 @@ def plan(snapshot: Snapshot) -> Plan:
     claim_failed: set[tuple] = set()
     shrunk: dict[int, int] = {}  # elastic job id -> the smaller GPU count it starts on
     largest = max((n.total for n in nodes), default=0)
+    # GPUs of jobs already told to stop are as good as gone: a reclaim must not count them
+    # again as the owner's lent GPUs (it would take the owner below its quota).
+    for run in snapshot.running:
+        if run.stopping:
+            lent[run.team_id] += run.gpus
+    settled = _honour_claims(snapshot, teams, used, free, nodes, largest, claiming, reasons)
+    placements.extend(settled.placed)
+    nodes = [n for n in nodes if n.id not in settled.held]
     all_usable, unreserved = nodes, nodes
     smallest_failed: dict[tuple[bool, bool], int] = {}
     # Per team, its running jobs in victim order, built once: the in-team priority search
@@ -404,6 +414,8 @@ def plan(snapshot: Snapshot) -> Plan:
         return free_cache[key]
 
     for job in sorted(snapshot.queued, key=lambda j: job_order_key(j, teams)):
+        if job.id in settled.jobs:
+            continue
         team = teams.get(job.team_id)
         if team is None:
             reasons[job.id] = "team not found"
@@ -592,6 +604,84 @@ def plan(snapshot: Snapshot) -> Plan:
         reservation=reservation,
         preemptions=tuple(preemptions),
     )
+
+
+@dataclass
+class _Settled:
+    placed: list[Placement] = field(default_factory=list)
+    held: set[int] = field(default_factory=set)  # node ids kept for claimants this pass
+    jobs: set[int] = field(default_factory=set)  # claimants placed or waiting on their claim
+
+
+def _honour_claims(snapshot, teams, used, free, nodes, largest, claiming, reasons) -> _Settled:
+    """Rule 5 carried through: a claimant gets the GPUs its victims free. Updates `used`,
+    `free`, `claiming` and `reasons` in place.
+
+    Before the main pass, in the usual order, each queued job with a claim (`claim_nodes`)
+    that fits under its team's cap is placed on its claimed nodes if it fits there now. If it
+    does not yet, and some of its victims are still checkpointing, it waits for them: it
+    claims nothing more (without this each pass stopped yet another victim for the same job)
+    the free GPUs it needs beyond what its victims will free are held from everyone else
+    for this pass (for a whole-node job: its claimed nodes and the idle nodes it needs
+    beyond them). A claim whose victims are all gone and that still does
+    not fit is spent: the job goes through the main pass like any other."""
+    out = _Settled()
+    pending: dict[int, list[RunningView]] = defaultdict(list)
+    for run in snapshot.running:
+        if run.stopping and run.claimant_id is not None:
+            pending[run.claimant_id].append(run)
+    by_id = {n.id: n for n in nodes}
+    # Those whose victims are all gone first: the GPUs just freed are theirs, not those of a
+    # claimant whose own victims on the same node are still stopping.
+    claimants = sorted(
+        (j for j in snapshot.queued if j.claim_nodes),
+        key=lambda j: (j.id in pending, job_order_key(j, teams)),
+    )
+    for job in claimants:
+        team = teams.get(job.team_id)
+        if team is None or used[team.id] + job.gpus > team.cap:
+            continue
+        claimed = [by_id[i] for i in dict.fromkeys(job.claim_nodes) if i in by_id]
+        claimed = [n for n in claimed if n.id not in out.held]
+        choice = place(job, free, claimed, largest) if claimed else None
+        if choice is not None:
+            for node, indices in choice:
+                free[node.id] = [i for i in free[node.id] if i not in set(indices)]
+            used[team.id] += job.gpus
+            out.placed.append(Placement(job.id, job.team_id, _to_slots(choice)))
+            out.jobs.add(job.id)
+            continue
+        victims = pending.get(job.id)
+        if not victims or not claimed:
+            continue
+        if job.gpus <= largest:
+            # One node: the claimed node closest to fitting keeps back only the free GPUs the
+            # job needs beyond its victims' there; the rest of the node stays usable.
+            stopping = defaultdict(int)
+            for victim in victims:
+                for node_id, _ in victim.slots:
+                    stopping[node_id] += 1
+            node = max(claimed, key=lambda n: (len(free[n.id]) + stopping[n.id], n.name))
+            keep = max(0, job.gpus - stopping[node.id])
+            free[node.id] = free[node.id][keep:]
+            hold = {node.id}
+        else:  # whole nodes: its victims' and the idle ones it needs beyond them
+            hold = {n.id for n in claimed}
+            need = job.gpus - sum(n.total for n in claimed)
+            if need > 0:
+                rest = [n for n in nodes if n.id not in out.held and n.id not in hold]
+                hold.update(node.id for node, _ in _whole_nodes(need, free, rest) or ())
+            out.held |= hold
+        out.jobs.add(job.id)
+        if used[team.id] + claiming[team.id] + job.gpus <= team.quota:
+            claiming[team.id] += job.gpus
+        names = ", ".join(n.name for n in sorted((by_id[i] for i in hold), key=lambda n: n.name))
+        reasons[job.id] = (
+            "waiting for "
+            + ", ".join(f"job {v.id}" for v in sorted(victims, key=lambda v: v.id))
+            + f" to checkpoint and stop (preempted for it); {job.gpus} GPUs held on {names}"
+        )
+    return out
 
 
 def _claim(

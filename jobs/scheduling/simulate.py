@@ -353,6 +353,9 @@ class _Engine:
         )
         self.preemptions_by_kind: dict[str, int] = {}
         self.open_requests: dict[int, tuple[int, str]] = {}  # victim -> (claimant, kind)
+        # claimant -> its victims told to stop; its JobView's claim_nodes are their nodes
+        # until the pass after the last of them has gone (as the live snapshot's window).
+        self.claims: dict[int, set[int]] = {}
         self.paused_until: dict[int, float] = {}  # team -> borrowing paused until
         self.rejected: list[str] = []
         self.missing_reasons = 0
@@ -578,6 +581,23 @@ class _Engine:
             self._start(placement, t)
         for proposal in plan.preemptions:
             self._preempt(proposal, t)
+        self._expire_claims()
+
+    def _expire_claims(self) -> None:
+        """A claim ends when its claimant starts, or after the first pass that saw all of its
+        victims gone (that pass offered the claimant their GPUs first)."""
+        for claimant, victims in list(self.claims.items()):
+            view = self.queue.get(claimant)
+            if view is None:
+                del self.claims[claimant]
+                continue
+            if any(
+                (run := self.running.get(v)) is not None and run.view.claimant_id == claimant
+                for v in victims
+            ):
+                continue
+            self.queue[claimant] = replace(view, claim_nodes=())
+            del self.claims[claimant]
 
     def _reject(self, why: str) -> None:
         self.rejected.append(why)
@@ -704,7 +724,18 @@ class _Engine:
             self._push(t + self.cfg.reclaim_backoff_s, _WAKE, 0, 0)
         stop = t + self.cfg.grace_s
         run.stopping_at = stop
-        run.view = replace(run.view, stopping=True, expected_end=_at(min(run.expected, stop)))
+        claimant = self.open_requests[jid][0]
+        run.view = replace(
+            run.view,
+            stopping=True,
+            expected_end=_at(min(run.expected, stop)),
+            claimant_id=claimant,
+        )
+        view = self.queue.get(claimant)
+        if view is not None:
+            nodes = tuple(dict.fromkeys((*view.claim_nodes, *(n for n, _ in run.view.slots))))
+            self.queue[claimant] = replace(view, claim_nodes=nodes)
+            self.claims.setdefault(claimant, set()).add(jid)
         self.running_dirty = True
         self._push(stop, _STOP, jid, run.attempt)
 

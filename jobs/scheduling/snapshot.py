@@ -30,6 +30,9 @@ class JobView:
     name: str = ""
     runtime_estimate_s: float | None = None  # time limit or estimate, for backfill
     min_gpus: int | None = None  # elastic: may run on fewer GPUs (down to this) when short
+    # Nodes its executed preemptions are freeing (victims still stopping) or have just freed:
+    # the GPUs there go to this job first (rule 5).
+    claim_nodes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class RunningView:
     expected_end: datetime | None = None  # from its time limit or estimate; None = unknown
     last_checkpoint_at: datetime | None = None
     stopping: bool = False  # already told to checkpoint and stop
+    claimant_id: int | None = None  # stopping for this queued job (a preemption's claimant)
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,7 @@ def take_snapshot(now: datetime) -> Snapshot:
     )
     # A requeued job's limit is what is left of it (limits count run time, not wall time).
     ran = run_seconds([j.id for j in queued_jobs if j.time_limit_s and j.first_started_at], now=now)
+    claim_nodes, claimant_of = _claims(now)
     queued = tuple(
         JobView(
             id=j.id,
@@ -142,6 +147,7 @@ def take_snapshot(now: datetime) -> Snapshot:
             if j.time_limit_s
             else None,
             min_gpus=j.min_gpus,
+            claim_nodes=claim_nodes.get(j.id, ()),
         )
         for j in queued_jobs
     )
@@ -172,6 +178,7 @@ def take_snapshot(now: datetime) -> Snapshot:
             else None,
             last_checkpoint_at=last_saves.get(a.job_id),
             stopping=a.state == Attempt.State.STOPPING,
+            claimant_id=claimant_of.get(a.id) if a.state == Attempt.State.STOPPING else None,
         )
         for a in live_attempts
     )
@@ -208,6 +215,54 @@ def take_snapshot(now: datetime) -> Snapshot:
         running=running,
         preempt_exempt_s=lockstep_setting("PREEMPT_EXEMPT_S"),
     )
+
+
+# How long after its last victim has gone a claim still holds (a few scheduler ticks: the
+# pass that runs when the victim's exit is reported places the claimant).
+CLAIM_AFTER_EXIT_S = 15.0
+
+
+def _claims(now: datetime) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
+    """Executed preemptions whose claimant still waits and whose victim is still stopping or
+    left less than CLAIM_AFTER_EXIT_S ago: (claimant job id -> the victims' node ids, victim
+    attempt id -> claimant job id)."""
+    from datetime import timedelta
+
+    from django.db.models import Q
+
+    from jobs.models import Allocation, Attempt, Job, PreemptionRequest
+
+    requests = list(
+        PreemptionRequest.objects.filter(
+            state=PreemptionRequest.State.EXECUTED,
+            claimant_started_at__isnull=True,
+            claimant__state=Job.State.QUEUED,
+        ).values_list("claimant_id", "victim_id", "executed_at")
+    )
+    if not requests:
+        return {}, {}
+    recent = now - timedelta(seconds=CLAIM_AFTER_EXIT_S)
+    attempts = Attempt.objects.filter(
+        Q(ended_at__isnull=True) | Q(ended_at__gte=recent),
+        job_id__in={victim for _, victim, _ in requests},
+    ).values_list("id", "job_id", "created_at", "ended_at")
+    # The attempt each preemption stopped: the victim's attempt that was live when it ran.
+    stopped: dict[int, int] = {}  # victim attempt id -> claimant job id
+    for attempt_id, job_id, created_at, ended_at in attempts:
+        for claimant, victim, executed_at in requests:
+            if (
+                victim == job_id
+                and executed_at is not None
+                and created_at <= executed_at
+                and (ended_at is None or ended_at >= executed_at)
+            ):
+                stopped[attempt_id] = claimant
+    nodes: dict[int, dict[int, None]] = {}
+    for attempt_id, node_id in Allocation.objects.filter(attempt_id__in=stopped).values_list(
+        "attempt_id", "node_id"
+    ):
+        nodes.setdefault(stopped[attempt_id], {})[node_id] = None
+    return {claimant: tuple(ids) for claimant, ids in nodes.items()}, stopped
 
 
 def _usage_history(now: datetime, half_life_s: float) -> dict[int, float]:
