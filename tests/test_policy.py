@@ -153,6 +153,24 @@ def test_guaranteed_work_goes_before_borrowed_work_of_the_same_priority():
     assert list(placed(p)) == [2]
 
 
+def test_aging_puts_borrowed_work_that_waited_long_before_newer_guaranteed_work():
+    lender, borrower = team("lender", quota=8, used=0), team("borrower", quota=8, used=8, borrow=8)
+    n = node("n1", 8)
+    # The borrowed job (estimate 10 min) was submitted 31 min ago: past max(30 min, 3 x 10).
+    old = job(1, 8, team_id=borrower.id, submitted=-31 * 60, estimate=600)
+    new = job(2, 8, team_id=lender.id, submitted=-60)
+    assert list(placed(plan(snapshot([n], [old, new], [lender, borrower])))) == [1]
+    # Not yet aged: 29 min, or 31 min for a job of an hour (3 h to age), or no estimate (4 h).
+    for submitted, estimate in ((-29 * 60, 600), (-31 * 60, 3600), (-3 * 3600, None)):
+        young = job(1, 8, team_id=borrower.id, submitted=submitted, estimate=estimate)
+        assert list(placed(plan(snapshot([n], [young, new], [lender, borrower])))) == [2]
+    aged_unknown = job(1, 8, team_id=borrower.id, submitted=-5 * 3600)
+    assert list(placed(plan(snapshot([n], [aged_unknown, new], [lender, borrower])))) == [1]
+    # Aging never lifts a job above a higher priority class.
+    urgent = job(3, 8, team_id=lender.id, submitted=-60, prio=2)
+    assert list(placed(plan(snapshot([n], [old, urgent], [lender, borrower])))) == [3]
+
+
 def test_fair_share_orders_teams_by_weighted_usage_with_history():
     busy = team("busy", quota=8, used=4, history=86400 * 4)
     idle = team("idle", quota=8, used=4)

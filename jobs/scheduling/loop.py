@@ -129,7 +129,7 @@ def head_of_queue(snapshot):
     from jobs.scheduling.policy import job_order_key
 
     teams = {t.id: t for t in snapshot.teams}
-    ordered = sorted(snapshot.queued, key=lambda j: job_order_key(j, teams))
+    ordered = sorted(snapshot.queued, key=lambda j: job_order_key(j, teams, snapshot.now))
     return replace(snapshot, queued=tuple(ordered[:ESTIMATE_HEAD]))
 
 

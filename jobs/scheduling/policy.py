@@ -3,7 +3,9 @@
 Rules (DESIGN.md section 6):
 1. Order: priority class; then guaranteed (the job fits within its team's quota) before
    borrowed; then the team's fair share (GPUs in use plus decayed history, per quota and
-   weight); then submit time.
+   weight); then submit time. Aging: a borrowed job that has waited more than
+   max(30 min, 3 x its runtime estimate), or 4 h without one, goes first among the
+   guaranteed work of its priority, so borrowed work too gets its turn at a reservation.
 2. A team holds at most quota + borrow limit (quota only while its borrowing is paused after a
    reclaim). Idle GPUs are lent this way to teams with queued work.
 3. Placement: a job that fits on one node goes on one node (best fit: the fullest node it fits
@@ -87,11 +89,36 @@ def fair_share(team: TeamView) -> float:
     )
 
 
-def job_order_key(job: JobView, teams: dict[int, TeamView] | None = None):
+# Aging (rule 1): borrowed work that has waited this long is ordered as guaranteed work.
+AGING_FACTOR = 3.0  # times the job's runtime estimate
+AGING_MIN_S = 1800.0
+AGING_NO_ESTIMATE_S = 4 * 3600.0
+
+
+def aged(job: JobView, now) -> bool:
+    """Has the job waited since submission longer than max(AGING_MIN_S, AGING_FACTOR x its
+    runtime estimate), or AGING_NO_ESTIMATE_S without an estimate?"""
+    if now is None:
+        return False
+    limit = (
+        AGING_NO_ESTIMATE_S
+        if job.runtime_estimate_s is None
+        else max(AGING_MIN_S, AGING_FACTOR * job.runtime_estimate_s)
+    )
+    return (now - job.submitted_at).total_seconds() > limit
+
+
+def job_order_key(job: JobView, teams: dict[int, TeamView] | None = None, now=None):
+    """Rule 1's order. With `now`, an aged borrowed job goes first among the guaranteed work
+    of its priority, oldest first: without it a heavy team's borrowed jobs, ordered after
+    everyone's guaranteed work that keeps arriving, waited hours for a reservation that
+    never came to them (most of the simulator's starved jobs)."""
     team = (teams or {}).get(job.team_id)
     if team is None:
         return (-job.priority, 0, 0.0, job.submitted_at, job.id)
     borrowed = int(team.used + job.gpus > team.quota)
+    if borrowed and aged(job, now):
+        return (-job.priority, 0, -1.0, job.submitted_at, job.id)
     return (-job.priority, borrowed, fair_share(team), job.submitted_at, job.id)
 
 
@@ -413,7 +440,7 @@ def plan(snapshot: Snapshot) -> Plan:
             free_cache[key] = sum(len(free[n.id]) for n in usable)
         return free_cache[key]
 
-    for job in sorted(snapshot.queued, key=lambda j: job_order_key(j, teams)):
+    for job in sorted(snapshot.queued, key=lambda j: job_order_key(j, teams, now)):
         if job.id in settled.jobs:
             continue
         team = teams.get(job.team_id)
@@ -635,7 +662,7 @@ def _honour_claims(snapshot, teams, used, free, nodes, largest, claiming, reason
     # claimant whose own victims on the same node are still stopping.
     claimants = sorted(
         (j for j in snapshot.queued if j.claim_nodes),
-        key=lambda j: (j.id in pending, job_order_key(j, teams)),
+        key=lambda j: (j.id in pending, job_order_key(j, teams, snapshot.now)),
     )
     for job in claimants:
         team = teams.get(job.team_id)
