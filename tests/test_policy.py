@@ -533,3 +533,16 @@ def test_gpus_already_stopping_are_not_reclaimed_again_from_the_lending_team():
     p = plan(snapshot([n1, n2], queue, [owner, guest], runs))
     assert p.preemptions == ()
     assert p.reasons[1].startswith("waiting for job 10")
+
+
+def test_a_whole_node_claimant_also_gets_the_idle_nodes_its_claim_reserved():
+    owner = team("owner", quota=16, used=0)
+    rival = team("rival", quota=8, used=8)
+    n1, n2, n3 = node("n1", 8), node("n2", 8), node("n3", 8, busy=8)
+    runs = [running(10, n3, range(8), team_id=rival.id)]
+    # Job 1's victim on n1 has gone; its claim also counted on the idle n2.
+    claimant = claiming(job(1, 16, team_id=owner.id, submitted=100), n1)
+    ahead = job(2, 8, team_id=rival.id, prio=5)
+    p = plan(snapshot([n1, n2, n3], [claimant, ahead], [owner, rival], runs))
+    assert set(placed(p)) == {1}
+    assert set(placed(p)[1].node_ids) == {n1.id, n2.id}

@@ -633,6 +633,28 @@ def plan(snapshot: Snapshot) -> Plan:
     )
 
 
+def _place_on_claim(job, free, claimed, nodes, largest):
+    """Place a claimant on its claimed nodes; a whole-node job also on idle nodes elsewhere
+    for what its victims' nodes do not cover (its claim reserved those too)."""
+    if job.gpus <= largest:
+        return place(job, free, claimed, largest)
+    idle = [n for n in claimed if n.total > 0 and len(free[n.id]) == n.total]
+    chosen, need = [], job.gpus
+    for node in idle:
+        if need <= 0:
+            break
+        take = min(need, node.total)
+        chosen.append((node, free[node.id][:take]))
+        need -= take
+    if need > 0:
+        mine = {n.id for n in claimed}
+        extra = _whole_nodes(need, free, [n for n in nodes if n.id not in mine])
+        if extra is None:
+            return None
+        chosen.extend(extra)
+    return chosen
+
+
 @dataclass
 class _Settled:
     placed: list[Placement] = field(default_factory=list)
@@ -670,7 +692,7 @@ def _honour_claims(snapshot, teams, used, free, nodes, largest, claiming, reason
             continue
         claimed = [by_id[i] for i in dict.fromkeys(job.claim_nodes) if i in by_id]
         claimed = [n for n in claimed if n.id not in out.held]
-        choice = place(job, free, claimed, largest) if claimed else None
+        choice = _place_on_claim(job, free, claimed, nodes, largest) if claimed else None
         if choice is not None:
             for node, indices in choice:
                 free[node.id] = [i for i in free[node.id] if i not in set(indices)]
