@@ -23,6 +23,7 @@ an object that does not exist (same status, same body).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -488,7 +489,8 @@ def _call(w: World, role: str, method: str, path: str, row: Row, *, ghost: bool)
 def _text(response, swap: tuple[str, str] | None) -> str:
     text = response.content.decode()
     if swap:
-        text = text.replace(swap[0], "<REF>").replace(swap[1], "<REF>")
+        # Whole numbers only: a real id of "1" must not match inside the ghost's "100000000".
+        text = re.sub(r"\b(" + "|".join(map(re.escape, swap)) + r")\b", "<REF>", text)
     return text
 
 
