@@ -103,6 +103,10 @@ def test_a_reclaims_gpus_go_to_its_claimant_even_past_a_higher_priority_job(
     snap = take_snapshot(timezone.now())
     assert {j.id: j.claim_nodes for j in snap.queued} == {claimant.id: (node.id,)}
     assert {r.id: r.claimant_id for r in snap.running} == {borrowed.id: claimant.id}
+    # A stopping job is expected to end by its stop deadline (it had no time limit).
+    (stopping,) = snap.running
+    victim_attempt.refresh_from_db()
+    assert stopping.expected_end == victim_attempt.stop_deadline is not None
     # A higher-priority job arrives while the victim checkpoints: it is ordered first.
     rival = submit(rival_team, rival_user, gpus=2, priority="high")
     run_pass()

@@ -171,11 +171,7 @@ def take_snapshot(now: datetime) -> Snapshot:
             priority=PRIORITY_RANK[a.job.priority],
             slots=tuple(slots.get(a.id, ())),
             started_at=a.created_at,
-            # The limit's remainder, counted from this attempt's start.
-            expected_end=a.created_at
-            + timedelta(seconds=max(a.job.time_limit_s - ran_before.get(a.job_id, 0.0), 0.0))
-            if a.job.time_limit_s
-            else None,
+            expected_end=_expected_end(a, ran_before.get(a.job_id, 0.0)),
             last_checkpoint_at=last_saves.get(a.job_id),
             stopping=a.state == Attempt.State.STOPPING,
             claimant_id=claimant_of.get(a.id) if a.state == Attempt.State.STOPPING else None,
@@ -215,6 +211,22 @@ def take_snapshot(now: datetime) -> Snapshot:
         running=running,
         preempt_exempt_s=lockstep_setting("PREEMPT_EXEMPT_S"),
     )
+
+
+def _expected_end(attempt, ran_before_s: float) -> datetime | None:
+    """The time limit's remainder, counted from the attempt's start; for an attempt told to
+    stop, no later than its stop deadline (the agent kills it then)."""
+    from datetime import timedelta
+
+    end = (
+        attempt.created_at + timedelta(seconds=max(attempt.job.time_limit_s - ran_before_s, 0.0))
+        if attempt.job.time_limit_s
+        else None
+    )
+    deadline = attempt.stop_deadline if attempt.state == attempt.State.STOPPING else None
+    if deadline is not None:
+        end = deadline if end is None else min(end, deadline)
+    return end
 
 
 # How long after its last victim has gone a claim still holds (a few scheduler ticks: the
