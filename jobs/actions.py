@@ -866,11 +866,9 @@ def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Chec
         on_commit_send(
             attempt.job_id, {"type": "checkpoint", "step": checkpoint.step, "id": checkpoint.id}
         )
-        import django_rq
+        from jobs.tasks import enqueue_prune
 
-        from jobs.tasks import prune_checkpoints
-
-        django_rq.enqueue(prune_checkpoints, attempt.job_id)
+        enqueue_prune(attempt.job_id)
     return checkpoint
 
 

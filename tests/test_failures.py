@@ -173,6 +173,34 @@ def test_failures_before_the_first_step_end_the_job_as_a_user_error(setup):
 
 
 @pytest.mark.django_db
+def test_commits_while_a_prune_waits_queue_no_second_prune(
+    setup, settings, django_capture_on_commit_callbacks
+):
+    import django_rq
+
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "KEEP_CHECKPOINTS": 1}
+    job, attempt, a, b, root = _run(setup)
+    queue = django_rq.get_queue()
+    queue.empty()
+    django_rq.get_connection().delete(f"lockstep:prune-pending:{job.id}")
+
+    def prunes():
+        return [j for j in queue.get_jobs() if j.args == (job.id,)]
+
+    with django_capture_on_commit_callbacks(execute=True):
+        beat(a, attempt, {0: None, 1: None}, records=[commit_checkpoint(root, job, 10)])
+        beat(a, attempt, {0: None, 1: None}, records=[commit_checkpoint(root, job, 20)])
+    assert len(prunes()) == 1
+    # The waiting prune covers both commits once it runs (as the worker would).
+    assert prunes()[0].perform() == [10]
+    queue.empty()
+    with django_capture_on_commit_callbacks(execute=True):
+        beat(a, attempt, {0: None, 1: None}, records=[commit_checkpoint(root, job, 30)])
+    assert len(prunes()) == 1  # a commit after the prune started queues the next one
+    assert prunes()[0].perform() == [20]
+
+
+@pytest.mark.django_db
 def test_retention_keeps_the_last_k_registered_and_preemption_checkpoints(setup, settings):
     settings.LOCKSTEP = {**settings.LOCKSTEP, "KEEP_CHECKPOINTS": 2}
     job, attempt, a, b, root = _run(setup)
