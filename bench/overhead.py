@@ -497,7 +497,7 @@ def plot(runs: list[dict], summary: dict) -> None:
     fig, axes = plt.subplots(
         len(CONFIG_NAMES),
         len(SETTINGS),
-        figsize=(4.2 * len(SETTINGS), 3.8 * len(CONFIG_NAMES)),
+        figsize=(max(6.5, 4.2 * len(SETTINGS)), 3.8 * len(CONFIG_NAMES)),
         squeeze=False,
     )
     for (row, name), (col, setting) in itertools.product(
