@@ -120,7 +120,9 @@ QUEUE_STATES = (
     Job.State.PREEMPTING,
 )
 _HOLDS = re.compile(r"holds a reservation on ([^;]+)")
-_WAITS_FOR_VICTIMS = re.compile(r"waiting for (job \d+(?:, job \d+)*) to checkpoint and stop")
+_WAITS_FOR_VICTIMS = re.compile(
+    r"waiting for (job \d+(?:, job \d+)*)(?: \([^)]*\))? to checkpoint and stop"
+)
 
 
 def reservation_from_reason(reason: str) -> str | None:

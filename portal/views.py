@@ -8,7 +8,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.views import redirect_to_login
 from django.db.models import Count, Prefetch, Q
-from django.http import FileResponse, Http404, JsonResponse
+from django.http import FileResponse, Http404, HttpResponseBadRequest, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
@@ -444,7 +444,8 @@ def cluster(request):
 @console_staff_required
 def team_quotas(request):
     if request.method == "POST":
-        team = Team.objects.filter(pk=request.POST.get("team_id")).first()
+        team_id = request.POST.get("team_id", "")
+        team = Team.objects.filter(pk=int(team_id)).first() if team_id.isdigit() else None
         if team is None:
             raise Http404("No such team.")
         form = TeamQuotaForm(request.POST, instance=Team.objects.get(pk=team.pk))
@@ -469,12 +470,20 @@ def team_quotas(request):
 @console_staff_required
 def preemptions(request):
     if request.method == "POST":
-        preemption = PreemptionRequest.objects.filter(pk=request.POST.get("request_id")).first()
+        request_id = request.POST.get("request_id", "")
+        preemption = (
+            PreemptionRequest.objects.filter(pk=int(request_id)).first()
+            if request_id.isdigit()
+            else None
+        )
         if preemption is None:
             raise Http404("No such preemption.")
-        approve = request.POST.get("decision") == "approve"
+        decision = request.POST.get("decision")
+        if decision not in ("approve", "reject"):
+            # Only an explicit choice decides: a missing or mistyped one must not reject.
+            return HttpResponseBadRequest("decision must be 'approve' or 'reject'")
         preemption = actions.do_decide_preemption(
-            preemption, approve=approve, actor=request.user, now=timezone.now()
+            preemption, approve=decision == "approve", actor=request.user, now=timezone.now()
         )
         messages.success(request, f"Preemption {preemption.id}: {preemption.state}.")
         return redirect("preemptions")

@@ -521,6 +521,22 @@ def test_reservations_are_read_from_the_reasons_the_scheduler_writes():
     ).startswith("the GPUs of job 4, job 9")
     assert reservation_from_reason("team vision at quota 64/64; 3 jobs ahead") is None
     assert reservation_from_reason("") is None
+    # The reasons the policy writes today, for a priority claim inside a team and for a
+    # claimant waiting on its victims.
+    import dataclasses
+
+    from jobs.scheduling.policy import plan
+    from tests.builders import job, node, running, snapshot, team
+
+    lab = team("lab", quota=8, used=8)
+    n1 = node("n1", 8, busy=8)
+    low = running(10, n1, range(8), team_id=lab.id, prio=0)
+    reason = plan(snapshot([n1], [job(1, 8, team_id=lab.id, prio=2)], [lab], [low])).reasons[1]
+    assert reservation_from_reason(reason).startswith("the GPUs of job 10"), reason
+    claimant = dataclasses.replace(job(2, 8, team_id=lab.id), claim_nodes=(n1.id,))
+    stopping = dataclasses.replace(low, stopping=True, claimant_id=2)
+    reason = plan(snapshot([n1], [claimant], [lab], [stopping])).reasons[2]
+    assert reservation_from_reason(reason).startswith("the GPUs of job 10"), reason
 
 
 # --- preemptions -----------------------------------------------------------------------------
@@ -549,6 +565,24 @@ def test_a_priority_raised_in_the_queue_becomes_a_preemption_an_admin_approves(s
         assert f"{request.work_at_risk_s:.0f}s since its last checkpoint" in row
         assert request.auto_approve_at.strftime("%H:%M:%S") in row
         assert 'value="approve"' in row and 'value="reject"' in row
+    # Only an explicit decision decides; bad ids are not found (nothing changes either way).
+    last = requests[-1]
+    for bad in ({"request_id": last.id}, {"request_id": last.id, "decision": "aprove"}):
+        assert client.post("/console/preemptions/", bad).status_code == 400
+    for bad_id in ("x", "", "-1"):
+        response = client.post(
+            "/console/preemptions/", {"request_id": bad_id, "decision": "reject"}
+        )
+        assert response.status_code == 404
+    last.refresh_from_db()
+    assert last.state == "proposed"
+    if len(requests) > 1:
+        response = client.post(
+            "/console/preemptions/", {"request_id": last.id, "decision": "reject"}
+        )
+        assert response.status_code == 302
+        last.refresh_from_db()
+        assert last.state == "rejected" and last.decided_by == root
     first = requests[0]
     response = client.post("/console/preemptions/", {"request_id": first.id, "decision": "approve"})
     assert response.status_code == 302

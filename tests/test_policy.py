@@ -546,3 +546,18 @@ def test_a_whole_node_claimant_also_gets_the_idle_nodes_its_claim_reserved():
     p = plan(snapshot([n1, n2, n3], [claimant, ahead], [owner, rival], runs))
     assert set(placed(p)) == {1}
     assert set(placed(p)[1].node_ids) == {n1.id, n2.id}
+
+
+def test_a_claimant_inside_its_team_waits_for_its_victim_instead_of_taking_another():
+    # lab is at its cap; job 1 (high priority) had job 10 (low) stopped for it. Job 10's GPUs
+    # still count against lab until it exits, but they are job 1's: it takes nothing else.
+    lab = team("lab", quota=16, used=16)
+    n1, n2 = node("n1", 8, busy=8), node("n2", 8, busy=8)
+    runs = [
+        stopping_for(running(10, n1, range(8), team_id=lab.id, prio=0), claimant_id=1),
+        running(11, n2, range(8), team_id=lab.id, prio=0),
+    ]
+    claimant = claiming(job(1, 8, team_id=lab.id, prio=2), n1)
+    p = plan(snapshot([n1, n2], [claimant], [lab], runs))
+    assert p.preemptions == ()
+    assert p.reasons[1].startswith("waiting for job 10 to checkpoint and stop")

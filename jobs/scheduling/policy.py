@@ -688,11 +688,18 @@ def _honour_claims(snapshot, teams, used, free, nodes, largest, claiming, reason
     )
     for job in claimants:
         team = teams.get(job.team_id)
-        if team is None or used[team.id] + job.gpus > team.cap:
+        victims = pending.get(job.id, [])
+        # A priority claim inside the team: its victims' GPUs still count against the team
+        # until they exit, and then make the room under its cap.
+        leaving = sum(v.gpus for v in victims if v.team_id == job.team_id)
+        if team is None or used[team.id] - leaving + job.gpus > team.cap:
             continue
         claimed = [by_id[i] for i in dict.fromkeys(job.claim_nodes) if i in by_id]
         claimed = [n for n in claimed if n.id not in out.held]
-        choice = _place_on_claim(job, free, claimed, nodes, largest) if claimed else None
+        fits_cap = used[team.id] + job.gpus <= team.cap
+        choice = (
+            _place_on_claim(job, free, claimed, nodes, largest) if claimed and fits_cap else None
+        )
         if choice is not None:
             for node, indices in choice:
                 free[node.id] = [i for i in free[node.id] if i not in set(indices)]
@@ -700,7 +707,6 @@ def _honour_claims(snapshot, teams, used, free, nodes, largest, claiming, reason
             out.placed.append(Placement(job.id, job.team_id, _to_slots(choice)))
             out.jobs.add(job.id)
             continue
-        victims = pending.get(job.id)
         if not victims or not claimed:
             continue
         if job.gpus <= largest:
