@@ -173,6 +173,32 @@ def test_failures_before_the_first_step_end_the_job_as_a_user_error(setup):
 
 
 @pytest.mark.django_db
+def test_checkpoint_records_outside_the_jobs_own_directory_are_ignored(setup):
+    job, attempt, a, b, root = _run(setup)
+    other = submit(setup[0], setup[1])
+    outside = root.parent / "elsewhere"
+    records = []
+    for path in (
+        root / f"job-{other.id}" / "step-000010",  # another job's committed save
+        root / f"job-{job.id}" / ".." / f"job-{other.id}" / "step-000010",  # climbing out
+        outside / "step-000010",  # outside the checkpoint root
+        root / f"job-{job.id}-x" / "step-000010",  # a sibling whose name starts the same
+    ):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "COMMITTED").write_text('{"step": 10}')
+        records.append({"kind": "checkpoint", "rank": 0, "step": 10, "path": str(path)})
+    link = root / f"job-{job.id}" / "step-000020"  # a link inside that points out
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(outside / "step-000010")
+    records.append({"kind": "checkpoint", "rank": 0, "step": 20, "path": str(link)})
+    beat(a, attempt, {0: None, 1: None}, records=records)
+    assert not Checkpoint.objects.exists()
+    # The job's own committed save is taken.
+    beat(a, attempt, {0: None, 1: None}, records=[commit_checkpoint(root, job, 30)])
+    assert [c.step for c in Checkpoint.objects.all()] == [30]
+
+
+@pytest.mark.django_db
 def test_commits_while_a_prune_waits_queue_no_second_prune(
     setup, settings, django_capture_on_commit_callbacks
 ):

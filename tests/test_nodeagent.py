@@ -222,6 +222,25 @@ def test_single_rank_keeps_the_users_thread_count(supervisor_factory):
     assert "OMP_NUM_THREADS" not in records[0]["env"]
 
 
+ARGV_DUMPER = """
+import json, os, sys
+with open(os.environ["LOCKSTEP_METRICS_PATH"], "a") as f:
+    f.write(json.dumps({"kind": "argv", "argv": sys.argv[1:]}) + "\\n")
+"""
+
+
+def test_a_command_reaches_the_program_as_given_never_through_a_shell(supervisor_factory, tmp_path):
+    canary = tmp_path / "canary"
+    hostile = ["$(touch " + str(canary) + ")", "; touch " + str(canary), "|", "*", "$HOME", "'\""]
+    sup = supervisor_factory()
+    spec = launch_spec("", one_rank(), command=["python", "-c", ARGV_DUMPER, *hostile])
+    attempt = sup.launch(6, spec)
+    assert sup.wait(6, timeout_s=20)
+    records, _ = MetricsTail(attempt.workers[0].metrics_path, 0).read()
+    assert records[0]["argv"] == hostile
+    assert not canary.exists()
+
+
 def test_a_command_that_cannot_start_is_reported_as_exited_127(supervisor_factory):
     sup = supervisor_factory()
     spec = launch_spec("", one_rank(), command=["/nonexistent/lockstep-trainer", "--x"])
