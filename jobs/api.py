@@ -181,18 +181,29 @@ class JobViewSet(
         rank = _int_param(request, "rank", 0, hi=100_000)
         tail = _int_param(request, "tail", 200, lo=1, hi=10_000)
         number = _int_param(request, "attempt", None, lo=1)
+        after = _int_param(request, "after", None, lo=0, hi=2**63 - 1)
         attempts = job.attempts.order_by("-number")
         attempt = (attempts.filter(number=number) if number else attempts).first()
+        answer = {"attempt": None, "rank": rank, "lines": [], "partial": "", "text": ""}
         if attempt is None:
-            return Response({"attempt": None, "rank": rank, "lines": []})
-        text = "".join(
-            LogChunk.objects.filter(attempt=attempt, rank=rank)
-            .order_by("id")
-            .values_list("text", flat=True)
-        )
-        return Response(
-            {"attempt": attempt.number, "rank": rank, "lines": text.splitlines()[-tail:]}
-        )
+            return Response({**answer, "cursor": after})
+        chunks = LogChunk.objects.filter(attempt=attempt, rank=rank).order_by("id")
+        answer["attempt"] = attempt.number
+        if after is not None:
+            # Following: the raw text after the cursor, a page at a time, lines unsplit
+            # (a chunk may end mid-line); the caller passes the new cursor back.
+            rows = list(chunks.filter(id__gt=after).values_list("id", "text")[:LOG_PAGE_CHUNKS])
+            answer["text"] = "".join(text for _, text in rows)
+            return Response({**answer, "cursor": rows[-1][0] if rows else after})
+        rows = list(chunks.values_list("id", "text"))
+        text = "".join(text for _, text in rows)
+        answer["lines"] = text.splitlines()[-tail:]
+        answer["partial"] = "" if text.endswith("\n") else text.rpartition("\n")[2]
+        return Response({**answer, "cursor": rows[-1][0] if rows else 0})
+
+
+# Chunks per page when following a log (each at most 64 KiB).
+LOG_PAGE_CHUNKS = 256
 
 
 class ModelVersionViewSet(

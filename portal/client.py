@@ -397,30 +397,58 @@ def cmd_logs(args) -> int:
     if args.attempt:
         params["attempt"] = args.attempt
     data = portal.call("GET", f"/api/v1/jobs/{args.job}/logs/", params=params)
-    for line in data["lines"]:
+    lines = data["lines"]
+    if args.follow and data.get("partial") and lines:
+        lines = lines[:-1]  # an unfinished line: printed whole once the rest arrives
+    for line in lines:
         print(line)
     if not args.follow:
         return EXIT_OK
-    # Follow: re-read the attempt's whole (bounded) log each poll and print what is new; a new
-    # attempt (a restart) starts over with a header line.
-    attempt, printed = data["attempt"], None
+    return _follow_logs(portal, args, data)
+
+
+def _follow_logs(portal, args, data) -> int:
+    """Print what the rank writes from here on, by cursor (nothing is re-read or skipped,
+    however long the log), until the job ends; a restart prints a header line and goes on
+    with the new attempt's log."""
+    attempt, cursor = data["attempt"], data.get("cursor") or 0
+    carry = data.get("partial") or ""
+
+    def page(number) -> dict:
+        params = {"rank": args.rank, "after": cursor}
+        if number is not None:
+            params["attempt"] = number
+        return portal.call("GET", f"/api/v1/jobs/{args.job}/logs/", params=params)
+
+    def emit(text: str) -> None:
+        nonlocal carry
+        *done, carry = (carry + text).split("\n")
+        for line in done:
+            print(line)
+
     while True:
         sys.stdout.flush()
         job = portal.call("GET", f"/api/v1/jobs/{args.job}/")
-        data = portal.call(
-            "GET", f"/api/v1/jobs/{args.job}/logs/", params={"rank": args.rank, "tail": 10_000}
-        )
-        if data["attempt"] != attempt:
-            if data["attempt"] is not None and attempt is not None:
-                print(f"--- attempt {data['attempt']}", file=sys.stderr)
-            attempt, printed = data["attempt"], 0
-        if printed is None:  # first poll: skip what the initial tail already showed
-            printed = len(data["lines"])
-        for line in data["lines"][printed:]:
-            print(line)
-        printed = max(printed, len(data["lines"]))
+        data = page(args.attempt)
+        if data["attempt"] != attempt and attempt is not None:
+            # A new attempt: first the rest of the old one's log, then a header.
+            while (old := page(attempt))["text"]:
+                emit(old["text"])
+                cursor = old["cursor"]
+            if carry:
+                print(carry)
+                carry = ""
+            print(f"--- attempt {data['attempt']}", file=sys.stderr)
+            data = page(args.attempt)
+        attempt = data["attempt"]
+        while data["text"]:  # a page at a time until caught up
+            emit(data["text"])
+            cursor = data["cursor"]
+            data = page(attempt)
         if job["state"] in END_STATES and not args.attempt:
             # The state was read before the logs: what the last attempt wrote is all printed.
+            if carry:
+                print(carry)
             print(f"job {args.job} {job['state']}", file=sys.stderr)
             return _outcome(job)
         time.sleep(args.poll_s)

@@ -81,7 +81,16 @@ class MetricSeriesSerializer(serializers.Serializer):
 class LogTailSerializer(serializers.Serializer):
     attempt = serializers.IntegerField(allow_null=True, help_text="null: the job never started")
     rank = serializers.IntegerField()
-    lines = serializers.ListField(child=serializers.CharField(allow_blank=True))
+    lines = serializers.ListField(
+        child=serializers.CharField(allow_blank=True), help_text="The last lines (without after)"
+    )
+    partial = serializers.CharField(
+        allow_blank=True, help_text="An unfinished last line (also the last of lines)"
+    )
+    text = serializers.CharField(allow_blank=True, help_text="With after: the raw text after it")
+    cursor = serializers.IntegerField(
+        allow_null=True, help_text="Pass as after to read what comes next"
+    )
 
 
 class JobGpuSerializer(serializers.Serializer):
@@ -161,6 +170,7 @@ extend_schema_view(
             _int("rank", "Rank (default 0)"),
             _int("tail", "Last lines (1-10000, default 200)"),
             _int("attempt", "Attempt number (default the latest)"),
+            _int("after", "A cursor from an earlier answer: the text after it, up to 256 chunks"),
         ],
         responses={200: LogTailSerializer},
     ),

@@ -215,3 +215,33 @@ def test_agent_endpoints_refuse_user_tokens_and_user_endpoints_refuse_node_token
     )
     assert stale.status_code == 409
     assert client.get("/api/v1/jobs/", HTTP_AUTHORIZATION=f"Bearer {node_token}").status_code == 401
+
+
+@pytest.mark.django_db
+def test_logs_give_a_cursor_to_follow_from_without_rereading(nlp):
+    from django.utils import timezone
+
+    from jobs.models import Attempt, LogChunk
+
+    _, _, alice = nlp
+    job = Job.objects.get(pk=alice.post("/api/v1/jobs/", GOOD, format="json").json()["id"])
+    attempt = Attempt.objects.create(
+        job=job, number=1, master_port=29500, created_at=timezone.now()
+    )
+
+    def chunk(text):
+        return LogChunk.objects.create(
+            attempt=attempt, rank=0, text=text, created_at=timezone.now()
+        ).id
+
+    first = chunk("a\nb")  # a chunk may end mid-line
+    chunk("c\n")
+    last = chunk("d")
+    tail = alice.get(f"/api/v1/jobs/{job.id}/logs/?tail=2").json()
+    assert (tail["lines"], tail["partial"], tail["cursor"]) == (["bc", "d"], "d", last)
+    after = alice.get(f"/api/v1/jobs/{job.id}/logs/?after={first}").json()
+    assert (after["text"], after["cursor"], after["lines"]) == ("c\nd", last, [])
+    caught_up = alice.get(f"/api/v1/jobs/{job.id}/logs/?after={last}").json()
+    assert (caught_up["text"], caught_up["cursor"]) == ("", last)
+    bad = alice.get(f"/api/v1/jobs/{job.id}/logs/?after=-1")
+    assert bad.status_code == 400 and "after" in bad.json()

@@ -333,3 +333,29 @@ def test_tokens_create_list_and_revoke(cluster):
     assert revoked.returncode == 0 and f"token {mine['id']} revoked" in revoked.stdout
     refused = lockstep(cluster, "jobs", token=raw)
     assert refused.returncode == client.EXIT_AUTH and "authentication failed" in refused.stderr
+
+
+LONG_LOG = """
+import sys, time
+time.sleep(5)  # the CLI starts following before the first line
+for i in range(12000):
+    print(f"line {i}")
+sys.stdout.flush()
+sys.stdout.write("par")
+sys.stdout.flush()
+time.sleep(2)  # the unfinished line reaches the portal before its end does
+print("tial", flush=True)
+"""
+
+
+def test_logs_follow_prints_every_line_once_past_10000_lines_and_exits_with_the_job(cluster):
+    submitted = lockstep(
+        cluster, "submit", "--name", "chatty", "--team", "cli", "--gpus", "1", "--json",
+        "--", "python", "-c", LONG_LOG,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = str(json.loads(submitted.stdout)["id"])
+    follow = lockstep(cluster, "logs", job_id, "--follow")
+    assert follow.returncode == 0, follow.stderr + cluster.logs()
+    assert follow.stdout.splitlines() == [f"line {i}" for i in range(12000)] + ["partial"]
+    assert f"job {job_id} SUCCEEDED" in follow.stderr
