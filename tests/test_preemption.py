@@ -32,6 +32,19 @@ def two_teams(make_team, make_user, make_nodes, settings, tmp_path):
     )
 
 
+def _reclaim(two_teams):
+    """The guest borrows the owner's 2 GPUs and runs; then the owner's job queues and reclaims
+    them. (borrowed job, its attempt, claimant job)"""
+    (owner, olga), (guest, gus), node, _ = two_teams
+    borrowed = submit(guest, gus, gpus=2)
+    run_pass()
+    victim_attempt = live_attempt(borrowed)
+    beat(node, victim_attempt, {0: None, 1: None})
+    claimant = submit(owner, olga, gpus=2)
+    run_pass()
+    return borrowed, victim_attempt, claimant
+
+
 def _stop_and_exit(node, attempt, root):
     """The victim's trainer saves on SIGTERM, reports the checkpoint, and every rank exits 0."""
     (desired,) = beat(node, attempt, {0: None, 1: None})["desired"]
@@ -42,12 +55,7 @@ def _stop_and_exit(node, attempt, root):
 @pytest.mark.django_db
 def test_quota_reclaim_is_automatic_checkpoint_first_and_the_victim_resumes(two_teams):
     (owner, olga), (guest, gus), node, root = two_teams
-    borrowed = submit(guest, gus, gpus=2)
-    run_pass()
-    victim_attempt = live_attempt(borrowed)
-    beat(node, victim_attempt, {0: None, 1: None})
-    claimant = submit(owner, olga, gpus=2)
-    run_pass()
+    borrowed, victim_attempt, claimant = _reclaim(two_teams)
     (request,) = PreemptionRequest.objects.all()
     assert (request.kind, request.state, request.victim, request.claimant) == (
         "reclaim",
@@ -91,12 +99,7 @@ def test_a_reclaims_gpus_go_to_its_claimant_even_past_a_higher_priority_job(
     (owner, olga), (guest, gus), node, root = two_teams
     rival_team = make_team("rival", quota=0, borrow_limit=2)
     rival_user = make_user("rita", team=rival_team)
-    borrowed = submit(guest, gus, gpus=2)
-    run_pass()
-    victim_attempt = live_attempt(borrowed)
-    beat(node, victim_attempt, {0: None, 1: None})
-    claimant = submit(owner, olga, gpus=2)
-    run_pass()
+    borrowed, victim_attempt, claimant = _reclaim(two_teams)
     (desired,) = beat(node, victim_attempt, {0: None, 1: None})["desired"]
     assert desired["action"] == "stop"
     # The snapshot links the stopping victim to its claimant, and the claimant to the node.

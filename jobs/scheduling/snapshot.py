@@ -260,14 +260,13 @@ def _claims(now: datetime) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
     ).values_list("id", "job_id", "created_at", "ended_at")
     # The attempt each preemption stopped: the victim's attempt that was live when it ran.
     stopped: dict[int, int] = {}  # victim attempt id -> claimant job id
+    by_victim: dict[int, list[tuple[int, datetime]]] = {}
+    for claimant, victim, executed_at in requests:
+        if executed_at is not None:
+            by_victim.setdefault(victim, []).append((claimant, executed_at))
     for attempt_id, job_id, created_at, ended_at in attempts:
-        for claimant, victim, executed_at in requests:
-            if (
-                victim == job_id
-                and executed_at is not None
-                and created_at <= executed_at
-                and (ended_at is None or ended_at >= executed_at)
-            ):
+        for claimant, executed_at in by_victim.get(job_id, ()):
+            if created_at <= executed_at and (ended_at is None or ended_at >= executed_at):
                 stopped[attempt_id] = claimant
     nodes: dict[int, dict[int, None]] = {}
     for attempt_id, node_id in Allocation.objects.filter(attempt_id__in=stopped).values_list(
