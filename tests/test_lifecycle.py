@@ -259,16 +259,22 @@ def test_the_first_rank_to_die_is_blamed_and_its_exit_time_is_the_failure_time(s
     assert event.data["detect_s"] == pytest.approx(5, abs=0.01)
 
 
-@pytest.mark.django_db
-def test_the_rank_killed_by_a_signal_is_blamed_not_the_one_that_raised_after_it(setup):
-    """Rank 1 is SIGKILLed; rank 0's collective breaks and it exits 1 within the same poll of
-    its agent, so both exits carry the same time: the signal death is the cause."""
-    team, user, (a, b), root = setup
+def _running_on_two_nodes(setup):
+    """A 4-rank job (max_restarts 2) whose attempt runs on nodes a and b: ((a, b), job, attempt)."""
+    team, user, (a, b), _ = setup
     job = submit(team, user, max_restarts=2)
     run_pass()
     attempt = live_attempt(job)
     beat(a, attempt, {0: None, 1: None})
     beat(b, attempt, {2: None, 3: None})
+    return (a, b), job, attempt
+
+
+@pytest.mark.django_db
+def test_the_rank_killed_by_a_signal_is_blamed_not_the_one_that_raised_after_it(setup):
+    """Rank 1 is SIGKILLed; rank 0's collective breaks and it exits 1 within the same poll of
+    its agent, so both exits carry the same time: the signal death is the cause."""
+    (a, b), job, attempt = _running_on_two_nodes(setup)
     beat(a, attempt, {0: 1, 1: -9})
     attempt.refresh_from_db()
     assert attempt.end_reason == "rank 1 on node-0 exited with signal 9 (SIGKILL)"
@@ -282,12 +288,7 @@ def test_a_cause_reported_just_after_by_another_node_revises_the_blame(setup):
     killed while fencing, after the attempt ended, is not a candidate."""
     from datetime import timedelta
 
-    team, user, (a, b), root = setup
-    job = submit(team, user, max_restarts=2)
-    run_pass()
-    attempt = live_attempt(job)
-    beat(a, attempt, {0: None, 1: None})
-    beat(b, attempt, {2: None, 3: None})
+    (a, b), job, attempt = _running_on_two_nodes(setup)
     t0 = timezone.now()
     beat(a, attempt, {0: 1, 1: None}, now=t0)
     attempt.refresh_from_db()
