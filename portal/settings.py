@@ -232,7 +232,7 @@ CHANNEL_LAYERS = {
 }
 
 RQ_QUEUES = {"default": {"URL": REDIS_URL, "DEFAULT_TIMEOUT": 3600}}
-RQ = {"COMMIT_MODE": "on_db_commit"}
+RQ = {"COMMIT_MODE": "on_db_commit", "WORKER_CLASS": "jobs.worker.LockstepWorker"}
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

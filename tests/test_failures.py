@@ -2,6 +2,7 @@
 hangs with stack capture, stragglers, node strikes and cordoning, user errors, retention,
 Young/Daly and goodput accounting. The same paths run with real processes in test_e2e.py."""
 
+import os
 from datetime import timedelta
 
 import pytest
@@ -224,6 +225,57 @@ def test_commits_while_a_prune_waits_queue_no_second_prune(
         beat(a, attempt, {0: None, 1: None}, records=[commit_checkpoint(root, job, 30)])
     assert len(prunes()) == 1  # a commit after the prune started queues the next one
     assert prunes()[0].perform() == [20]
+
+
+def worker_pid_and_jobs(job_id: int) -> tuple[int, int]:
+    """An rq job: the process it ran in, and what it reads from the database."""
+    return os.getpid(), Job.objects.filter(pk=job_id).count()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_rq_worker_prunes_in_its_own_process_and_forks_a_horse_for_other_jobs(setup, settings):
+    import django_rq
+
+    from jobs.worker import LockstepWorker
+
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "KEEP_CHECKPOINTS": 1}
+    job, attempt, a, b, root = _run(setup)
+    queue = django_rq.get_queue()
+    django_rq.get_connection().delete(f"lockstep:prune-pending:{job.id}")
+    before = set(queue.get_job_ids())
+    beat(
+        a, attempt, {0: None, 1: None}, records=[commit_checkpoint(root, job, s) for s in (10, 20)]
+    )
+    # Only this test's jobs are run (the queue's Redis may be shared with other test runs).
+    (prune,) = [j for j in queue.get_jobs() if j.id not in before and j.args == (job.id,)]
+    queue.remove(prune)
+    other = queue.enqueue(worker_pid_and_jobs, job.id)
+    queue.remove(other)
+
+    class Recording(LockstepWorker):
+        in_process = LockstepWorker.in_process | {
+            worker_pid_and_jobs.__module__ + ".worker_pid_and_jobs"
+        }
+
+    worker = LockstepWorker([queue], connection=queue.connection)
+    worker.execute_job(prune, queue)
+    assert prune.func_name in LockstepWorker.in_process
+    assert prune.get_status(refresh=True) == "finished" and prune.return_value() == [10]
+    assert not (root / f"job-{job.id}" / "step-000010").exists()
+    assert (root / f"job-{job.id}" / "step-000020").exists()
+    # No database socket is left open for the next horse to inherit, and it still gets one.
+    from django.db import connections
+
+    assert all(c.connection is None for c in connections.all(initialized_only=True))
+    worker.execute_job(other, queue)
+    assert other.get_status(refresh=True) == "finished", other.latest_result()
+    forked_pid, seen = other.return_value()
+    assert forked_pid != os.getpid() and seen == 1
+
+    again = queue.enqueue(worker_pid_and_jobs, job.id)
+    queue.remove(again)
+    Recording([queue], connection=queue.connection).execute_job(again, queue)
+    assert again.return_value() == (os.getpid(), 1)
 
 
 @pytest.mark.django_db
