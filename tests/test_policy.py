@@ -1,6 +1,7 @@
 """The pure scheduling policy, rule by rule (no database)."""
 
 import dataclasses
+from datetime import timedelta
 
 from jobs.scheduling.policy import plan, shrink_sizes
 from tests.builders import job, node, running, snapshot, team
@@ -169,6 +170,28 @@ def test_aging_puts_borrowed_work_that_waited_long_before_newer_guaranteed_work(
     # Aging never lifts a job above a higher priority class.
     urgent = job(3, 8, team_id=lender.id, submitted=-60, prio=2)
     assert list(placed(plan(snapshot([n], [old, urgent], [lender, borrower])))) == [3]
+
+
+def test_aged_jobs_go_by_stretch_so_a_short_job_is_not_kept_behind_an_older_long_one():
+    lender, borrower = team("lender", quota=8, used=0), team("borrower", quota=8, used=8, borrow=8)
+    n = node("n1", 8)
+    # Both aged. The long job (4 h) waited 13 h, 3.3 times its length; the short one (10 min)
+    # waited 2 h, 12 times its length: it goes first although it came later.
+    long_job = job(1, 8, team_id=borrower.id, submitted=-13 * 3600, estimate=4 * 3600)
+    short_job = job(2, 8, team_id=borrower.id, submitted=-2 * 3600, estimate=600)
+    p = plan(snapshot([n], [long_job, short_job], [lender, borrower]))
+    assert list(placed(p)) == [2]
+    # Once the long job has waited longer for its length, it is first again.
+    long_job = dataclasses.replace(
+        long_job, submitted_at=short_job.submitted_at - timedelta(hours=47)
+    )
+    p = plan(snapshot([n], [long_job, short_job], [lender, borrower]))
+    assert list(placed(p)) == [1]
+    # Without an estimate a job counts as AGING_NO_ESTIMATE_S / AGING_FACTOR (80 min) long:
+    # 5 h waited is a stretch of 3.75, behind the short job's 12.
+    unknown = job(3, 8, team_id=borrower.id, submitted=-5 * 3600)
+    p = plan(snapshot([n], [unknown, short_job], [lender, borrower]))
+    assert list(placed(p)) == [2]
 
 
 def test_fair_share_orders_teams_by_weighted_usage_with_history():
