@@ -630,7 +630,12 @@ def do_end_attempt(
         if blame_node is not None and (
             attempt.first_step_at is not None or state == Attempt.State.LOST
         ):
-            _strike(blame_node, f"job {job.id} attempt {attempt.number}: {reason}", now=now)
+            _strike(
+                blame_node,
+                f"job {job.id} attempt {attempt.number}: {reason}",
+                now=now,
+                attempt=attempt,
+            )
         early = (
             _early_failures(job, lockstep_setting("EARLY_FAILURES_USER_ERROR"))
             if state == Attempt.State.FAILED
@@ -779,6 +784,34 @@ def _revise_cause(attempt: Attempt, node: Node, report: dict, *, now: datetime) 
         attempt=attempt,
         node=node,
         team_id=job.team_id,
+    )
+    _move_strike(attempt, _culprit(failed).node, reason, now=now)
+
+
+def _move_strike(attempt: Attempt, culprit: Node, reason: str, *, now: datetime) -> None:
+    """The strike for an attempt's end follows a revised cause to the culprit's node: the
+    node first blamed only saw its rank die of the broken collective."""
+    strike = (
+        Event.objects.filter(kind="node.strike", attempt=attempt, data__attempt_end=True)
+        .select_related("node")
+        .order_by("-id")
+        .first()
+    )
+    if strike is None or strike.node_id == culprit.id:
+        return
+    _event(
+        "node.strike_withdrawn",
+        f"strike on {strike.node.name} withdrawn: job {attempt.job_id} attempt "
+        f"{attempt.number} failed because of {reason}",
+        node=strike.node,
+        attempt=attempt,
+        data={"strike": strike.id},
+    )
+    _strike(
+        culprit,
+        f"job {attempt.job_id} attempt {attempt.number}: {reason}",
+        now=now,
+        attempt=attempt,
     )
 
 
@@ -1215,11 +1248,32 @@ def do_mark_node_lost(node: Node, *, now: datetime, reason: str) -> None:
     _wake("node down")
 
 
-def _strike(node: Node, reason: str, *, now: datetime) -> None:
-    """Attribute a failure to a node; enough strikes in the window cordon it for admins."""
-    _event("node.strike", f"strike on {node.name}: {reason}", node=node)
+def node_strikes(node: Node, now: datetime) -> int:
+    """Strikes against the node in the window, less those withdrawn (`_move_strike`)."""
     window = now - timedelta(seconds=lockstep_setting("STRIKE_WINDOW_S"))
-    strikes = Event.objects.filter(node=node, kind="node.strike", created_at__gte=window).count()
+    withdrawn = {
+        int(ref)
+        for ref in Event.objects.filter(node=node, kind="node.strike_withdrawn").values_list(
+            "data__strike", flat=True
+        )
+        if ref is not None
+    }
+    strikes = Event.objects.filter(node=node, kind="node.strike", created_at__gte=window)
+    return strikes.exclude(id__in=withdrawn).count()
+
+
+def _strike(node: Node, reason: str, *, now: datetime, attempt: Attempt | None = None) -> None:
+    """Attribute a failure to a node; enough strikes in the window cordon it for admins.
+    `attempt`: the attempt whose end is blamed on the node (a strike `_move_strike` can move
+    when the cause is revised)."""
+    _event(
+        "node.strike",
+        f"strike on {node.name}: {reason}",
+        node=node,
+        attempt=attempt,
+        data={"attempt_end": attempt is not None},
+    )
+    strikes = node_strikes(node, now)
     limit = lockstep_setting("STRIKES_TO_CORDON")
     if strikes >= limit and node.state == Node.State.UP:
         hours = lockstep_setting("STRIKE_WINDOW_S") / 3600

@@ -8,7 +8,7 @@ import pytest
 from django.utils import timezone
 
 from jobs import actions
-from jobs.models import Allocation, Event, Job
+from jobs.models import Allocation, Event, Job, Node
 from jobs.scheduling.loop import run_pass
 from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
 
@@ -317,3 +317,52 @@ def test_a_cause_reported_just_after_by_another_node_revises_the_blame(setup):
     (revised,) = Event.objects.filter(kind="attempt.cause_revised")
     assert "first reported: rank 0 on node-0 exited with exit code 1" in revised.message
     assert job.state == "RESTARTING"  # nothing else about the ended attempt changed
+
+
+@pytest.mark.django_db
+def test_a_revised_cause_moves_the_nodes_strike_to_the_culprits_node(setup, settings):
+    """The attempt had trained (a failure after the first step strikes the blamed node). Node
+    a was blamed first; once node b's report shows its rank died first, a's strike is
+    withdrawn and b gets it, and only b is cordoned when that strike is its limit."""
+    from datetime import timedelta
+
+    from jobs.actions import node_strikes
+
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "STRIKES_TO_CORDON": 2}
+    (a, b), job, attempt = _running_on_two_nodes(setup)
+    t0 = timezone.now()
+    step = {"kind": "step", "rank": 0, "step": 1, "loss": 1.0, "time": t0.timestamp()}
+    beat(a, attempt, {0: None, 1: None}, records=[step], now=t0 - timedelta(seconds=5))
+    for earlier in (a, b):  # one strike each from an earlier failure
+        actions._strike(earlier, "an earlier failure", now=t0)
+    beat(a, attempt, {0: 1, 1: None}, now=t0)
+    a.refresh_from_db()
+    assert node_strikes(a, t0) == 2 and a.state == "cordoned"  # blamed first
+    Node.objects.filter(pk=a.pk).update(state="up", state_reason="")  # an admin uncordons it
+    body = {
+        "boot_id": b.boot_id,
+        "attempts": [
+            {
+                "attempt_id": attempt.id,
+                "ranks": [
+                    {
+                        "rank": 3,
+                        "state": "exited",
+                        "exit_code": -9,
+                        "exited_at": (t0 - timedelta(seconds=0.3)).timestamp(),
+                    }
+                ],
+            }
+        ],
+    }
+    actions.do_heartbeat(b, body, now=t0 + timedelta(seconds=1))
+    a.refresh_from_db()
+    b.refresh_from_db()
+    assert node_strikes(a, t0) == 1 and a.state == "up"
+    assert node_strikes(b, t0) == 2 and b.state == "cordoned"
+    (withdrawn,) = Event.objects.filter(kind="node.strike_withdrawn")
+    assert withdrawn.node_id == a.id and "failed because of rank 3 on node-1" in withdrawn.message
+    # A second report of the same exit moves nothing again.
+    actions.do_heartbeat(b, body, now=t0 + timedelta(seconds=2))
+    assert Event.objects.filter(kind="node.strike_withdrawn").count() == 1
+    assert node_strikes(b, t0) == 2
