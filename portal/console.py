@@ -281,11 +281,19 @@ def node_rows(now: datetime, failed: NodeActionForm | None = None) -> list[dict]
         jobs_on[node_id].add(job_id)
     strikes: dict[int, int] = defaultdict(int)
     recent: dict[int, list[Event]] = defaultdict(list)
+    # Strikes moved to another node when a failure's cause was revised (jobs.actions).
+    withdrawn = {
+        int(ref)
+        for ref in Event.objects.filter(
+            kind="node.strike_withdrawn", created_at__gte=window
+        ).values_list("data__strike", flat=True)
+        if ref is not None
+    }
     for event in Event.objects.filter(
         node__isnull=False, kind__in=FAILURE_KINDS, created_at__gte=window
     ).order_by("-id"):
         if event.kind == "node.strike":
-            strikes[event.node_id] += 1
+            strikes[event.node_id] += event.id not in withdrawn
         elif len(recent[event.node_id]) < 3:
             recent[event.node_id].append(event)
     posted = failed.data.get("node") if failed is not None else None

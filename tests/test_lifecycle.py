@@ -360,6 +360,10 @@ def test_a_revised_cause_moves_the_nodes_strike_to_the_culprits_node(setup, sett
     b.refresh_from_db()
     assert node_strikes(a, t0) == 1 and a.state == "up"
     assert node_strikes(b, t0) == 2 and b.state == "cordoned"
+    from portal.console import node_rows
+
+    health = {row["node"].id: row["health"] for row in node_rows(t0 + timedelta(seconds=2))}
+    assert health[a.id] == "1 strike(s) in the window"  # what admins see on the nodes page
     (withdrawn,) = Event.objects.filter(kind="node.strike_withdrawn")
     assert withdrawn.node_id == a.id and "failed because of rank 3 on node-1" in withdrawn.message
     # A second report of the same exit moves nothing again.
