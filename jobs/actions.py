@@ -785,34 +785,59 @@ def _revise_cause(attempt: Attempt, node: Node, report: dict, *, now: datetime) 
         node=node,
         team_id=job.team_id,
     )
-    _move_strike(attempt, _culprit(failed).node, reason, now=now)
+    # After this heartbeat commits, in a transaction of its own: it writes rows that point at
+    # the first node, whose own heartbeat may hold that node's lock while it waits for this
+    # attempt's (a deadlock on PostgreSQL if done here).
+    culprit_id, attempt_id = _culprit(failed).node_id, attempt.id
+    transaction.on_commit(lambda: _move_strike(attempt_id, culprit_id, reason, now=now))
 
 
-def _move_strike(attempt: Attempt, culprit: Node, reason: str, *, now: datetime) -> None:
+def _move_strike(attempt_id: int, culprit_id: int, reason: str, *, now: datetime) -> None:
     """The strike for an attempt's end follows a revised cause to the culprit's node: the
-    node first blamed only saw its rank die of the broken collective."""
-    strike = (
-        Event.objects.filter(kind="node.strike", attempt=attempt, data__attempt_end=True)
-        .select_related("node")
-        .order_by("-id")
-        .first()
-    )
-    if strike is None or strike.node_id == culprit.id:
-        return
-    _event(
-        "node.strike_withdrawn",
-        f"strike on {strike.node.name} withdrawn: job {attempt.job_id} attempt "
-        f"{attempt.number} failed because of {reason}",
-        node=strike.node,
-        attempt=attempt,
-        data={"strike": strike.id},
-    )
-    _strike(
-        culprit,
-        f"job {attempt.job_id} attempt {attempt.number}: {reason}",
-        now=now,
-        attempt=attempt,
-    )
+    node first blamed only saw its rank die of the broken collective. If that strike had
+    cordoned the node automatically and the node is now under the limit, it is back up."""
+    with transaction.atomic():
+        strike = (
+            Event.objects.filter(kind="node.strike", attempt_id=attempt_id, data__attempt_end=True)
+            .order_by("-id")
+            .first()
+        )
+        if strike is None or strike.node_id == culprit_id:
+            return
+        attempt = Attempt.objects.get(pk=attempt_id)
+        first = Node.objects.select_for_update().get(pk=strike.node_id)
+        _event(
+            "node.strike_withdrawn",
+            f"strike on {first.name} withdrawn: job {attempt.job_id} attempt "
+            f"{attempt.number} failed because of {reason}",
+            node=first,
+            attempt=attempt,
+            data={"strike": strike.id},
+        )
+        last_cordon = Event.objects.filter(node=first, kind="node.cordoned").order_by("-id").first()
+        if (
+            first.state == Node.State.CORDONED
+            and last_cordon is not None
+            and last_cordon.id > strike.id
+            and last_cordon.data.get("automatic")
+            and node_strikes(first, now) < lockstep_setting("STRIKES_TO_CORDON")
+        ):
+            first.state, first.state_reason = Node.State.UP, ""
+            first.save(update_fields=["state", "state_reason"])
+            _event(
+                "node.uncordoned",
+                f"node {first.name} uncordoned automatically: the strike that cordoned it "
+                "was withdrawn",
+                node=first,
+                data={"automatic": True},
+            )
+            _wake("node uncordoned")
+        _strike(
+            Node.objects.select_for_update().get(pk=culprit_id),
+            f"job {attempt.job_id} attempt {attempt.number}: {reason}",
+            now=now,
+            attempt=attempt,
+        )
 
 
 def _record_exits(
@@ -1253,9 +1278,9 @@ def node_strikes(node: Node, now: datetime) -> int:
     window = now - timedelta(seconds=lockstep_setting("STRIKE_WINDOW_S"))
     withdrawn = {
         int(ref)
-        for ref in Event.objects.filter(node=node, kind="node.strike_withdrawn").values_list(
-            "data__strike", flat=True
-        )
+        for ref in Event.objects.filter(
+            node=node, kind="node.strike_withdrawn", created_at__gte=window
+        ).values_list("data__strike", flat=True)
         if ref is not None
     }
     strikes = Event.objects.filter(node=node, kind="node.strike", created_at__gte=window)
@@ -1275,11 +1300,16 @@ def _strike(node: Node, reason: str, *, now: datetime, attempt: Attempt | None =
     )
     strikes = node_strikes(node, now)
     limit = lockstep_setting("STRIKES_TO_CORDON")
-    if strikes >= limit and node.state == Node.State.UP:
-        hours = lockstep_setting("STRIKE_WINDOW_S") / 3600
-        node.state = Node.State.CORDONED
-        node.state_reason = f"{strikes} failures in {hours:.0f}h; an admin should check it"
-        node.save(update_fields=["state", "state_reason"])
+    if strikes < limit:
+        return
+    hours = lockstep_setting("STRIKE_WINDOW_S") / 3600
+    why = f"{strikes} failures in {hours:.0f}h; an admin should check it"
+    # Conditional: the caller's Node may be stale (another transaction set it down or
+    # draining meanwhile); only a node that is up is cordoned.
+    if Node.objects.filter(pk=node.pk, state=Node.State.UP).update(
+        state=Node.State.CORDONED, state_reason=why
+    ):
+        node.state, node.state_reason = Node.State.CORDONED, why
         _event(
             "node.cordoned",
             f"node {node.name} cordoned automatically: {node.state_reason}",

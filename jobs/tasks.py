@@ -36,6 +36,9 @@ def export_model_version(version_id: int) -> str | None:
     return str(out)
 
 
+# An rmtree of a few large checkpoints on a network filesystem takes seconds, not minutes.
+PRUNE_TIMEOUT_S = 600
+
 # A pending prune's mark outlives a lost enqueue (a rolled-back commit) by at most this.
 PRUNE_MARK_TTL_S = 300
 
@@ -53,7 +56,8 @@ def enqueue_prune(job_id: int) -> bool:
 
     if not django_rq.get_connection().set(_prune_mark(job_id), 1, nx=True, ex=PRUNE_MARK_TTL_S):
         return False
-    django_rq.enqueue(prune_checkpoints, job_id)
+    # It runs inside the worker process (jobs/worker.py), which no other job can use meanwhile.
+    django_rq.enqueue(prune_checkpoints, job_id, job_timeout=PRUNE_TIMEOUT_S)
     return True
 
 

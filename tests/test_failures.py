@@ -258,6 +258,12 @@ def test_the_rq_worker_prunes_in_its_own_process_and_forks_a_horse_for_other_job
         }
 
     worker = LockstepWorker([queue], connection=queue.connection)
+    assert prune.timeout == 600
+    # While a job runs in the worker process nothing renews rq's keys: they last the job.
+    worker._running_in_process = True
+    assert worker.get_heartbeat_ttl(prune) >= prune.timeout
+    worker._running_in_process = False
+    assert worker.get_heartbeat_ttl(prune) < prune.timeout  # a horse's monitor renews them
     worker.execute_job(prune, queue)
     assert prune.func_name in LockstepWorker.in_process
     assert prune.get_status(refresh=True) == "finished" and prune.return_value() == [10]

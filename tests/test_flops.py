@@ -41,6 +41,8 @@ def test_peaks_are_known_by_device_name_and_dtype_and_unknown_elsewhere():
     assert peak_flops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5e12
     assert peak_flops("cpu", "fp32") is None
     assert peak_flops("NVIDIA GeForce RTX 4090", "bf16") is None
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") is None  # not the SXM part's peak
+    assert peak_flops("NVIDIA H200 NVL", "bf16") is None
     # 2,000 tokens/s of a 1e9-FLOP token on a 4e12 peak: half of it.
     assert mfu(2000, 1e9, 4e12) == pytest.approx(0.5)
 

@@ -320,10 +320,12 @@ def test_a_cause_reported_just_after_by_another_node_revises_the_blame(setup):
 
 
 @pytest.mark.django_db
-def test_a_revised_cause_moves_the_nodes_strike_to_the_culprits_node(setup, settings):
+def test_a_revised_cause_moves_the_nodes_strike_to_the_culprits_node(
+    setup, settings, django_capture_on_commit_callbacks
+):
     """The attempt had trained (a failure after the first step strikes the blamed node). Node
-    a was blamed first; once node b's report shows its rank died first, a's strike is
-    withdrawn and b gets it, and only b is cordoned when that strike is its limit."""
+    a was blamed first, and that strike cordoned it; once node b's report shows its rank died
+    first, a's strike is withdrawn, a is back up, and b gets the strike and the cordon."""
     from datetime import timedelta
 
     from jobs.actions import node_strikes
@@ -338,7 +340,6 @@ def test_a_revised_cause_moves_the_nodes_strike_to_the_culprits_node(setup, sett
     beat(a, attempt, {0: 1, 1: None}, now=t0)
     a.refresh_from_db()
     assert node_strikes(a, t0) == 2 and a.state == "cordoned"  # blamed first
-    Node.objects.filter(pk=a.pk).update(state="up", state_reason="")  # an admin uncordons it
     body = {
         "boot_id": b.boot_id,
         "attempts": [
@@ -355,10 +356,13 @@ def test_a_revised_cause_moves_the_nodes_strike_to_the_culprits_node(setup, sett
             }
         ],
     }
-    actions.do_heartbeat(b, body, now=t0 + timedelta(seconds=1))
+    # The move runs after the heartbeat commits, in a transaction of its own.
+    with django_capture_on_commit_callbacks(execute=True):
+        actions.do_heartbeat(b, body, now=t0 + timedelta(seconds=1))
     a.refresh_from_db()
     b.refresh_from_db()
-    assert node_strikes(a, t0) == 1 and a.state == "up"
+    assert node_strikes(a, t0) == 1 and a.state == "up" and a.state_reason == ""
+    assert Event.objects.filter(kind="node.uncordoned", node=a, data__automatic=True).exists()
     assert node_strikes(b, t0) == 2 and b.state == "cordoned"
     from portal.console import node_rows
 
@@ -367,6 +371,7 @@ def test_a_revised_cause_moves_the_nodes_strike_to_the_culprits_node(setup, sett
     (withdrawn,) = Event.objects.filter(kind="node.strike_withdrawn")
     assert withdrawn.node_id == a.id and "failed because of rank 3 on node-1" in withdrawn.message
     # A second report of the same exit moves nothing again.
-    actions.do_heartbeat(b, body, now=t0 + timedelta(seconds=2))
+    with django_capture_on_commit_callbacks(execute=True):
+        actions.do_heartbeat(b, body, now=t0 + timedelta(seconds=2))
     assert Event.objects.filter(kind="node.strike_withdrawn").count() == 1
     assert node_strikes(b, t0) == 2

@@ -192,6 +192,12 @@ def test_aged_jobs_go_by_stretch_so_a_short_job_is_not_kept_behind_an_older_long
     unknown = job(3, 8, team_id=borrower.id, submitted=-5 * 3600)
     p = plan(snapshot([n], [unknown, short_job], [lender, borrower]))
     assert list(placed(p)) == [2]
+    # Every job ages at stretch 3: a 1-minute job that just aged (31 min, counted as 10 min
+    # long: 3.1) does not pass a 4-hour job aged before it (13 h: 3.25).
+    long_job = job(1, 8, team_id=borrower.id, submitted=-13 * 3600, estimate=4 * 3600)
+    minute = job(4, 8, team_id=borrower.id, submitted=-31 * 60, estimate=60)
+    p = plan(snapshot([n], [long_job, minute], [lender, borrower]))
+    assert list(placed(p)) == [1]
 
 
 def test_fair_share_orders_teams_by_weighted_usage_with_history():

@@ -11,8 +11,9 @@ activation checkpointing does not raise it, which is why MFU is comparable acros
 
 from __future__ import annotations
 
-# Dense (not 2:4 sparse) peak FLOP/s per GPU by the vendor's data sheets, per compute dtype.
-# H100 and H200 share the SXM compute die; H200 differs in memory only.
+# Dense (not 2:4 sparse) peak FLOP/s per SXM GPU by the vendor's data sheets, per compute
+# dtype. H100 and H200 SXM share the compute die; H200 differs in memory only. PCIe and NVL
+# variants run lower and are not listed.
 PEAK_FLOPS = {
     "H200": {"bf16": 989.4e12, "fp32": 66.9e12},
     "H100": {"bf16": 989.4e12, "fp32": 66.9e12},
@@ -37,8 +38,11 @@ def training_flops_per_token(*, params: int, n_layer: int, n_embd: int, seq: int
 def peak_flops(device_name: str, dtype: str) -> float | None:
     """The data-sheet peak for a device name as torch reports it ("NVIDIA H200", ...), or
     None where it is not known (CPUs, other GPUs): MFU is then not reported."""
+    name = device_name.upper()
+    if "PCIE" in name or "NVL" in name:
+        return None  # lower clocks and power than the SXM parts the table holds
     for model, peaks in PEAK_FLOPS.items():
-        if model in device_name.upper():
+        if model in name:
             return peaks.get(dtype)
     return None
 

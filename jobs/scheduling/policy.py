@@ -108,14 +108,17 @@ def aged(job: JobView, now) -> bool:
     return (now - job.submitted_at).total_seconds() > limit
 
 
-# A stretch's denominator is at least this: a job of a few seconds would otherwise head the
-# aged jobs on a ratio that says little.
-STRETCH_MIN_ESTIMATE_S = 60.0
+# A stretch's denominator is at least this, so that every job ages at the same stretch
+# (AGING_FACTOR): with a smaller floor a stream of newly aged short jobs (stretch up to
+# AGING_MIN_S / floor) could keep an aged long job from the front for days.
+STRETCH_MIN_ESTIMATE_S = AGING_MIN_S / AGING_FACTOR
 
 
 def stretch(job: JobView, now) -> float:
-    """Time waited over the job's runtime estimate (an estimate-less job counts as
-    AGING_NO_ESTIMATE_S / AGING_FACTOR long, so that it ages at the same stretch)."""
+    """Time waited over the job's runtime estimate, at least STRETCH_MIN_ESTIMATE_S (an
+    estimate-less job counts as AGING_NO_ESTIMATE_S / AGING_FACTOR long): every job ages at
+    a stretch of AGING_FACTOR, and an aged job is never passed by one aged after it that
+    has waited less for its length."""
     estimate = (
         AGING_NO_ESTIMATE_S / AGING_FACTOR
         if job.runtime_estimate_s is None
