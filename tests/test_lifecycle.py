@@ -8,7 +8,7 @@ import pytest
 from django.utils import timezone
 
 from jobs import actions
-from jobs.models import Allocation, Event, Job, Node
+from jobs.models import Allocation, Event, Job
 from jobs.scheduling.loop import run_pass
 from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
 
