@@ -993,6 +993,21 @@ def _ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[d
             # OverflowError, OSError: a timestamp out of the platform's range.
             log.warning("bad metric record from attempt %s: %s (%s)", attempt.id, record, exc)
     if points:
+        # Delivery is at least once: a heartbeat the portal committed but whose answer the
+        # agent never got (the portal restarted in between) is sent again. A step of one rank
+        # is stored once per attempt; the attempt's row lock keeps two heartbeats from racing.
+        stored = set(
+            MetricPoint.objects.filter(
+                job_id=attempt.job_id,
+                name__in=STEP_METRICS,
+                step__in={p.step for p in points},
+                attempt=attempt,
+            ).values_list("rank", "step", "name")
+        )
+        if stored:
+            points = [p for p in points if (p.rank, p.step, p.name) not in stored]
+            pushed = [p for p in pushed if (p["rank"], p["step"], p["name"]) not in stored]
+    if points:
         MetricPoint.objects.bulk_create(points, batch_size=1000)
         rollup.record(attempt.job_id, points)
         # Progress is what the hang detector watches: the portal's clock, not the workers'.

@@ -164,6 +164,41 @@ def test_ingest_records_keeps_the_rollup(setup):
 
 
 @pytest.mark.django_db
+def test_a_resent_heartbeat_stores_each_step_once(setup):
+    """The agent re-sends what a heartbeat carried when it never got the answer (the portal
+    restarted after committing it), with whatever the ranks wrote since."""
+    team, user, _, _ = setup
+    job, attempt = _job_and_attempt(team, user)
+
+    def steps(first, last):
+        return [
+            {"kind": "step", "rank": r, "step": s, "loss": 1.0 / s, "tokens_per_s": 10.0}
+            for s in range(first, last + 1)
+            for r in (0, 1)
+        ]
+
+    actions._ingest_records(attempt, steps(1, 3), now=timezone.now())
+    pushed = actions._ingest_records(attempt, steps(1, 5), now=timezone.now())
+    assert sorted({(p["rank"], p["step"]) for p in pushed}) == [(0, 4), (0, 5), (1, 4), (1, 5)]
+    rank0 = MetricPoint.objects.filter(job=job, name="loss", rank=0).order_by("step")
+    assert list(rank0.values_list("step", flat=True)) == [1, 2, 3, 4, 5]
+    assert MetricRollup.objects.get(job=job, name="loss", width=rollup.HEADER).count == 10
+    # Another attempt of the job (a restart from step 2) stores its own steps.
+    Attempt.objects.filter(pk=attempt.pk).update(state="failed", ended_at=timezone.now())
+    second = Attempt.objects.create(
+        job=job,
+        number=2,
+        state="running",
+        master_addr="127.0.0.1",
+        master_port=29402,
+        created_at=timezone.now(),
+        running_at=timezone.now(),
+    )
+    actions._ingest_records(second, steps(3, 4), now=timezone.now())
+    assert MetricPoint.objects.filter(job=job, name="loss", rank=0).count() == 7
+
+
+@pytest.mark.django_db
 def test_points_written_around_ingest_are_noticed(setup, monkeypatch):
     team, user, _, _ = setup
     rng = random.Random(3)
