@@ -18,8 +18,8 @@ from jobs.models import Attempt, MetricPoint, MetricRollup
 from tests.heartbeats import beat, live_attempt, submit
 
 
-def _job_and_attempt(team, user, number=1):
-    job = submit(team, user, gpus=1)
+def _job_and_attempt(team, user, number=1, job=None):
+    job = job or submit(team, user, gpus=1)
     attempt = Attempt.objects.create(
         job=job,
         number=number,
@@ -185,15 +185,7 @@ def test_a_resent_heartbeat_stores_each_step_once(setup):
     assert MetricRollup.objects.get(job=job, name="loss", width=rollup.HEADER).count == 10
     # Another attempt of the job (a restart from step 2) stores its own steps.
     Attempt.objects.filter(pk=attempt.pk).update(state="failed", ended_at=timezone.now())
-    second = Attempt.objects.create(
-        job=job,
-        number=2,
-        state="running",
-        master_addr="127.0.0.1",
-        master_port=29402,
-        created_at=timezone.now(),
-        running_at=timezone.now(),
-    )
+    _, second = _job_and_attempt(team, user, number=2, job=job)
     actions._ingest_records(second, steps(3, 4), now=timezone.now())
     assert MetricPoint.objects.filter(job=job, name="loss", rank=0).count() == 7
 
