@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from standalone import trainer_env  # bench/, the script's own folder
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["--n-layer", "6", "--n-head", "12", "--n-embd", "768", "--block-size", "32"]
 STEPS, EVERY = 30, 5
@@ -45,14 +47,7 @@ COLORS = {"sync": "tab:red", "fresh": "tab:orange", "reuse": "tab:blue", "overla
 
 
 def run(mode: str, work: Path) -> dict:
-    metrics = work / f"{mode}.jsonl"
-    env = dict(
-        os.environ,
-        LOCKSTEP_METRICS_PATH=str(metrics),
-        LOCKSTEP_CHECKPOINT_DIR=str(work / f"ckpt-{mode}"),
-        LOCKSTEP_JOB_ID=f"bench-{mode}",
-        PYTHONUNBUFFERED="1",
-    )
+    env, metrics = trainer_env(work, mode)
     argv = [
         sys.executable,
         "-m",

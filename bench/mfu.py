@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import shutil
@@ -32,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from standalone import trainer_env  # noqa: E402  (bench/, the script's own folder)
 
 from trainer.flops import mfu, peak_flops, training_flops_per_token  # noqa: E402
 from trainer.planner import ClusterShape, ModelShape, plan  # noqa: E402
@@ -89,15 +90,7 @@ def pick_layout(shape: dict, dtype: str, mem_gib: float) -> dict:
 
 
 def run_trainer(shape: dict, dtype: str, layout: dict, steps: int, device: str, work: Path):
-    metrics = work / f"{dtype}.jsonl"
-    env = dict(
-        os.environ,
-        LOCKSTEP_METRICS_PATH=str(metrics),
-        LOCKSTEP_CHECKPOINT_DIR=str(work / f"ckpt-{dtype}"),
-        LOCKSTEP_JOB_ID=f"mfu-{dtype}",
-        LOCKSTEP_DEVICE=device,
-        PYTHONUNBUFFERED="1",
-    )
+    env, metrics = trainer_env(work, dtype, LOCKSTEP_DEVICE=device)
     dataset = work / "bytes.bin"
     if not dataset.exists():
         # Random bytes: the throughput of a byte-level model does not depend on the text.
