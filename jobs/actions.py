@@ -100,7 +100,7 @@ def do_submit_job(*, owner, team: Team, now: datetime, **fields) -> Job:
 
 @transaction.atomic
 def do_cancel_job(job: Job, *, actor, now: datetime, reason: str = "") -> Job:
-    job = Job.objects.select_for_update().get(pk=job.pk)
+    job = Job.objects.select_for_update(no_key=True).get(pk=job.pk)
     if job.is_terminal:
         return job
     why = reason or f"cancelled by {actor.username if actor else 'the system'}"
@@ -138,7 +138,7 @@ def do_enforce_time_limit(job: Job, *, now: datetime) -> bool:
     """A job past its time limit is stopped checkpoint-first and ends FAILED, like Slurm's
     TIMEOUT. The limit counts the job's run time over all its attempts: a job that waited
     through a preemption or a failure does not lose that time from its limit."""
-    job = Job.objects.select_for_update().get(pk=job.pk)
+    job = Job.objects.select_for_update(no_key=True).get(pk=job.pk)
     if job.is_terminal or not job.time_limit_s or job.first_started_at is None:
         return False
     if run_seconds([job.id], now=now).get(job.id, 0.0) < job.time_limit_s:
@@ -600,7 +600,7 @@ def do_end_attempt(
     job's own code is the likelier cause).
     """
     with transaction.atomic():
-        attempt = Attempt.objects.select_for_update().get(pk=attempt.pk)
+        attempt = Attempt.objects.select_for_update(no_key=True).get(pk=attempt.pk)
         if attempt.ended_at is not None:
             return attempt
         was_stopping = attempt.state == Attempt.State.STOPPING
@@ -611,7 +611,7 @@ def do_end_attempt(
         attempt.failed_at = (failed_at or now) if failure else None
         attempt.save(update_fields=["state", "ended_at", "end_reason", "failed_at"])
         Allocation.objects.filter(attempt=attempt, released_at__isnull=True).update(released_at=now)
-        job = Job.objects.select_for_update().get(pk=attempt.job_id)
+        job = Job.objects.select_for_update(no_key=True).get(pk=attempt.job_id)
         _event(
             f"attempt.{state}",
             f"attempt {attempt.number} {state}: {reason}",
@@ -773,7 +773,7 @@ def _revise_cause(attempt: Attempt, node: Node, report: dict, *, now: datetime) 
         return
     old = attempt.end_reason
     Attempt.objects.filter(pk=attempt.pk).update(end_reason=reason)
-    job = Job.objects.select_for_update().get(pk=attempt.job_id)
+    job = Job.objects.select_for_update(no_key=True).get(pk=attempt.job_id)
     if job.reason.startswith(old):
         job.reason = reason + job.reason[len(old) :]
         job.save(update_fields=["reason"])
@@ -805,7 +805,7 @@ def _move_strike(attempt_id: int, culprit_id: int, reason: str, *, now: datetime
         if strike is None or strike.node_id == culprit_id:
             return
         attempt = Attempt.objects.get(pk=attempt_id)
-        first = Node.objects.select_for_update().get(pk=strike.node_id)
+        first = Node.objects.select_for_update(no_key=True).get(pk=strike.node_id)
         _event(
             "node.strike_withdrawn",
             f"strike on {first.name} withdrawn: job {attempt.job_id} attempt "
@@ -833,7 +833,7 @@ def _move_strike(attempt_id: int, culprit_id: int, reason: str, *, now: datetime
             )
             _wake("node uncordoned")
         _strike(
-            Node.objects.select_for_update().get(pk=culprit_id),
+            Node.objects.select_for_update(no_key=True).get(pk=culprit_id),
             f"job {attempt.job_id} attempt {attempt.number}: {reason}",
             now=now,
             attempt=attempt,
@@ -1039,7 +1039,7 @@ def do_register_node(
 ) -> tuple[Node, str]:
     """Create or re-bind a node; returns it with a fresh node token (shown once)."""
     raw = "node_" + secrets.token_urlsafe(32)
-    node = Node.objects.select_for_update().filter(name=name).first()
+    node = Node.objects.select_for_update(no_key=True).filter(name=name).first()
     if node is None:
         node = Node.objects.create(
             name=name,
@@ -1181,7 +1181,7 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
     """Apply one agent heartbeat; returns the response (what should run on the node)."""
     acked = []
     with transaction.atomic():
-        node = Node.objects.select_for_update().get(pk=node.pk)
+        node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
         if node.state == Node.State.DOWN:
             node.state, node.state_reason = Node.State.UP, ""
             _event("node.up", f"node {node.name} is back (heartbeat resumed)", node=node)
@@ -1198,7 +1198,7 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
             # saw the other nodes' ranks still running and none ended the attempt (or marked it
             # RUNNING), leaving it to the stop deadline or the start timeout.
             attempt = (
-                Attempt.objects.select_for_update(of=("self",))
+                Attempt.objects.select_for_update(of=("self",), no_key=True)
                 .select_related("job")
                 .filter(pk=attempt_id)
                 .first()
@@ -1270,7 +1270,7 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
 
 @transaction.atomic
 def do_mark_node_lost(node: Node, *, now: datetime, reason: str) -> None:
-    node = Node.objects.select_for_update().get(pk=node.pk)
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     if node.state == Node.State.DOWN:
         return
     node.state, node.state_reason = Node.State.DOWN, reason
@@ -1336,7 +1336,7 @@ def _strike(node: Node, reason: str, *, now: datetime, attempt: Attempt | None =
 @transaction.atomic
 def do_cordon_node(node: Node, *, actor, reason: str, drain: bool = False, now: datetime) -> Node:
     """No new work on the node; with `drain`, its attempts also checkpoint, stop and requeue."""
-    node = Node.objects.select_for_update().get(pk=node.pk)
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     node.state = Node.State.DRAINING if drain else Node.State.CORDONED
     node.state_reason = reason
     node.save(update_fields=["state", "state_reason"])
@@ -1357,7 +1357,7 @@ def do_cordon_node(node: Node, *, actor, reason: str, drain: bool = False, now: 
 
 @transaction.atomic
 def do_uncordon_node(node: Node, *, actor, reason: str = "") -> Node:
-    node = Node.objects.select_for_update().get(pk=node.pk)
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     if node.state == Node.State.DOWN:
         return node  # it comes back up with its next heartbeat
     node.state, node.state_reason = Node.State.UP, ""
@@ -1444,7 +1444,7 @@ def do_flag_straggler(
     window: int,
     now: datetime,
 ) -> None:
-    attempt = Attempt.objects.select_for_update().get(pk=attempt.pk)
+    attempt = Attempt.objects.select_for_update(no_key=True).get(pk=attempt.pk)
     if rank in attempt.stragglers:
         return
     attempt.stragglers = [*attempt.stragglers, rank]
@@ -1474,7 +1474,7 @@ def do_propose_preemption(
     preemptions wait for an admin or for their auto-approve deadline. None if the victim
     already has an open request or is no longer running."""
     with transaction.atomic():
-        victim = Job.objects.select_for_update().get(pk=victim_id)
+        victim = Job.objects.select_for_update(no_key=True).get(pk=victim_id)
         if victim.state not in (Job.State.STARTING, Job.State.RUNNING):
             return None
         if PreemptionRequest.objects.filter(
@@ -1504,9 +1504,13 @@ def do_propose_preemption(
             team_id=victim.team_id,
             data={"request": request.id, "claimant": claimant_id, "kind": kind},
         )
-    if kind == PreemptionRequest.Kind.RECLAIM:
-        # Reclaims are automatic: lent GPUs go back to their owner without asking anyone.
-        do_decide_preemption(request, approve=True, actor=None, now=now)
+        if kind == PreemptionRequest.Kind.RECLAIM:
+            # Reclaims are automatic: lent GPUs go back to their owner without asking anyone.
+            # In the proposal's transaction: a reclaim has no approval deadline, so one left
+            # proposed (its approval a deadlock victim) would block every later proposal for
+            # this victim and never be carried out. Rolled back whole, the next pass proposes
+            # it again.
+            do_decide_preemption(request, approve=True, actor=None, now=now)
     return request
 
 
@@ -1514,7 +1518,7 @@ def do_decide_preemption(
     request: PreemptionRequest, *, approve: bool, actor, now: datetime
 ) -> PreemptionRequest:
     with transaction.atomic():
-        request = PreemptionRequest.objects.select_for_update().get(pk=request.pk)
+        request = PreemptionRequest.objects.select_for_update(no_key=True).get(pk=request.pk)
         if request.state != PreemptionRequest.State.PROPOSED:
             return request
         request.state = (
@@ -1547,7 +1551,7 @@ def do_decide_preemption(
 
 
 def _execute_preemption(request: PreemptionRequest, *, now: datetime) -> None:
-    victim = Job.objects.select_for_update().get(pk=request.victim_id)
+    victim = Job.objects.select_for_update(no_key=True).get(pk=request.victim_id)
     attempt = victim.attempts.filter(ended_at__isnull=True).first()
     request.state, request.executed_at = PreemptionRequest.State.EXECUTED, now
     request.save(update_fields=["state", "executed_at"])
@@ -1591,7 +1595,9 @@ def do_register_model_version(
     *, name: str, checkpoint: Checkpoint, actor, now: datetime, notes: str = ""
 ) -> ModelVersion:
     latest = (
-        ModelVersion.objects.select_for_update().filter(name=name).aggregate(v=Max("version"))["v"]
+        ModelVersion.objects.select_for_update(no_key=True)
+        .filter(name=name)
+        .aggregate(v=Max("version"))["v"]
         or 0
     )
     at_step = {

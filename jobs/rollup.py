@@ -148,7 +148,7 @@ def _lock_headers(job_id: int, names: list[str], Rollup=None) -> dict:
         ignore_conflicts=True,
     )
     rows = (
-        Rollup.objects.select_for_update()
+        Rollup.objects.select_for_update(no_key=True)
         .filter(job_id=job_id, width=HEADER, name__in=names)
         .order_by("name")
     )

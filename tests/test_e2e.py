@@ -497,7 +497,7 @@ def test_quota_reclaim_checkpoints_the_borrower_runs_the_owner_then_resumes_the_
     first = detail["attempts"][0]
     assert first["state"] == "preempted" and "reclaim" in first["ended"]["reason"], (
         f"the borrower's first attempt ended {first['state']}: {first.get('ended')}; "
-        f"attempts: {detail['attempts']}"
+        f"attempts: {detail['attempts']}\n{cluster.logs()}"
     )
     (saved,) = cluster.mallory.get(f"/api/v1/jobs/{borrower}/checkpoints/").json()
     assert saved["step"] == first["last_step"] > 5  # saved at the step boundary after SIGTERM

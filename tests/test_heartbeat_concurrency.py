@@ -4,14 +4,15 @@ rank has exited). Meaningful on PostgreSQL (the .ci/run leg), where transactions
 serializes writers, so there it only checks the outcome."""
 
 import threading
+import time
 from functools import partial
 
 import pytest
-from django.db import connection, connections
+from django.db import connection, connections, transaction
 from django.utils import timezone
 
 from jobs import actions
-from jobs.models import Attempt, Job
+from jobs.models import Attempt, Job, MetricPoint, PreemptionRequest
 from jobs.scheduling.loop import run_pass
 from tests.heartbeats import beat, live_attempt, submit
 
@@ -67,3 +68,98 @@ def test_simultaneous_reports_from_every_node_of_a_gang_start_and_end_it(setup):
             f"round {round_}: every rank exited, the attempt stayed {ended.state} on "
             f"{connection.vendor}"
         )
+
+
+def _waiting_on_a_lock() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return cursor.fetchone()[0]
+
+
+def _preempt(job, user):
+    request = PreemptionRequest.objects.create(
+        victim=job,
+        claimant=submit(job.team, user),
+        kind=PreemptionRequest.Kind.RECLAIM,
+        reason="reclaiming its team's quota",
+        created_at=timezone.now(),
+    )
+    actions.do_decide_preemption(request, approve=True, actor=None, now=timezone.now())
+
+
+def _cancel(job, user):
+    actions.do_cancel_job(job, actor=user, now=timezone.now())
+
+
+@pytest.mark.skipif(
+    connection.vendor != "postgresql",
+    reason="needs row locks held across connections: SQLite serializes writers, so the "
+    "stop cannot start while the heartbeat's transaction is open (the PostgreSQL leg runs it)",
+)
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("stop", [_preempt, _cancel], ids=["reclaim", "cancel"])
+def test_a_stop_waiting_on_a_heartbeat_does_not_deadlock_with_its_commit(setup, stop):
+    """A heartbeat holds its attempt's row lock and stores step records, whose foreign key to
+    the job PostgreSQL checks at COMMIT with a KEY SHARE lock on the job row. A stop
+    (a reclaim, a cancel) that locked the job row meanwhile and waits for the attempt row
+    must not hold a lock that this check waits for: with FOR UPDATE both waited on each
+    other, PostgreSQL killed one (CI: the reclaim's approval died, the borrower never
+    stopped). The stop must end up applied and the heartbeat's steps stored."""
+    team, user, (a, b), _ = setup
+    job, attempt = _running(team, user, a, b)
+    in_heartbeat, commit = threading.Event(), threading.Event()
+    errors = []
+
+    def heartbeat():
+        try:
+            with transaction.atomic():  # commit held back until the stop waits on the lock
+                beat(a, attempt, {0: None, 1: None}, records=_steps(1, 5))
+                in_heartbeat.set()
+                assert commit.wait(timeout=30)
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    def stopper():
+        try:
+            stop(Job.objects.get(pk=job.pk), user)
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    beating = threading.Thread(target=heartbeat)
+    beating.start()
+    assert in_heartbeat.wait(timeout=30), errors
+    stopping = threading.Thread(target=stopper)
+    stopping.start()
+    deadline = time.monotonic() + 20
+    while _waiting_on_a_lock() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _waiting_on_a_lock() > 0, "the stop never waited for the heartbeat's attempt lock"
+    commit.set()
+    beating.join(timeout=60)
+    stopping.join(timeout=60)
+    assert not errors, errors
+    assert Attempt.objects.get(pk=attempt.pk).state == Attempt.State.STOPPING
+    assert MetricPoint.objects.filter(attempt=attempt, name="loss").count() == 5
+
+
+def _running(team, user, a, b):
+    job = submit(team, user)
+    run_pass()
+    attempt = live_attempt(job)
+    beat(a, attempt, {0: None, 1: None})
+    beat(b, attempt, {2: None, 3: None})
+    return Job.objects.get(pk=job.pk), attempt
+
+
+def _steps(first, last):
+    return [
+        {"kind": "step", "rank": 0, "step": s, "loss": 1.0, "tokens_per_s": 1.0}
+        for s in range(first, last + 1)
+    ]

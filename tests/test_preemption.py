@@ -5,9 +5,11 @@ requeued and resume from their preemption checkpoint, and reclaim thrash is prev
 from datetime import timedelta
 
 import pytest
+from django.db import OperationalError
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from jobs import actions
 from jobs.models import Event, Job, PreemptionRequest
 from jobs.scheduling.loop import run_pass
 from jobs.scheduling.snapshot import CLAIM_AFTER_EXIT_S, take_snapshot
@@ -90,6 +92,35 @@ def test_quota_reclaim_is_automatic_checkpoint_first_and_the_victim_resumes(two_
     run_pass(now=timezone.now() + timedelta(seconds=301))
     resumed = live_attempt(borrowed)
     assert resumed.number == 2 and resumed.resumed_from_step == 37
+
+
+@pytest.mark.django_db
+def test_a_reclaim_whose_approval_dies_is_proposed_again_by_the_next_pass(two_teams, monkeypatch):
+    """The approval of a reclaim can lose a race (on PostgreSQL, a deadlock victim). Its
+    proposal must not survive it: a reclaim has no approval deadline, and a proposal left open
+    blocks every later one for that victim, so the borrower never stopped (a CI failure)."""
+    (owner, olga), (guest, gus), node, _ = two_teams
+    borrowed = submit(guest, gus, gpus=2)
+    run_pass()
+    beat(node, live_attempt(borrowed), {0: None, 1: None})
+    claimant = submit(owner, olga, gpus=2)
+
+    def deadlock(request, *, now):
+        raise OperationalError("deadlock detected")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(actions, "_execute_preemption", deadlock)
+        run_pass()
+    assert not PreemptionRequest.objects.exists()
+    assert Job.objects.get(pk=borrowed.pk).state == "RUNNING"
+    run_pass()
+    (request,) = PreemptionRequest.objects.all()
+    assert (request.state, request.victim_id, request.claimant_id) == (
+        "executed",
+        borrowed.id,
+        claimant.id,
+    )
+    assert Job.objects.get(pk=borrowed.pk).state == "PREEMPTING"
 
 
 @pytest.mark.django_db

@@ -52,13 +52,19 @@ def apply_plan(
     from jobs.actions import do_propose_preemption
 
     for preemption in plan.preemptions:
-        request = do_propose_preemption(
-            victim_id=preemption.victim_job_id,
-            claimant_id=preemption.claimant_job_id,
-            kind=preemption.kind,
-            reason=preemption.reason,
-            now=now,
-        )
+        try:
+            request = do_propose_preemption(
+                victim_id=preemption.victim_job_id,
+                claimant_id=preemption.claimant_job_id,
+                kind=preemption.kind,
+                reason=preemption.reason,
+                now=now,
+            )
+        except DatabaseError as exc:
+            # A lost race (a deadlock victim, a serialization failure) takes only this
+            # proposal, whole; the next pass plans it again, and the other proposals stand.
+            log.warning("preemption of job %s not proposed: %s", preemption.victim_job_id, exc)
+            continue
         if request is not None:
             result.preemptions.append(request.id)
     if result.rejected:
