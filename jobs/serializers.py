@@ -143,6 +143,14 @@ class JobSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
+    def to_representation(self, job):
+        data = super().to_representation(job)
+        # The scheduler writes estimates only onto queued jobs and leaves the last one behind
+        # when a job starts: a start estimate for a job that is not waiting misleads.
+        if job.state != Job.State.QUEUED:
+            data["estimated_start_at"] = None
+        return data
+
 
 class JobDetailSerializer(JobSerializer):
     attempts = AttemptSerializer(many=True, read_only=True)

@@ -6,8 +6,10 @@ import pytest
 from django.core.management import call_command
 from rest_framework.test import APIClient
 
-from jobs.models import Event, Job
+from jobs.models import Event, Job, Node
+from jobs.scheduling.loop import run_pass
 from teams.models import ApiToken, Team
+from tests.heartbeats import beat, live_attempt
 
 GOOD = {
     "name": "gpt-small",
@@ -245,3 +247,25 @@ def test_logs_give_a_cursor_to_follow_from_without_rereading(nlp):
     assert (caught_up["text"], caught_up["cursor"]) == ("", last)
     bad = alice.get(f"/api/v1/jobs/{job.id}/logs/?after=-1")
     assert bad.status_code == 400 and "after" in bad.json()
+
+
+@pytest.mark.django_db
+def test_a_start_estimate_is_shown_only_while_the_job_waits(nlp):
+    team, user, client = nlp
+    first = client.post("/api/v1/jobs/", {**GOOD, "gpus": 8}, format="json").json()["id"]
+    run_pass()
+    second = client.post("/api/v1/jobs/", GOOD, format="json").json()["id"]
+    run_pass()
+    waiting = client.get(f"/api/v1/jobs/{second}/").json()
+    assert waiting["state"] == "QUEUED" and waiting["estimated_start_at"] is not None
+    attempt = live_attempt(Job.objects.get(pk=first))
+    for node in Node.objects.all():
+        ranks = attempt.allocations.filter(node=node).values_list("rank", flat=True)
+        beat(node, attempt, dict.fromkeys(ranks, 0))
+    run_pass()
+    # The scheduler leaves its last estimate on the row; the API does not show it any more.
+    assert Job.objects.get(pk=second).estimated_start_at is not None
+    started = client.get(f"/api/v1/jobs/{second}/").json()
+    listed = {j["id"]: j for j in client.get("/api/v1/jobs/").json()["results"]}
+    assert started["state"] == "STARTING" and started["estimated_start_at"] is None
+    assert listed[second]["estimated_start_at"] is None

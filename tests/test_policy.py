@@ -314,6 +314,39 @@ def test_estimated_starts_run_the_policy_forward_on_a_virtual_clock():
     assert starts[2] == T0 + timedelta(seconds=1800)  # after job 1 (it holds the node)
 
 
+def test_estimated_starts_expect_a_planned_preemption_to_free_its_gpus_after_the_grace():
+    # A reclaim's claimant starts one stop grace from now, not when its victim would have
+    # ended (here: never told, so an hour); a priority claimant waits for the approval delay
+    # too. Each victim is taken once: the estimate does not stop it again later on.
+    from datetime import timedelta
+
+    from jobs.scheduling.estimate import estimate_starts
+    from tests.builders import T0
+
+    owner, guest = team("owner", quota=8), team("guest", quota=0, borrow=8, used=8)
+    n = node("n1", 8, busy=8)
+    borrowed = running(10, n, range(8), team_id=guest.id, ends_in=None, started_ago=700)
+    claimant = job(1, 8, team_id=owner.id, estimate=600)
+    starts = estimate_starts(
+        snapshot([n], [claimant], [owner, guest], [borrowed]),
+        stop_grace_s=60,
+        approval_delay_s=300,
+    )
+    assert starts == {1: T0 + timedelta(seconds=60)}
+
+    low, high = team("low"), team("high")
+    m = node("n2", 8, busy=8)
+    victim = running(20, m, range(8), team_id=low.id, ends_in=5000, started_ago=700)
+    urgent = job(2, 8, team_id=high.id, prio=2, estimate=600)
+    later = job(3, 8, team_id=high.id, prio=2, submitted=5, estimate=600)
+    starts = estimate_starts(
+        snapshot([m], [urgent, later], [low, high], [victim]),
+        stop_grace_s=60,
+        approval_delay_s=300,
+    )
+    assert starts == {2: T0 + timedelta(seconds=360), 3: T0 + timedelta(seconds=960)}
+
+
 def test_a_job_blocked_by_its_teams_cap_is_not_overtaken_by_the_teams_later_jobs():
     # The simulator's case: quota 8 on one 8-GPU node, a 4-GPU job runs for 100 more seconds;
     # b (8 GPUs) is blocked by the cap; c (2 GPUs, 50 s) may pass because it ends before the

@@ -1,8 +1,9 @@
 """When will each queued job start? Run the same pure plan() forward on a virtual clock.
 
 Running jobs end at their expected end (time limit) or, when unknown, after DEFAULT_RUNTIME_S
-more; queued jobs run for their estimate or DEFAULT_RUNTIME_S. Preemptions are not replayed
-(the estimate assumes the current proposals are carried out when their victims exit). Pure.
+more; queued jobs run for their estimate or DEFAULT_RUNTIME_S. A preemption the policy plans
+on the way is assumed carried out: its victim ends after the stop grace (plus the approval
+delay for a priority preemption), and no later plan of the replay takes it again. Pure.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import datetime, timedelta
 
+from jobs.conf import DEFAULTS
 from jobs.scheduling.policy import plan
 from jobs.scheduling.snapshot import RunningView, Snapshot
 
@@ -17,7 +19,12 @@ DEFAULT_RUNTIME_S = 3600.0
 
 
 def estimate_starts(
-    snapshot: Snapshot, *, max_events: int = 200, default_runtime_s: float = DEFAULT_RUNTIME_S
+    snapshot: Snapshot,
+    *,
+    max_events: int = 200,
+    default_runtime_s: float = DEFAULT_RUNTIME_S,
+    stop_grace_s: float = DEFAULTS["STOP_GRACE_S"],
+    approval_delay_s: float = DEFAULTS["PREEMPTION_APPROVAL_DELAY_S"],
 ) -> dict[int, datetime]:
     """Queued job id -> estimated start (only for jobs the horizon reaches)."""
     now = snapshot.now
@@ -66,6 +73,14 @@ def estimate_starts(
             team = teams[job.team_id]
             teams[job.team_id] = replace(team, used=team.used + job.gpus)
         queued = [j for j in queued if j.id not in placed]
+        # Without this a reclaim's claimant, which starts about one grace from now, was
+        # estimated at its victim's own end (an hour away for a victim with no time limit).
+        for preemption in result.preemptions:
+            delay = stop_grace_s + (approval_delay_s if preemption.kind == "priority" else 0.0)
+            for index, run in enumerate(running):
+                if run.id == preemption.victim_job_id and not run.stopping:
+                    running[index] = replace(run, stopping=True)
+                    ends[run.id] = min(ends[run.id], clock + timedelta(seconds=delay))
         if not running:
             break
         # Advance to the next end and free its GPUs.

@@ -139,7 +139,15 @@ def run_pass(now=None) -> tuple[PassReport, ApplyResult]:
     housekeeping(now)
     snapshot = take_snapshot(now)
     decided = plan(snapshot)
-    estimates = estimate_starts(head_of_queue(snapshot)) if decided.reasons else {}
+    estimates = (
+        estimate_starts(
+            head_of_queue(snapshot),
+            stop_grace_s=lockstep_setting("STOP_GRACE_S"),
+            approval_delay_s=lockstep_setting("PREEMPTION_APPROVAL_DELAY_S"),
+        )
+        if decided.reasons
+        else {}
+    )
     result = apply_plan(decided, now=now, estimates=estimates)
     report = PassReport(
         len(result.applied), len(result.rejected), len(snapshot.queued), time.monotonic() - started
