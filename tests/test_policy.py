@@ -241,6 +241,56 @@ def test_easy_backfill_uses_reserved_nodes_only_for_jobs_that_end_before_they_fr
     assert "reservation held by job 1" in p.reasons[3]
 
 
+def test_the_blocked_head_reserves_the_node_that_frees_up_first_not_the_freest():
+    # a has the most free GPUs but a long job; b frees all 8 in 600 s.
+    t = team()
+    a, b = node("a", 8, busy=4), node("b", 8, busy=6)
+    runs = [
+        running(10, a, range(4), team_id=t.id, ends_in=7200),
+        running(11, b, range(6), team_id=t.id, ends_in=600),
+    ]
+    p = plan(snapshot([a, b], [job(1, 8, team_id=t.id)], [t], runs))
+    assert p.reservation == (1, (b.id,))
+    # With no expected ends known, the freest node is taken (it is likeliest to free first).
+    p = plan(snapshot([a, b], [job(1, 8, team_id=t.id)], [t]))
+    assert p.reservation == (1, (a.id,))
+
+
+def test_a_job_waiting_five_times_its_length_holds_a_reservation_of_its_own():
+    # The head (job 1) reserves n1, which frees 8 GPUs first (1,000 s). Job 2 has waited 6.7
+    # times its length (4,000 s for a 600 s job): it reserves n2, the next to free (2,000 s),
+    # although job 1 holds a reservation. Backfill respects both, each by its own drain
+    # time: job 3 (1,500 s) may use n2, job 4 (2,500 s) may not and goes to n3, although
+    # n2's last free GPU is the tighter fit.
+    t = team()
+    n1, n2, n3 = node("n1", 8, busy=7), node("n2", 8, busy=6), node("n3", 8, busy=5)
+    runs = [
+        running(10, n1, range(7), team_id=t.id, ends_in=1000),
+        running(11, n2, range(6), team_id=t.id, ends_in=2000),
+        running(12, n3, range(5), team_id=t.id, ends_in=3000),
+    ]
+
+    def queue(second_waited_s):
+        return [
+            job(1, 8, team_id=t.id, submitted=-5000),
+            job(2, 8, team_id=t.id, submitted=-second_waited_s, estimate=600),
+            job(3, 1, team_id=t.id, submitted=-10, estimate=1500),
+            job(4, 1, team_id=t.id, submitted=-5, estimate=2500),
+        ]
+
+    def nodes_of(p):
+        return {pl.job_id: {s.node_id for s in pl.slots} for pl in p.placements}
+
+    p = plan(snapshot([n1, n2, n3], queue(4000), [t], runs))
+    assert p.reservation == (1, (n1.id,))
+    assert "holds a reservation of its own on n2 (beside job 1's)" in p.reasons[2]
+    assert nodes_of(p) == {3: {n2.id}, 4: {n3.id}}
+    # Waiting 4.2 times its length, job 2 holds nothing: job 4 takes n2's GPU, the tighter fit.
+    p = plan(snapshot([n1, n2, n3], queue(2500), [t], runs))
+    assert "reservation held by job 1" in p.reasons[2]
+    assert nodes_of(p) == {3: {n2.id}, 4: {n2.id}}
+
+
 def test_reclaim_takes_borrowed_gpus_lowest_priority_and_least_work_lost_first():
     owner = team("owner", quota=8, used=0)
     guest = team("guest", quota=0, borrow=16, used=8)
