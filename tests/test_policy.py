@@ -241,27 +241,32 @@ def test_easy_backfill_uses_reserved_nodes_only_for_jobs_that_end_before_they_fr
     assert "reservation held by job 1" in p.reasons[3]
 
 
-def test_the_blocked_head_reserves_the_node_that_frees_up_first_not_the_freest():
-    # a has the most free GPUs but a long job; b frees all 8 in 600 s.
+def test_a_starving_head_reserves_the_node_that_frees_up_first_a_young_one_the_freest():
+    # a has the most free GPUs but a 2-hour job; b frees all 8 in 600 s.
     t = team()
     a, b = node("a", 8, busy=4), node("b", 8, busy=6)
     runs = [
         running(10, a, range(4), team_id=t.id, ends_in=7200),
         running(11, b, range(6), team_id=t.id, ends_in=600),
     ]
-    p = plan(snapshot([a, b], [job(1, 8, team_id=t.id)], [t], runs))
-    assert p.reservation == (1, (b.id,))
-    # With no expected ends known, the freest node is taken (it is likeliest to free first).
-    p = plan(snapshot([a, b], [job(1, 8, team_id=t.id)], [t]))
-    assert p.reservation == (1, (a.id,))
+
+    def head(waited_s):
+        return [job(1, 8, team_id=t.id, submitted=-waited_s, estimate=600)]
+
+    # Waited 5.8 times its length: where it can start first.
+    assert plan(snapshot([a, b], head(3500), [t], runs)).reservation == (1, (b.id,))
+    # Just queued: the freest node, where backfill has the longest window.
+    assert plan(snapshot([a, b], head(0), [t], runs)).reservation == (1, (a.id,))
+    # Starving, but no expected ends known: the freest.
+    assert plan(snapshot([a, b], head(3500), [t])).reservation == (1, (a.id,))
 
 
 def test_a_job_waiting_five_times_its_length_holds_a_reservation_of_its_own():
-    # The head (job 1) reserves n1, which frees 8 GPUs first (1,000 s). Job 2 has waited 6.7
-    # times its length (4,000 s for a 600 s job): it reserves n2, the next to free (2,000 s),
-    # although job 1 holds a reservation. Backfill respects both, each by its own drain
-    # time: job 3 (1,500 s) may use n2, job 4 (2,500 s) may not and goes to n3, although
-    # n2's last free GPU is the tighter fit.
+    # The head (job 1, young) reserves n3, the freest node. Job 2 has waited 6.7 times its
+    # length (4,000 s for a 600 s job): it reserves n1, where 8 GPUs free first (1,000 s),
+    # although job 1 holds a reservation. Backfill respects each by its own drain time:
+    # job 3 (1,500 s) may not use n1, although n1's one free GPU is the tighter fit; job 5
+    # (500 s) may.
     t = team()
     n1, n2, n3 = node("n1", 8, busy=7), node("n2", 8, busy=6), node("n3", 8, busy=5)
     runs = [
@@ -275,20 +280,21 @@ def test_a_job_waiting_five_times_its_length_holds_a_reservation_of_its_own():
             job(1, 8, team_id=t.id, submitted=-5000),
             job(2, 8, team_id=t.id, submitted=-second_waited_s, estimate=600),
             job(3, 1, team_id=t.id, submitted=-10, estimate=1500),
-            job(4, 1, team_id=t.id, submitted=-5, estimate=2500),
+            job(4, 1, team_id=t.id, submitted=-5),
+            job(5, 1, team_id=t.id, submitted=-1, estimate=500),
         ]
 
     def nodes_of(p):
         return {pl.job_id: {s.node_id for s in pl.slots} for pl in p.placements}
 
     p = plan(snapshot([n1, n2, n3], queue(4000), [t], runs))
-    assert p.reservation == (1, (n1.id,))
-    assert "holds a reservation of its own on n2 (beside job 1's)" in p.reasons[2]
-    assert nodes_of(p) == {3: {n2.id}, 4: {n3.id}}
-    # Waiting 4.2 times its length, job 2 holds nothing: job 4 takes n2's GPU, the tighter fit.
+    assert p.reservation == (1, (n3.id,))
+    assert "holds a reservation of its own on n1 (beside job 1's)" in p.reasons[2]
+    assert nodes_of(p) == {3: {n2.id}, 4: {n2.id}, 5: {n1.id}}
+    # Waiting 4.2 times its length, job 2 holds nothing: job 3 takes n1's GPU, the tighter fit.
     p = plan(snapshot([n1, n2, n3], queue(2500), [t], runs))
     assert "reservation held by job 1" in p.reasons[2]
-    assert nodes_of(p) == {3: {n2.id}, 4: {n2.id}}
+    assert nodes_of(p) == {3: {n1.id}, 4: {n2.id}, 5: {n2.id}}
 
 
 def test_reclaim_takes_borrowed_gpus_lowest_priority_and_least_work_lost_first():
