@@ -477,7 +477,10 @@ def plan(snapshot: Snapshot) -> Plan:
     # runs for every job blocked by its team's cap (it was 56 % of a pass in the simulator).
     victim_key = _victim_order(now, snapshot.preempt_exempt_s)
     team_runs: dict[int, list[RunningView]] = defaultdict(list)
-    for run in sorted(running, key=victim_key):
+    # In victim order once per pass: every claim filters this list instead of sorting the
+    # running jobs again (135 claims of one 10,000-job pass spent 0.25 s in the sort keys).
+    by_victim_order = sorted(running, key=victim_key)
+    for run in by_victim_order:
         team_runs[run.team_id].append(run)
     team_all_runs: dict[int, list[RunningView]] = defaultdict(list)
     for run in snapshot.running:
@@ -602,7 +605,7 @@ def plan(snapshot: Snapshot) -> Plan:
                     job,
                     team,
                     guaranteed,
-                    running,
+                    by_victim_order,
                     taken,
                     teams,
                     used,
@@ -814,6 +817,7 @@ def _honour_claims(snapshot, teams, used, free, nodes, largest, claiming, reason
 def _claim(
     job, team, guaranteed, running, taken, teams, used, free, nodes, order, lent, allow_priority
 ):
+    # `running` is in victim `order` already.
     """Victims for a blocked job: a reclaim if it is within its team's quota, else (where
     `allow_priority`) a priority preemption of strictly lower-priority work. (victims,
     placement, kind) or None. `lent` (team id -> lent GPUs already reclaimed this pass) grows
@@ -846,14 +850,11 @@ def _claim(
         # Only victims with GPUs on the nodes this claim may use: stopping others frees
         # nothing for it (a later claim of a pass sees only nodes no earlier one reserved).
         usable = {n.id for n in nodes}
-        candidates = sorted(
-            (
-                r
-                for r in running
-                if r.id not in taken and any(node_id in usable for node_id, _ in r.slots)
-            ),
-            key=order,
-        )
+        candidates = [
+            r
+            for r in running
+            if r.id not in taken and any(node_id in usable for node_id, _ in r.slots)
+        ]
         found = _victims(job, candidates, free, nodes, wholly_borrowed, order) or _victims(
             job, candidates, free, nodes, straddling, order
         )
@@ -863,9 +864,7 @@ def _claim(
             return (*found, "reclaim")
     if not allow_priority:
         return None
-    lower = sorted(
-        (r for r in running if r.id not in taken and r.priority < job.priority), key=order
-    )
+    lower = [r for r in running if r.id not in taken and r.priority < job.priority]
     found = _victims(job, lower, free, nodes, lambda victim, chosen: True, order)
     return (*found, "priority") if found else None
 
