@@ -223,13 +223,19 @@ def test_borrowing_is_paused_after_a_reclaim():
     assert "borrowing paused after a reclaim" in p.reasons[1]
 
 
+def _two_busy_nodes(t, a_busy, a_ends_in, b_busy, b_ends_in):
+    """Nodes a and b of 8 GPUs, each with one running job of team `t` on its first GPUs."""
+    a, b = node("a", 8, busy=a_busy), node("b", 8, busy=b_busy)
+    runs = [
+        running(10, a, range(a_busy), team_id=t.id, ends_in=a_ends_in),
+        running(11, b, range(b_busy), team_id=t.id, ends_in=b_ends_in),
+    ]
+    return a, b, runs
+
+
 def test_easy_backfill_uses_reserved_nodes_only_for_jobs_that_end_before_they_free_up():
     t = team()
-    a, b = node("a", 8, busy=6), node("b", 8, busy=8)
-    runs = [
-        running(10, a, range(6), team_id=t.id, ends_in=600),
-        running(11, b, range(8), team_id=t.id, ends_in=3600),
-    ]
+    a, b, runs = _two_busy_nodes(t, 6, 600, 8, 3600)
     jobs = [
         job(1, 8, team_id=t.id, submitted=0, estimate=1000),  # blocked head: reserves a
         job(2, 2, team_id=t.id, submitted=1, estimate=300),  # done before a frees: ok
@@ -244,11 +250,7 @@ def test_easy_backfill_uses_reserved_nodes_only_for_jobs_that_end_before_they_fr
 def test_a_starving_head_reserves_the_node_that_frees_up_first_a_young_one_the_freest():
     # a has the most free GPUs but a 2-hour job; b frees all 8 in 600 s.
     t = team()
-    a, b = node("a", 8, busy=4), node("b", 8, busy=6)
-    runs = [
-        running(10, a, range(4), team_id=t.id, ends_in=7200),
-        running(11, b, range(6), team_id=t.id, ends_in=600),
-    ]
+    a, b, runs = _two_busy_nodes(t, 4, 7200, 6, 600)
 
     def head(waited_s):
         return [job(1, 8, team_id=t.id, submitted=-waited_s, estimate=600)]
