@@ -46,11 +46,18 @@ def _flush() -> None:
 
 
 def on_commit_send(job_id: int, message: dict) -> None:
-    if not transaction.get_connection().in_atomic_block:
+    connection = transaction.get_connection()
+    if not connection.in_atomic_block:
         send_to_job(job_id, message)
         return
     queue = getattr(_pending, "messages", None)
-    if not queue:
+    if queue is None or not any(func is _flush for _, func, _ in connection.run_on_commit):
+        # No flush pending in this transaction: none was, or a rollback discarded it, and with
+        # it the messages queued since (they describe changes that never happened). Keeping
+        # those and registering no new flush had silenced every later push of this thread.
+        # Not covered: a savepoint rolled back after the flush was registered outside it (a
+        # gang of a batch that lost its race) still has its messages sent; the next push of
+        # that job's state corrects it.
         _pending.messages = queue = []
         transaction.on_commit(_flush)
     queue.append((job_id, message))
