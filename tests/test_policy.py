@@ -405,6 +405,37 @@ def test_estimated_starts_expect_a_planned_preemption_to_free_its_gpus_after_the
     assert starts == {2: T0 + timedelta(seconds=360), 3: T0 + timedelta(seconds=960)}
 
 
+def test_estimated_starts_reclaim_once_for_a_claimant_and_keep_its_gpus_for_it():
+    # The replay links a planned victim to its claimant, as the live system does: when a
+    # job elsewhere ends (at 10 s) before the victim has stopped (60 s), the replay must not
+    # reclaim a second borrowed job for the same claimant, which would free GPUs for job 2
+    # at 70 s. Job 2 starts when the claimant's own 600 s run ends on that node.
+    from datetime import timedelta
+
+    from jobs.scheduling.estimate import estimate_starts
+    from tests.builders import T0
+
+    owner, guest = team("owner", quota=8), team("guest", quota=0, borrow=8, used=8)
+    steady, other = team("steady", quota=8, used=8), team("other", quota=0, borrow=4)
+    n1, n2 = node("n1", 8, busy=8), node("n2", 8, busy=8)
+    runs = [
+        running(10, n1, range(4), team_id=guest.id, ends_in=3600),
+        running(11, n1, range(4, 8), team_id=guest.id, ends_in=5000),
+        running(12, n2, range(2), team_id=steady.id, ends_in=10),
+        running(13, n2, range(2, 8), team_id=steady.id, ends_in=9000),
+    ]
+    jobs = [
+        job(1, 4, team_id=owner.id, estimate=600),
+        job(2, 4, team_id=other.id, submitted=1, estimate=100),
+    ]
+    starts = estimate_starts(
+        snapshot([n1, n2], jobs, [owner, guest, steady, other], runs),
+        stop_grace_s=60,
+        approval_delay_s=300,
+    )
+    assert starts == {1: T0 + timedelta(seconds=60), 2: T0 + timedelta(seconds=660)}
+
+
 def test_a_job_blocked_by_its_teams_cap_is_not_overtaken_by_the_teams_later_jobs():
     # The simulator's case: quota 8 on one 8-GPU node, a 4-GPU job runs for 100 more seconds;
     # b (8 GPUs) is blocked by the cap; c (2 GPUs, 50 s) may pass because it ends before the

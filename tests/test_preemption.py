@@ -124,6 +124,30 @@ def test_a_reclaim_whose_approval_dies_is_proposed_again_by_the_next_pass(two_te
 
 
 @pytest.mark.django_db
+def test_a_reclaim_left_proposed_is_carried_out_by_the_next_pass(two_teams):
+    """Before reclaims were proposed and approved in one transaction, a failed approval left
+    the proposal open for good (reclaims have no approval deadline). One found in the
+    database is carried out."""
+    (owner, olga), (guest, gus), node, _ = two_teams
+    borrowed = submit(guest, gus, gpus=2)
+    run_pass()
+    beat(node, live_attempt(borrowed), {0: None, 1: None})
+    claimant = submit(owner, olga, gpus=2)
+    stuck = PreemptionRequest.objects.create(
+        victim=borrowed,
+        claimant=claimant,
+        kind=PreemptionRequest.Kind.RECLAIM,
+        reason="reclaiming its team's quota",
+        created_at=timezone.now(),
+    )
+    run_pass()
+    stuck.refresh_from_db()
+    assert stuck.state == "executed"
+    assert Job.objects.get(pk=borrowed.pk).state == "PREEMPTING"
+    assert PreemptionRequest.objects.count() == 1
+
+
+@pytest.mark.django_db
 def test_a_reclaims_gpus_go_to_its_claimant_even_past_a_higher_priority_job(
     two_teams, make_team, make_user
 ):

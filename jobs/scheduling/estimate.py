@@ -75,12 +75,25 @@ def estimate_starts(
         queued = [j for j in queued if j.id not in placed]
         # Without this a reclaim's claimant, which starts about one grace from now, was
         # estimated at its victim's own end (an hour away for a victim with no time limit).
+        # As the live system (and the simulator) link them: the victim stops for its claimant,
+        # which holds the victim's nodes, so later plans of the replay neither reclaim again
+        # for it nor give the freed GPUs to another job.
         for preemption in result.preemptions:
             delay = stop_grace_s + (approval_delay_s if preemption.kind == "priority" else 0.0)
             for index, run in enumerate(running):
                 if run.id == preemption.victim_job_id and not run.stopping:
-                    running[index] = replace(run, stopping=True)
-                    ends[run.id] = min(ends[run.id], clock + timedelta(seconds=delay))
+                    end = min(ends[run.id], clock + timedelta(seconds=delay))
+                    running[index] = replace(
+                        run,
+                        stopping=True,
+                        expected_end=end,
+                        claimant_id=preemption.claimant_job_id,
+                    )
+                    ends[run.id] = end
+                    for qi, job in enumerate(queued):
+                        if job.id == preemption.claimant_job_id:
+                            nodes_ = (*job.claim_nodes, *(n for n, _ in run.slots))
+                            queued[qi] = replace(job, claim_nodes=tuple(dict.fromkeys(nodes_)))
         if not running:
             break
         # Advance to the next end and free its GPUs.

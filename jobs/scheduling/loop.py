@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 
 import redis
 from django.db import close_old_connections
-from django.db.models import Max, Min
+from django.db.models import Max, Min, Q
 from django.utils import timezone
 
 from jobs import actions
@@ -90,8 +90,12 @@ def housekeeping(now) -> None:
     if hearing:
         detect_hangs(now, heard_since=intake.resumed_at)
     actions.do_withdraw_stale_preemptions(now=now)
+    # Reclaims have no approval deadline: one still proposed was left by a proposal that
+    # committed before its approval failed (code before reclaims were proposed and approved
+    # in one transaction); carry it out now.
     for request in PreemptionRequest.objects.filter(
-        state=PreemptionRequest.State.PROPOSED, auto_approve_at__lte=now
+        Q(auto_approve_at__lte=now) | Q(kind=PreemptionRequest.Kind.RECLAIM),
+        state=PreemptionRequest.State.PROPOSED,
     ):
         actions.do_decide_preemption(request, approve=True, actor=None, now=now)
     detect_stragglers(now)
