@@ -299,6 +299,50 @@ def test_a_job_waiting_five_times_its_length_holds_a_reservation_of_its_own():
     assert nodes_of(p) == {3: {n1.id}, 4: {n2.id}, 5: {n2.id}}
 
 
+def test_a_starving_jobs_reservation_admits_backfill_only_until_the_job_could_start():
+    # Job 2 (7 GPUs, starving) can start on n1 at 100 s, when the 6-GPU job ends; the
+    # 1-GPU job beside it runs until 20,000 s. A 10,000 s job may not take n1's free GPU
+    # (it would hold job 2 until 10,000 s); a 50 s job may.
+    t = team()
+    n1, n2, n3 = node("n1", 8, busy=7), node("n2", 8, busy=8), node("n3", 8, busy=6)
+    runs = [
+        running(10, n1, range(6), team_id=t.id, ends_in=100),
+        running(11, n1, [6], team_id=t.id, ends_in=20000),
+        running(12, n2, range(8), team_id=t.id, ends_in=5000),
+        running(13, n3, range(6), team_id=t.id, ends_in=9000),
+    ]
+    jobs = [
+        job(1, 8, team_id=t.id, submitted=-5000),  # young head (no estimate): freest, n3
+        job(2, 7, team_id=t.id, submitted=-4000, estimate=600),
+        job(3, 1, team_id=t.id, submitted=-5, estimate=10000),
+        job(4, 1, team_id=t.id, submitted=-1, estimate=50),
+    ]
+    p = plan(snapshot([n1, n2, n3], jobs, [t], runs))
+    assert p.reservation == (1, (n3.id,))
+    assert "of its own on n1" in p.reasons[2]
+    assert [(pl.job_id, pl.node_ids) for pl in p.placements] == [(4, (n1.id,))]
+
+
+def test_a_starving_job_gets_no_reservation_on_nodes_too_small_for_it():
+    # The head holds the one 8-GPU node; a 6-GPU job must run on one node, so two 4-GPU
+    # nodes are no reservation for it (they would only sit idle).
+    t = team()
+    big, s1, s2 = node("big", 8, busy=8), node("s1", 4, busy=3), node("s2", 4, busy=3)
+    runs = [
+        running(10, big, range(8), team_id=t.id, ends_in=1000),
+        running(11, s1, range(3), team_id=t.id, ends_in=500),
+        running(12, s2, range(3), team_id=t.id, ends_in=500),
+    ]
+    jobs = [
+        job(1, 8, team_id=t.id, submitted=-5000),
+        job(2, 6, team_id=t.id, submitted=-4000, estimate=600),
+        job(3, 2, team_id=t.id, submitted=-1),
+    ]
+    p = plan(snapshot([big, s1, s2], jobs, [t], runs))
+    assert "of its own" not in p.reasons[2]
+    assert p.reasons[3].startswith("waiting for 2 GPUs")  # one free GPU per small node
+
+
 def test_reclaim_takes_borrowed_gpus_lowest_priority_and_least_work_lost_first():
     owner = team("owner", quota=8, used=0)
     guest = team("guest", quota=0, borrow=16, used=8)

@@ -645,9 +645,9 @@ def plan(snapshot: Snapshot) -> Plan:
                     )
                 else:
                     reserved.update(
-                        _soonest_nodes(job, nodes, free, snapshot.running, taken)
+                        _soonest_nodes(job, nodes, free, snapshot.running, taken, largest)[0]
                         if stretch(job, now) >= STARVING_STRETCH
-                        else _freest_nodes(job, nodes, free)
+                        else _freest_nodes(job, nodes, free, largest)
                     )
                     held = ", ".join(names[i] for i in sorted(reserved, key=names.get))
                     shape = "on one node" if len(reserved) <= 1 else "on whole nodes"
@@ -664,16 +664,18 @@ def plan(snapshot: Snapshot) -> Plan:
                 shadow = _shadow_time(reserved, running, taken, by_id)
                 reservations_changed()
             else:
-                hold = (
-                    _soonest_nodes(job, unreserved, free, snapshot.running, taken)
+                hold, starts_at = (
+                    _soonest_nodes(job, unreserved, free, snapshot.running, taken, largest)
                     if len(starving_holds) < MAX_STARVING_HOLDS
                     and stretch(job, now) >= STARVING_STRETCH
-                    else ()
+                    else ((), math.inf)
                 )
-                if hold and sum(by_id[n].total for n in hold) >= job.gpus:
-                    starving_holds.append(
-                        (frozenset(hold), _shadow_time(set(hold), running, taken, by_id))
-                    )
+                # Its nodes admit backfill that ends before the job could start there (not
+                # before they drain: a long job on the node's other GPUs would let backfill
+                # delay it); none if that time is unknown, as a hold would then block them
+                # for good.
+                if hold and starts_at < math.inf and sum(by_id[n].total for n in hold) >= job.gpus:
+                    starving_holds.append((frozenset(hold), starts_at))
                     reservations_changed()
                     held = ", ".join(names[i] for i in sorted(hold, key=names.get))
                     reasons[job.id] = (
@@ -869,11 +871,12 @@ def _claim(
     return (*found, "priority") if found else None
 
 
-def _soonest_nodes(job, nodes, free, running, taken) -> tuple[int, ...]:
+def _soonest_nodes(job, nodes, free, running, taken, largest) -> tuple[tuple[int, ...], float]:
     """The nodes where `job` could start soonest from the running jobs' expected ends (a
     job with none never ends; a victim chosen this pass ends first): the one node with
-    `job.gpus` GPUs free first, or the whole nodes that drain first. Ties (ends unknown):
-    the freest nodes first.
+    `job.gpus` GPUs free first, or the whole nodes that drain first (`largest`: the
+    cluster's largest node, which decides between the two). Ties (ends unknown): the freest
+    nodes first. Also when the job could start there (math.inf if unknown).
 
     For starving jobs only: the freest nodes held a long job as often as not, and on the
     msft trace at 1,280 GPUs the starved jobs that held the reservation there waited 2.5 h
@@ -886,7 +889,6 @@ def _soonest_nodes(job, nodes, free, running, taken) -> tuple[int, ...]:
             end = run.expected_end.timestamp() if run.expected_end else math.inf
         for node_id, _ in run.slots:
             on_node[node_id].append(end)
-    largest = max((n.total for n in nodes), default=0)
 
     def free_at(node: NodeView, gpus: int) -> tuple[float, int]:
         short = gpus - len(free[node.id])
@@ -897,23 +899,23 @@ def _soonest_nodes(job, nodes, free, running, taken) -> tuple[int, ...]:
     if job.gpus <= largest:
         fitting = [n for n in nodes if n.total >= job.gpus]
         best = min(fitting, key=lambda n: (*free_at(n, job.gpus), n.name), default=None)
-        return () if best is None else (best.id,)
-    chosen, need = [], job.gpus
+        return ((), math.inf) if best is None else ((best.id,), free_at(best, job.gpus)[0])
+    chosen, need, starts_at = [], job.gpus, -math.inf
     for node in sorted(nodes, key=lambda n: (*free_at(n, n.total), n.name)):
         if need <= 0:
             break
         chosen.append(node.id)
         need -= node.total
-    return tuple(chosen)
+        starts_at = max(starts_at, free_at(node, node.total)[0])
+    return tuple(chosen), starts_at
 
 
 def _freest_nodes(
-    job: JobView, nodes: list[NodeView], free: dict[int, list[int]]
+    job: JobView, nodes: list[NodeView], free: dict[int, list[int]], largest: int
 ) -> tuple[int, ...]:
     """The nodes with the most free GPUs: where backfill has the longest window (the
     running jobs left there are often long), so a young reservation costs the least idle
     time; a starving job's reservation goes where GPUs free first (`_soonest_nodes`)."""
-    largest = max((n.total for n in nodes), default=0)
     ranked = sorted(nodes, key=lambda n: (-len(free[n.id]), n.name))
     if job.gpus <= largest:
         fitting = [n for n in ranked if n.total >= job.gpus]
