@@ -98,13 +98,23 @@ def do_submit_job(*, owner, team: Team, now: datetime, **fields) -> Job:
     return job
 
 
+def _lock_job_for_stop(job_id: int) -> tuple[Job, Attempt | None]:
+    """Lock the job's live attempt, then the job: the heartbeat's order (node, attempt, job).
+    A stop that locked the job first and then waited for the attempt deadlocked with a
+    heartbeat marking that attempt running or ended, which waits for the job. The live
+    attempt is read again under the job's lock: one started meanwhile is locked then."""
+    live = Attempt.objects.select_for_update(no_key=True).filter(job_id=job_id, ended_at=None)
+    list(live.order_by("id"))
+    job = Job.objects.select_for_update(no_key=True).get(pk=job_id)
+    return job, live.order_by("id").first()
+
+
 @transaction.atomic
 def do_cancel_job(job: Job, *, actor, now: datetime, reason: str = "") -> Job:
-    job = Job.objects.select_for_update(no_key=True).get(pk=job.pk)
+    job, attempt = _lock_job_for_stop(job.pk)
     if job.is_terminal:
         return job
     why = reason or f"cancelled by {actor.username if actor else 'the system'}"
-    attempt = job.attempts.filter(ended_at__isnull=True).first()
     if attempt is not None:
         # Checkpoint first: the agent sends SIGTERM, the trainer saves at the next step
         # boundary and exits; the GPUs are released when it does (or at the deadline).
@@ -138,13 +148,12 @@ def do_enforce_time_limit(job: Job, *, now: datetime) -> bool:
     """A job past its time limit is stopped checkpoint-first and ends FAILED, like Slurm's
     TIMEOUT. The limit counts the job's run time over all its attempts: a job that waited
     through a preemption or a failure does not lose that time from its limit."""
-    job = Job.objects.select_for_update(no_key=True).get(pk=job.pk)
+    job, attempt = _lock_job_for_stop(job.pk)
     if job.is_terminal or not job.time_limit_s or job.first_started_at is None:
         return False
     if run_seconds([job.id], now=now).get(job.id, 0.0) < job.time_limit_s:
         return False
     why = f"time limit of {job.time_limit_s}s reached"
-    attempt = job.attempts.filter(ended_at__isnull=True).first()
     if attempt is not None:
         _begin_stop(attempt, now=now, reason=why)
     job.state, job.reason, job.finished_at = Job.State.FAILED, why, now
@@ -1474,7 +1483,7 @@ def do_propose_preemption(
     preemptions wait for an admin or for their auto-approve deadline. None if the victim
     already has an open request or is no longer running."""
     with transaction.atomic():
-        victim = Job.objects.select_for_update(no_key=True).get(pk=victim_id)
+        victim, _ = _lock_job_for_stop(victim_id)
         if victim.state not in (Job.State.STARTING, Job.State.RUNNING):
             return None
         if PreemptionRequest.objects.filter(
@@ -1551,8 +1560,7 @@ def do_decide_preemption(
 
 
 def _execute_preemption(request: PreemptionRequest, *, now: datetime) -> None:
-    victim = Job.objects.select_for_update(no_key=True).get(pk=request.victim_id)
-    attempt = victim.attempts.filter(ended_at__isnull=True).first()
+    victim, attempt = _lock_job_for_stop(request.victim_id)
     request.state, request.executed_at = PreemptionRequest.State.EXECUTED, now
     request.save(update_fields=["state", "executed_at"])
     if attempt is None:

@@ -94,31 +94,27 @@ def _cancel(job, user):
     actions.do_cancel_job(job, actor=user, now=timezone.now())
 
 
-@pytest.mark.skipif(
+_POSTGRES_ONLY = pytest.mark.skipif(
     connection.vendor != "postgresql",
     reason="needs row locks held across connections: SQLite serializes writers, so the "
     "stop cannot start while the heartbeat's transaction is open (the PostgreSQL leg runs it)",
 )
-@pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("stop", [_preempt, _cancel], ids=["reclaim", "cancel"])
-def test_a_stop_waiting_on_a_heartbeat_does_not_deadlock_with_its_commit(setup, stop):
-    """A heartbeat holds its attempt's row lock and stores step records, whose foreign key to
-    the job PostgreSQL checks at COMMIT with a KEY SHARE lock on the job row. A stop
-    (a reclaim, a cancel) that locked the job row meanwhile and waits for the attempt row
-    must not hold a lock that this check waits for: with FOR UPDATE both waited on each
-    other, PostgreSQL killed one (CI: the reclaim's approval died, the borrower never
-    stopped). The stop must end up applied and the heartbeat's steps stored."""
-    team, user, (a, b), _ = setup
-    job, attempt = _running(team, user, a, b)
+
+
+def _race(stop, job, user, heartbeat_opens, heartbeat_finishes) -> list[Exception]:
+    """The heartbeat's transaction opens (`heartbeat_opens`, taking its locks); the stop
+    starts and is seen waiting on a lock; then the heartbeat finishes and commits. Errors of
+    either side are returned."""
     in_heartbeat, commit = threading.Event(), threading.Event()
     errors = []
 
     def heartbeat():
         try:
-            with transaction.atomic():  # commit held back until the stop waits on the lock
-                beat(a, attempt, {0: None, 1: None}, records=_steps(1, 5))
+            with transaction.atomic():
+                heartbeat_opens()
                 in_heartbeat.set()
                 assert commit.wait(timeout=30)
+                heartbeat_finishes()
         except Exception as exc:
             errors.append(exc)
         finally:
@@ -144,9 +140,56 @@ def test_a_stop_waiting_on_a_heartbeat_does_not_deadlock_with_its_commit(setup, 
     commit.set()
     beating.join(timeout=60)
     stopping.join(timeout=60)
+    return errors
+
+
+@_POSTGRES_ONLY
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("stop", [_preempt, _cancel], ids=["reclaim", "cancel"])
+def test_a_stop_waiting_on_a_heartbeat_does_not_deadlock_with_its_commit(setup, stop):
+    """A heartbeat holds its attempt's row lock and stores step records, whose foreign key to
+    the job PostgreSQL checks at COMMIT with a KEY SHARE lock on the job row. A stop
+    (a reclaim, a cancel) that locked the job row meanwhile and waits for the attempt row
+    must not hold a lock that this check waits for: with FOR UPDATE both waited on each
+    other, PostgreSQL killed one (CI: the reclaim's approval died, the borrower never
+    stopped). The stop must end up applied and the heartbeat's steps stored."""
+    team, user, (a, b), _ = setup
+    job, attempt = _running(team, user, a, b)
+    errors = _race(
+        stop,
+        job,
+        user,
+        lambda: beat(a, attempt, {0: None, 1: None}, records=_steps(1, 5)),
+        lambda: None,
+    )
     assert not errors, errors
     assert Attempt.objects.get(pk=attempt.pk).state == Attempt.State.STOPPING
     assert MetricPoint.objects.filter(attempt=attempt, name="loss").count() == 5
+
+
+@_POSTGRES_ONLY
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("stop", [_preempt, _cancel], ids=["reclaim", "cancel"])
+def test_a_stop_takes_the_attempt_before_the_job_as_the_heartbeat_does(setup, stop):
+    """The heartbeat that reports a gang's last rank up locks the attempt, then marks it and
+    its job running (an UPDATE of the job row). A stop that locked the job first and then
+    waited for the attempt deadlocked with it (found in review); stops now lock the live
+    attempt first. Here the heartbeat's transaction holds the attempt while the stop starts,
+    then marks the attempt running and commits."""
+    team, user, (a, b), _ = setup
+    job = submit(team, user)
+    run_pass()
+    attempt = live_attempt(job)
+    beat(a, attempt, {0: None, 1: None})  # half the gang up: still STARTING
+    errors = _race(
+        stop,
+        Job.objects.get(pk=job.pk),
+        user,
+        lambda: Attempt.objects.select_for_update(no_key=True).get(pk=attempt.pk),
+        lambda: actions.do_mark_attempt_running(attempt, now=timezone.now()),
+    )
+    assert not errors, errors
+    assert Attempt.objects.get(pk=attempt.pk).state == Attempt.State.STOPPING
 
 
 def _running(team, user, a, b):
