@@ -223,6 +223,17 @@ def test_borrowing_is_paused_after_a_reclaim():
     assert "borrowing paused after a reclaim" in p.reasons[1]
 
 
+def _one_job_per_node(t, specs):
+    """Nodes from (name, GPUs, busy, ends_in), each running one job of team `t` on its first
+    `busy` GPUs (job ids 10, 11, ...)."""
+    nodes = [node(name, gpus, busy=busy) for name, gpus, busy, _ in specs]
+    runs = [
+        running(10 + i, n, range(busy), team_id=t.id, ends_in=ends_in)
+        for i, (n, (_, _, busy, ends_in)) in enumerate(zip(nodes, specs, strict=True))
+    ]
+    return nodes, runs
+
+
 def _two_busy_nodes(t, a_busy, a_ends_in, b_busy, b_ends_in):
     """Nodes a and b of 8 GPUs, each with one running job of team `t` on its first GPUs."""
     a, b = node("a", 8, busy=a_busy), node("b", 8, busy=b_busy)
@@ -270,12 +281,9 @@ def test_a_job_waiting_five_times_its_length_holds_a_reservation_of_its_own():
     # job 3 (1,500 s) may not use n1, although n1's one free GPU is the tighter fit; job 5
     # (500 s) may.
     t = team()
-    n1, n2, n3 = node("n1", 8, busy=7), node("n2", 8, busy=6), node("n3", 8, busy=5)
-    runs = [
-        running(10, n1, range(7), team_id=t.id, ends_in=1000),
-        running(11, n2, range(6), team_id=t.id, ends_in=2000),
-        running(12, n3, range(5), team_id=t.id, ends_in=3000),
-    ]
+    (n1, n2, n3), runs = _one_job_per_node(
+        t, [("n1", 8, 7, 1000), ("n2", 8, 6, 2000), ("n3", 8, 5, 3000)]
+    )
 
     def queue(second_waited_s):
         return [
@@ -327,12 +335,9 @@ def test_a_starving_job_gets_no_reservation_on_nodes_too_small_for_it():
     # The head holds the one 8-GPU node; a 6-GPU job must run on one node, so two 4-GPU
     # nodes are no reservation for it (they would only sit idle).
     t = team()
-    big, s1, s2 = node("big", 8, busy=8), node("s1", 4, busy=3), node("s2", 4, busy=3)
-    runs = [
-        running(10, big, range(8), team_id=t.id, ends_in=1000),
-        running(11, s1, range(3), team_id=t.id, ends_in=500),
-        running(12, s2, range(3), team_id=t.id, ends_in=500),
-    ]
+    (big, s1, s2), runs = _one_job_per_node(
+        t, [("big", 8, 8, 1000), ("s1", 4, 3, 500), ("s2", 4, 3, 500)]
+    )
     jobs = [
         job(1, 8, team_id=t.id, submitted=-5000),
         job(2, 6, team_id=t.id, submitted=-4000, estimate=600),
