@@ -693,13 +693,14 @@ def plan(snapshot: Snapshot) -> Plan:
                         f"{ahead} job(s) ahead"
                     )
                 else:
-                    reasons[job.id] = (
-                        f"waiting for {job.gpus} GPUs; {free_now} free outside the "
-                        f"reservations held by job {reservation[0]} and others; "
-                        f"{ahead} job(s) ahead"
+                    held_by = (
+                        f"reservations held by job {reservation[0]} and others"
                         if starving_holds
-                        else f"waiting for {job.gpus} GPUs; {free_now} free outside the "
-                        f"reservation held by job {reservation[0]}; {ahead} job(s) ahead"
+                        else f"reservation held by job {reservation[0]}"
+                    )
+                    reasons[job.id] = (
+                        f"waiting for {job.gpus} GPUs; {free_now} free outside the {held_by}; "
+                        f"{ahead} job(s) ahead"
                     )
             if elastic is None:
                 ahead += 1
@@ -827,11 +828,11 @@ def _honour_claims(snapshot, teams, used, free, nodes, largest, claiming, reason
 def _claim(
     job, team, guaranteed, running, taken, teams, used, free, nodes, order, lent, allow_priority
 ):
-    # `running` is in victim `order` already.
     """Victims for a blocked job: a reclaim if it is within its team's quota, else (where
-    `allow_priority`) a priority preemption of strictly lower-priority work. (victims,
-    placement, kind) or None. `lent` (team id -> lent GPUs already reclaimed this pass) grows
-    by what a reclaim takes, so several claims of one pass never reach a team's guarantee."""
+    `allow_priority`) a priority preemption of strictly lower-priority work (`running` is in
+    victim `order` already). (victims, placement, kind) or None. `lent` (team id -> lent GPUs
+    already reclaimed this pass) grows by what a reclaim takes, so several claims of one pass
+    never reach a team's guarantee."""
     if guaranteed:
 
         def lendable(victim: RunningView, chosen: list[RunningView]) -> int | None:
@@ -904,18 +905,14 @@ def _soonest_nodes(job, nodes, free, running, taken, largest) -> tuple[tuple[int
         at = -math.inf if short <= 0 else ends[short - 1] if short <= len(ends) else math.inf
         return at, -len(free[node.id])  # unknown ends: the freest first
 
-    if job.gpus <= largest:
-        fitting = [n for n in nodes if n.total >= job.gpus]
-        best = min(fitting, key=lambda n: (*free_at(n, job.gpus), n.name), default=None)
-        return ((), math.inf) if best is None else ((best.id,), free_at(best, job.gpus)[0])
-    chosen, need, starts_at = [], job.gpus, -math.inf
-    for node in sorted(nodes, key=lambda n: (*free_at(n, n.total), n.name)):
-        if need <= 0:
-            break
-        chosen.append(node.id)
-        need -= node.total
-        starts_at = max(starts_at, free_at(node, node.total)[0])
-    return tuple(chosen), starts_at
+    def needed(node: NodeView) -> int:  # GPUs the job needs free there: its own, or all
+        return job.gpus if job.gpus <= largest else node.total
+
+    chosen = _first_ranked(
+        job, sorted(nodes, key=lambda n: (*free_at(n, needed(n)), n.name)), largest
+    )
+    starts_at = max((free_at(n, needed(n))[0] for n in chosen), default=math.inf)
+    return tuple(n.id for n in chosen), starts_at
 
 
 def _freest_nodes(
@@ -925,16 +922,22 @@ def _freest_nodes(
     running jobs left there are often long), so a young reservation costs the least idle
     time; a starving job's reservation goes where GPUs free first (`_soonest_nodes`)."""
     ranked = sorted(nodes, key=lambda n: (-len(free[n.id]), n.name))
+    return tuple(n.id for n in _first_ranked(job, ranked, largest))
+
+
+def _first_ranked(job: JobView, ranked: list[NodeView], largest: int) -> list[NodeView]:
+    """The first node of `ranked` big enough for a job that fits one node (`largest`: the
+    cluster's largest), else the first nodes of `ranked` that add up to its GPUs (fewer if
+    there are not enough)."""
     if job.gpus <= largest:
-        fitting = [n for n in ranked if n.total >= job.gpus]
-        return (fitting[0].id,) if fitting else ()
+        return next(([n] for n in ranked if n.total >= job.gpus), [])
     chosen, need = [], job.gpus
     for node in ranked:
         if need <= 0:
             break
-        chosen.append(node.id)
+        chosen.append(node)
         need -= node.total
-    return tuple(chosen)
+    return chosen
 
 
 def _shadow_time(reserved, running, taken, by_id) -> float | None:
