@@ -701,6 +701,24 @@ def test_when_its_victims_have_gone_the_claimant_gets_their_gpus_before_anyone_o
     assert {s.node_id for s in placed(p)[1].slots} == {n1.id}
 
 
+def test_a_claimant_gets_the_gpus_stopped_for_it_while_its_teams_borrowing_is_paused():
+    # Job 1 reclaimed a GPU within its team's quota. Before its victim exited, the team's
+    # later jobs filled the quota and the team's own borrowed GPUs were reclaimed (borrowing
+    # paused). The GPU stopped for job 1 is still job 1's; another job of the team is not.
+    owner = team("owner", quota=4, borrow=8, used=4, paused=True)
+    n1 = node("n1", 8, busy={1, 2, 3, 4})
+    runs = [running(20, n1, [1, 2, 3, 4], team_id=owner.id)]
+    claimant = claiming(job(1, 1, team_id=owner.id), n1)
+    later = job(2, 1, team_id=owner.id)
+    p = plan(snapshot([n1], [claimant, later], [owner], runs))
+    assert set(placed(p)) == {1}
+    assert "borrowing paused after a reclaim" in p.reasons[2]
+    # Up to the borrow limit only.
+    capped = dataclasses.replace(owner, borrow_limit=0)
+    p = plan(snapshot([n1], [claimant, later], [capped], runs))
+    assert p.placements == ()
+
+
 def test_a_claimant_whose_victims_are_gone_does_not_take_gpus_another_claimant_waits_for():
     # Jobs 1 and 2 each preempted a 1-GPU job on n1; job 1's victim has exited, job 2's has
     # not. Job 2 is ordered first, but the freed GPU is job 1's.

@@ -129,13 +129,20 @@ def test_plans_never_break_the_invariants(snap):
         assert len(p.slots) == jobs[p.job_id].gpus
         if jobs[p.job_id].gpus <= largest:
             assert len(p.node_ids) == 1
-    # Caps: no team ends above quota + borrow limit (quota alone while paused).
+    # Caps: no team ends above quota + borrow limit; quota alone while paused, unless a
+    # claimant was placed on the GPUs stopped for it (the pause keeps a team from taking more
+    # of others' GPUs, not from using those its victims gave up).
     after = Counter({t.id: t.used for t in snap.teams})
+    claimant_placed = Counter()
     for p in result.placements:
         after[p.team_id] += len(p.slots)
+        claimant_placed[p.team_id] += bool(jobs[p.job_id].claim_nodes)
     for team_id, gpus in after.items():
-        if gpus > teams[team_id].used:  # only teams that were given more GPUs
-            assert gpus <= teams[team_id].cap
+        team = teams[team_id]
+        if gpus > team.used:  # only teams that were given more GPUs
+            assert gpus <= team.quota + team.borrow_limit
+            if not claimant_placed[team_id]:
+                assert gpus <= team.cap
     # 6: reclaim victims come only from teams above their quota, each taken while its team
     # still is (so a team loses less than one victim's GPUs below its quota), and only for a
     # claimant within its own quota.
