@@ -521,3 +521,53 @@ def test_quota_reclaim_checkpoints_the_borrower_runs_the_owner_then_resumes_the_
     assert second["resumed_from_step"] == saved["step"]
     assert cluster.alice.get(f"/api/v1/jobs/{owner}/").json()["state"] == "SUCCEEDED"
     cluster.mallory.post(f"/api/v1/jobs/{borrower}/cancel/")
+
+
+def test_a_torchrun_style_script_joins_metrics_checkpoints_and_resume_with_the_helpers(cluster):
+    """trainer/examples/ddp_script.py, a plain DDP script plus trainer.report / should_stop /
+    checkpoint / resume_from: its loss reaches the portal, its saves are registered, and
+    after a worker is SIGKILLed the next attempt resumes from the latest one."""
+    api = cluster.alice
+    job_id = _submit(
+        api,
+        "user-script",
+        [
+            "python",
+            "-m",
+            "trainer.examples.ddp_script",
+            "--steps",
+            "300",
+            "--step-sleep",
+            "0.05",
+            "--checkpoint-every",
+            "20",
+        ],
+        gpus=2,
+    )
+    checkpoint = wait_for(
+        lambda: cluster.check_alive() or api.get(f"/api/v1/jobs/{job_id}/checkpoints/").json(),
+        240,
+        "the script's first committed checkpoint",
+    )[0]
+    assert checkpoint["step"] > 0 and checkpoint["step"] % 20 == 0
+    attempt_id = api.get(f"/api/v1/jobs/{job_id}/").json()["attempts"][0]["id"]
+    os.kill(worker_pids(attempt_id)[1], signal.SIGKILL)
+
+    def finished():
+        cluster.check_alive()
+        state = api.get(f"/api/v1/jobs/{job_id}/").json()["state"]
+        if state in ("FAILED", "CANCELLED"):
+            lines = api.get(f"/api/v1/jobs/{job_id}/logs/", params={"attempt": 2}).json()
+            raise AssertionError("\n".join(lines["lines"][-40:]) + "\n" + cluster.logs())
+        return state == "SUCCEEDED"
+
+    wait_for(finished, 300, "the script's job to succeed")
+    attempts = api.get(f"/api/v1/jobs/{job_id}/").json()["attempts"]
+    assert [a["state"] for a in attempts] == ["failed", "succeeded"], attempts
+    resumed = attempts[1]["resumed_from_step"]
+    assert resumed >= checkpoint["step"]
+    loss = api.get(
+        f"/api/v1/jobs/{job_id}/metrics/?name=loss&rank=0&attempt=2&max_points=100000"
+    ).json()["ranks"]["0"]
+    assert loss["step"][0] == resumed + 1 and loss["step"][-1] == 300
+    assert all(value is not None and value >= 0 for value in loss["value"])

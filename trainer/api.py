@@ -1,0 +1,199 @@
+"""A few calls that let any torchrun-style script join Lockstep: metrics on the job's
+dashboard, checkpoint-first preemption, and resume after a restart.
+
+    import trainer
+
+    start = 0
+    if (path := trainer.resume_from()) is not None:  # a restart: load the latest save
+        state = torch.load(path / "state.pt")
+        model.load_state_dict(state["model"]); start = state["step"]
+    for step in range(start + 1, steps + 1):
+        loss = train_one_step()
+        trainer.report(step, loss=loss.item(), tokens_per_s=tokens / elapsed)
+        if step % 100 == 0 or trainer.should_stop():
+            with trainer.save_checkpoint(step) as path:  # committed when the block ends
+                if rank == 0:
+                    torch.save({"model": model.state_dict(), "step": step}, path / "state.pt")
+            if trainer.should_stop():
+                break
+
+Under Lockstep the node agent sets the variables these read (docs/agent-protocol.md); run
+alone or under plain torchrun they fall back to harmless defaults: no metrics file, no stop
+unless SIGTERM, checkpoints under ./checkpoints. Importing this module changes nothing; the
+first call installs the SIGTERM handler.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+# The names the portal stores and charts (jobs.actions.STEP_METRICS); others are written to
+# the metrics file and skipped by the portal.
+CHARTED = ("loss", "tokens_per_s", "step_time_s", "compute_s")
+MARKER = "COMMITTED"  # trainer.checkpoint.MARKER: the portal registers only committed saves
+
+_stop_requested = False
+_installed = False
+_writer = None
+_lock = threading.Lock()
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _install() -> None:
+    """Turn the first SIGTERM (the agent's checkpoint-and-stop) into should_stop(); a second
+    one terminates as usual. Only the main thread may set signal handlers."""
+    global _installed
+    if _installed or threading.current_thread() is not threading.main_thread():
+        return
+    _installed = True
+
+    def handle(signum, frame):
+        global _stop_requested
+        if _stop_requested:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        _stop_requested = True
+
+    signal.signal(signal.SIGTERM, handle)
+
+
+def _metrics():
+    global _writer
+    path = os.environ.get("LOCKSTEP_METRICS_PATH")
+    if not path:
+        return None
+    with _lock:
+        if _writer is None:
+            from trainer.metrics import MetricsWriter
+
+            _writer = MetricsWriter(path, _rank())
+        return _writer
+
+
+def report(step: int, **metrics: float) -> None:
+    """Record this rank's metrics for a step: `loss`, `tokens_per_s`, `step_time_s` and
+    `compute_s` reach the job's live charts. A value that is not a finite number (a diverged
+    loss) is written as null, never as a line the agent cannot send."""
+    _install()
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, not {step!r}")
+    writer = _metrics()
+    if writer is None:
+        return
+    values: dict[str, Any] = {}
+    for name, value in metrics.items():
+        number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+        values[name] = float(number) if number is not None and math.isfinite(number) else None
+    writer.write("step", step=step, **values)
+
+
+def should_stop() -> bool:
+    """True once the agent asked this job to checkpoint and stop (SIGTERM: a preemption, a
+    cancel, a time limit). With a process group up it is a collective, true on every rank
+    as soon as any rank was asked, so that all ranks save and stop after the same step:
+    call it at the same point of every step on every rank."""
+    _install()
+    local = _stop_requested
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return local
+    if not (dist.is_available() and dist.is_initialized()):
+        return local
+    import torch
+
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        device = f"cuda:{torch.cuda.current_device()}"
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def checkpoint_dir() -> Path:
+    """Where this job keeps its checkpoints ($LOCKSTEP_CHECKPOINT_DIR, shared by every
+    attempt of the job; ./checkpoints when run alone)."""
+    _install()
+    return Path(os.environ.get("LOCKSTEP_CHECKPOINT_DIR") or "checkpoints")
+
+
+def resume_from() -> Path | None:
+    """The checkpoint to resume from: the one the portal chose for this attempt
+    ($LOCKSTEP_RESUME_FROM), else, run alone, the latest committed one in checkpoint_dir();
+    None for a fresh start."""
+    _install()
+    chosen = os.environ.get("LOCKSTEP_RESUME_FROM")
+    if chosen:
+        return Path(chosen)
+    if "LOCKSTEP_JOB_ID" in os.environ:  # under Lockstep: an empty value means start fresh
+        return None
+    best: tuple[int, Path] | None = None
+    root = checkpoint_dir()
+    for path in root.glob("step-*") if root.is_dir() else ():
+        step = _committed_step(path)
+        if step is not None and (best is None or step > best[0]):
+            best = (step, path)
+    return None if best is None else best[1]
+
+
+def _committed_step(path: Path) -> int | None:
+    try:
+        marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    step = marker.get("step") if isinstance(marker, dict) else None
+    return step if isinstance(step, int) else None
+
+
+@contextmanager
+def save_checkpoint(step: int) -> Iterator[Path]:
+    """A directory for the save of `step` (checkpoint_dir()/step-NNNNNN). When the block
+    ends without an exception, every rank waits for the others (a barrier, with a process
+    group up) and rank 0 commits the save: it writes the COMMITTED marker and tells the
+    portal, which then offers it to later attempts and for model registration. A save that
+    raised, or a process killed mid-save, is never committed and never resumed from."""
+    _install()
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, not {step!r}")
+    path = checkpoint_dir() / f"step-{step:06d}"
+    path.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    yield path
+    world_size = 1
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            world_size = dist.get_world_size()
+    except ImportError:
+        pass
+    if _rank() != 0:
+        return
+    marker = path / MARKER
+    partial = path / (MARKER + ".tmp")
+    partial.write_text(json.dumps({"step": step, "world_size": world_size}), encoding="utf-8")
+    os.replace(partial, marker)  # the marker appears whole or not at all
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    writer = _metrics()
+    if writer is not None:
+        writer.write(
+            "checkpoint",
+            step=step,
+            path=str(path.resolve()),
+            bytes=size,
+            save_s=time.perf_counter() - began,
+        )

@@ -1,0 +1,1 @@
+"""User scripts that run under Lockstep as they would under torchrun (docs/training.md)."""
