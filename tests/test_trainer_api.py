@@ -81,6 +81,23 @@ def test_report_writes_step_records_with_null_for_a_diverged_loss(tmp_path, monk
         trainer.report(-1, loss=1.0)
 
 
+def test_only_should_stop_takes_over_sigterm(tmp_path, monkeypatch):
+    # A script that reports but never asks must still die on SIGTERM, not ignore it.
+    monkeypatch.setattr(api, "_installed", False)
+    monkeypatch.setenv("LOCKSTEP_CHECKPOINT_DIR", str(tmp_path))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        trainer.report(1, loss=1.0)
+        trainer.resume_from()
+        with trainer.save_checkpoint(1):
+            pass
+        assert signal.getsignal(signal.SIGTERM) is before
+        assert trainer.should_stop() is False
+        assert signal.getsignal(signal.SIGTERM) is not before
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_report_outside_lockstep_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(api, "_writer", None)
     monkeypatch.delenv("LOCKSTEP_METRICS_PATH", raising=False)

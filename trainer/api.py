@@ -20,7 +20,8 @@ dashboard, checkpoint-first preemption, and resume after a restart.
 Under Lockstep the node agent sets the variables these read (docs/agent-protocol.md); run
 alone or under plain torchrun they fall back to harmless defaults: no metrics file, no stop
 unless SIGTERM, checkpoints under ./checkpoints. Importing this module changes nothing; the
-first call installs the SIGTERM handler.
+first should_stop() call installs the SIGTERM handler (before it, and in a script that never
+asks, SIGTERM terminates as usual: a stop that nobody polls for must not be swallowed).
 """
 
 from __future__ import annotations
@@ -87,7 +88,6 @@ def report(step: int, **metrics: float) -> None:
     """Record this rank's metrics for a step: `loss`, `tokens_per_s`, `step_time_s` and
     `compute_s` reach the job's live charts. A value that is not a finite number (a diverged
     loss) is written as null, never as a line the agent cannot send."""
-    _install()
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, not {step!r}")
     writer = _metrics()
@@ -126,7 +126,6 @@ def should_stop() -> bool:
 def checkpoint_dir() -> Path:
     """Where this job keeps its checkpoints ($LOCKSTEP_CHECKPOINT_DIR, shared by every
     attempt of the job; ./checkpoints when run alone)."""
-    _install()
     return Path(os.environ.get("LOCKSTEP_CHECKPOINT_DIR") or "checkpoints")
 
 
@@ -134,7 +133,6 @@ def resume_from() -> Path | None:
     """The checkpoint to resume from: the one the portal chose for this attempt
     ($LOCKSTEP_RESUME_FROM), else, run alone, the latest committed one in checkpoint_dir();
     None for a fresh start."""
-    _install()
     chosen = os.environ.get("LOCKSTEP_RESUME_FROM")
     if chosen:
         return Path(chosen)
@@ -165,7 +163,6 @@ def save_checkpoint(step: int) -> Iterator[Path]:
     group up) and rank 0 commits the save: it writes the COMMITTED marker and tells the
     portal, which then offers it to later attempts and for model registration. A save that
     raised, or a process killed mid-save, is never committed and never resumed from."""
-    _install()
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, not {step!r}")
     path = checkpoint_dir() / f"step-{step:06d}"
