@@ -160,26 +160,32 @@ def _committed_step(path: Path) -> int | None:
 def save_checkpoint(step: int) -> Iterator[Path]:
     """A directory for the save of `step` (checkpoint_dir()/step-NNNNNN). When the block
     ends without an exception, every rank waits for the others (a barrier, with a process
-    group up) and rank 0 commits the save: it writes the COMMITTED marker and tells the
-    portal, which then offers it to later attempts and for model registration. A save that
-    raised, or a process killed mid-save, is never committed and never resumed from."""
+    group up); rank 0 commits the save: it writes the COMMITTED marker and tells the portal,
+    which then offers it to later attempts and for model registration; then all ranks leave
+    together (a second barrier). A save that raised, or a process killed mid-save, is never
+    committed and never resumed from."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, not {step!r}")
     path = checkpoint_dir() / f"step-{step:06d}"
     path.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     yield path
-    world_size = 1
-    try:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
+    grouped = dist.is_available() and dist.is_initialized()
+    if grouped:
+        dist.barrier()  # every rank's part of the save is written
+    try:
+        if _rank() == 0:
+            _commit(path, step, dist.get_world_size() if grouped else 1, began)
+    finally:
+        if grouped:
+            # Every rank leaves with the save committed, and none runs ahead to tear down
+            # the process group while rank 0 still commits (gloo then aborted rank 0 in CI).
             dist.barrier()
-            world_size = dist.get_world_size()
-    except ImportError:
-        pass
-    if _rank() != 0:
-        return
+
+
+def _commit(path: Path, step: int, world_size: int, began: float) -> None:
     marker = path / MARKER
     partial = path / (MARKER + ".tmp")
     partial.write_text(json.dumps({"step": step, "world_size": world_size}), encoding="utf-8")
