@@ -79,6 +79,20 @@ def test_report_writes_step_records_with_null_for_a_diverged_loss(tmp_path, monk
     assert records[1]["loss"] == 0.25
     with pytest.raises(ValueError, match="step must be a non-negative int"):
         trainer.report(-1, loss=1.0)
+    with pytest.raises(ValueError, match=r"metric names \['kind'\] are reserved"):
+        trainer.report(7, kind=1.0)
+
+
+def test_report_takes_a_one_element_tensor_as_a_number(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(api, "_writer", None)
+    monkeypatch.setenv("LOCKSTEP_METRICS_PATH", str(tmp_path / "m.jsonl"))
+    trainer.report(1, loss=torch.tensor(0.5), grad=torch.ones(3))
+    api._writer.close()
+    monkeypatch.setattr(api, "_writer", None)
+    (record,) = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert record["loss"] == 0.5 and record["grad"] is None
 
 
 def test_only_should_stop_takes_over_sigterm(tmp_path, monkeypatch):

@@ -37,9 +37,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-# The names the portal stores and charts (jobs.actions.STEP_METRICS); others are written to
-# the metrics file and skipped by the portal.
-CHARTED = ("loss", "tokens_per_s", "step_time_s", "compute_s")
+# Fields of every record (trainer.metrics.MetricsWriter): a metric by one of these names
+# would overwrite them and turn the record into something else.
+RESERVED = frozenset({"kind", "rank", "step", "time"})
 MARKER = "COMMITTED"  # trainer.checkpoint.MARKER: the portal registers only committed saves
 
 _stop_requested = False
@@ -90,14 +90,25 @@ def report(step: int, **metrics: float) -> None:
     loss) is written as null, never as a line the agent cannot send."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, not {step!r}")
+    if clash := sorted(RESERVED & metrics.keys()):
+        raise ValueError(f"metric names {clash} are reserved for the record's own fields")
     writer = _metrics()
     if writer is None:
         return
-    values: dict[str, Any] = {}
-    for name, value in metrics.items():
-        number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
-        values[name] = float(number) if number is not None and math.isfinite(number) else None
+    values: dict[str, Any] = {name: _finite(value) for name, value in metrics.items()}
     writer.write("step", step=step, **values)
+
+
+def _finite(value: Any) -> float | None:
+    """A float for a number (a one-element tensor or numpy scalar too), None for anything
+    else or a NaN / infinity."""
+    if isinstance(value, bool | str):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of many elements
+        return None
+    return number if math.isfinite(number) else None
 
 
 def should_stop() -> bool:
