@@ -40,7 +40,6 @@ from typing import Any
 # Fields of every record (trainer.metrics.MetricsWriter): a metric by one of these names
 # would overwrite them and turn the record into something else.
 RESERVED = frozenset({"kind", "rank", "step", "time"})
-MARKER = "COMMITTED"  # trainer.checkpoint.MARKER: the portal registers only committed saves
 
 _stop_requested = False
 _installed = False
@@ -149,22 +148,9 @@ def resume_from() -> Path | None:
         return Path(chosen)
     if "LOCKSTEP_JOB_ID" in os.environ:  # under Lockstep: an empty value means start fresh
         return None
-    best: tuple[int, Path] | None = None
-    root = checkpoint_dir()
-    for path in root.glob("step-*") if root.is_dir() else ():
-        step = _committed_step(path)
-        if step is not None and (best is None or step > best[0]):
-            best = (step, path)
-    return None if best is None else best[1]
+    from trainer.checkpoint import latest_committed
 
-
-def _committed_step(path: Path) -> int | None:
-    try:
-        marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    step = marker.get("step") if isinstance(marker, dict) else None
-    return step if isinstance(step, int) else None
+    return latest_committed(checkpoint_dir())
 
 
 @contextmanager
@@ -197,17 +183,17 @@ def save_checkpoint(step: int) -> Iterator[Path]:
 
 
 def _commit(path: Path, step: int, world_size: int, began: float) -> None:
-    marker = path / MARKER
+    from trainer.checkpoint import MARKER, dir_bytes
+
     partial = path / (MARKER + ".tmp")
     partial.write_text(json.dumps({"step": step, "world_size": world_size}), encoding="utf-8")
-    os.replace(partial, marker)  # the marker appears whole or not at all
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    os.replace(partial, path / MARKER)  # the marker appears whole or not at all
     writer = _metrics()
     if writer is not None:
         writer.write(
             "checkpoint",
             step=step,
             path=str(path.resolve()),
-            bytes=size,
+            bytes=dir_bytes(path),
             save_s=time.perf_counter() - began,
         )
