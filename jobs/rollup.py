@@ -25,7 +25,7 @@ builds the rollups of the series that existed before.
 
 from __future__ import annotations
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count, F, IntegerField, Max, Min, Q, Sum
 from django.db.models.expressions import ExpressionWrapper
 
@@ -67,63 +67,76 @@ def record(job_id: int, points) -> None:
     # No savepoint: inside a heartbeat's transaction a failure here fails the heartbeat.
     with transaction.atomic(savepoint=False):
         locked = _lock_headers(job_id, sorted(headers))
-        wanted: dict[tuple, tuple[set, set]] = {}
-        for name, width, rank, bucket in buckets:
-            ranks, numbers = wanted.setdefault((name, width), (set(), set()))
-            ranks.add(rank)
-            numbers.add(bucket)
         existing = {}
-        for match in _chunks(job_id, wanted):
-            for row in Rollup.objects.filter(match):
-                existing[(row.name, row.width, row.rank, row.bucket)] = row
-        existing.update(((n, HEADER, 0, 0), locked[n]) for n in headers)
+        key_fields = ("name", "width", "rank", "bucket")
+        for match in _chunks(job_id, buckets):
+            for row in Rollup.objects.filter(match).values_list(*key_fields, *FIELDS):
+                existing[row[:4]] = list(row[4:])
+        existing.update(((n, HEADER, 0, 0), _values(locked[n])) for n in headers)
         buckets.update(((n, HEADER, 0, 0), totals) for n, totals in headers.items())
         rows = []
         for key in sorted(buckets):
-            name, width, rank, bucket = key
-            row = Rollup(job_id=job_id, name=name, width=width, rank=rank, bucket=bucket, count=0)
-            if key in existing:
-                _apply(row, _values(existing[key]))
-            _apply(row, buckets[key])
-            rows.append(row)
-        # Merged here, under the headers' locks: the upsert writes the merged values.
-        Rollup.objects.bulk_create(
+            merged = existing.get(key) or [0, 0, 0.0, 0.0, 0]
+            _merge(merged, *buckets[key])
+            rows.append((job_id, *key, *merged))
+        # Merged here, under the headers' locks: the upsert writes the merged values. Plain
+        # tuples and one parameterized statement: model instances cost more CPU than the
+        # database did (see jobs.actions._insert_points).
+        _upsert(rows)
+
+
+def _upsert(rows: list[tuple]) -> None:
+    """INSERT ... ON CONFLICT DO UPDATE of (job_id, name, width, rank, bucket, *FIELDS) rows,
+    the syntax PostgreSQL and SQLite (3.24+) share."""
+    _, Rollup = _models()
+    quote = connection.ops.quote_name
+    key = ("job_id", "name", "width", "rank", "bucket")
+    columns = key + FIELDS
+    with connection.cursor() as cursor:
+        cursor.executemany(
+            f"INSERT INTO {quote(Rollup._meta.db_table)} ({', '.join(map(quote, columns))}) "
+            f"VALUES ({', '.join(['%s'] * len(columns))}) "
+            f"ON CONFLICT ({', '.join(map(quote, key))}) DO UPDATE SET "
+            + ", ".join(f"{quote(f)} = excluded.{quote(f)}" for f in FIELDS),
             rows,
-            batch_size=500,
-            update_conflicts=True,
-            unique_fields=["job", "name", "width", "rank", "bucket"],
-            update_fields=FIELDS,
         )
 
 
-def _chunks(job_id: int, wanted: dict[tuple, tuple[set, set]], size: int = 500):
-    """Filters for the rows of the wanted (name, width) -> (ranks, buckets): each term names
-    the whole unique key (one index lookup per pair on SQLite too), about `size` buckets to a
-    filter. A heartbeat's steps are few and adjacent, so ranks x buckets is what it touches."""
-    match, n = Q(), 0
-    for (name, width), (ranks, numbers) in sorted(wanted.items()):
+def _chunks(job_id: int, keys, size: int = 100):
+    """Filters for the rollup rows of the (name, width, rank, bucket) keys, `size` terms to a
+    filter. A term is one run of adjacent buckets of one width, over the keys' names and ranks:
+    a heartbeat's steps are few and adjacent, so it is one term per width, each one range scan
+    of the unique index per (name, rank). It may match a few rows no key names; callers look
+    rows up by key."""
+    names = sorted({key[0] for key in keys})
+    ranks = sorted({key[2] for key in keys})
+    per_width: dict[int, set] = {}
+    for _, width, _, bucket in keys:
+        per_width.setdefault(width, set()).add(bucket)
+    terms = []
+    for width, numbers in sorted(per_width.items()):
         numbers = sorted(numbers)
-        for i in range(0, len(numbers), size):
-            part = numbers[i : i + size]
+        start = numbers[0]
+        for before, number in zip(numbers, numbers[1:] + [None], strict=True):
+            if number is None or number != before + 1:
+                terms.append((width, start, before))
+                start = number
+    for i in range(0, len(terms), size):
+        match = Q()
+        for width, low, high in terms[i : i + size]:
             match |= Q(
-                job_id=job_id, name=name, width=width, rank__in=sorted(ranks), bucket__in=part
+                job_id=job_id,
+                name__in=names,
+                width=width,
+                rank__in=ranks,
+                bucket__gte=low,
+                bucket__lte=high,
             )
-            n += len(part)
-            if n >= size:
-                yield match
-                match, n = Q(), 0
-    if n:
         yield match
 
 
 def _values(row) -> list:
     return [row.first_step, row.last_step, row.low, row.high, row.count]
-
-
-def _apply(row, totals: list) -> None:
-    current = _values(row)
-    _merge(current, *totals)
-    row.first_step, row.last_step, row.low, row.high, row.count = current
 
 
 def _lock_headers(job_id: int, names: list[str], Rollup=None) -> dict:

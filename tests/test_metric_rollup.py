@@ -164,6 +164,54 @@ def test_ingest_records_keeps_the_rollup(setup):
 
 
 @pytest.mark.django_db
+def test_ingested_points_keep_every_field_as_reported(setup):
+    """Ingest writes points with one raw statement, not through model instances: each field
+    reads back through the ORM as the worker reported it (its own clock for the time), and
+    the rollup of a batch with gaps in it (a resend after an outage) covers only its points."""
+    team, user, _, _ = setup
+    job, attempt = _job_and_attempt(team, user)
+    worker_time = timezone.now() - timedelta(minutes=3, microseconds=4321)
+    steps = [7, 300, 4097, 70_000, 8, 9, 301, 4098, 70_001]
+    records = [
+        {
+            "kind": "step",
+            "rank": rank,
+            "step": step,
+            "time": worker_time.timestamp() + step,
+            "loss": 1.5 + step / 1000 + rank,
+            "tokens_per_s": 250 + rank,  # an int: stored as a float
+        }
+        for step in steps
+        for rank in (0, 3)
+    ]
+    # Two batches, each with gaps; the second adds to buckets of the first at every width.
+    actions._ingest_records(attempt, records[:8], now=timezone.now())
+    actions._ingest_records(attempt, records[8:], now=timezone.now())
+    stored = {
+        (p.rank, p.step, p.name): p
+        for p in MetricPoint.objects.filter(job=job).select_related("attempt")
+    }
+    assert len(stored) == len(records) * 2
+    for record in records:
+        loss = stored[(record["rank"], record["step"], "loss")]
+        assert loss.value == record["loss"]
+        assert loss.attempt == attempt
+        assert abs(loss.time - (worker_time + timedelta(seconds=record["step"]))) < timedelta(
+            microseconds=2
+        )
+        assert (
+            stored[(record["rank"], record["step"], "tokens_per_s")].value == 250.0 + record["rank"]
+        )
+    incremental = _rollup_rows(job)
+    for name in ("loss", "tokens_per_s"):
+        rollup.rebuild(job.id, name)
+    assert _rollup_rows(job) == incremental
+    header = MetricRollup.objects.get(job=job, name="loss", width=rollup.HEADER)
+    assert (header.count, header.first_step, header.last_step) == (18, 7, 70_001)
+    assert header.high == 1.5 + 70.001 + 3
+
+
+@pytest.mark.django_db
 def test_a_resent_heartbeat_stores_each_step_once(setup):
     """The agent re-sends what a heartbeat carried when it never got the answer (the portal
     restarted after committing it), with whatever the ranks wrote since."""
