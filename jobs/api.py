@@ -13,7 +13,7 @@ from rest_framework.response import Response
 from rest_framework.throttling import ScopedRateThrottle
 
 from jobs import actions
-from jobs.metrics_query import metric_series
+from jobs.metrics_query import gpu_history, metric_series
 from jobs.models import Allocation, Attempt, LogChunk, ModelVersion, Node
 from jobs.serializers import (
     CheckpointSerializer,
@@ -174,6 +174,15 @@ class JobViewSet(
                 }
             )
         return Response({"attempt": attempt.number, "gpus": rows})
+
+    @action(detail=True, methods=["get"], url_path="gpus/history")
+    def gpu_history(self, request, pk=None):
+        """The job's GPU readings over its whole run (every attempt), per rank, averaged into
+        at most `points` time buckets; `since` (epoch seconds) narrows it."""
+        job = self.get_object()
+        points = _int_param(request, "points", 300, lo=1, hi=5000)
+        since = _int_param(request, "since", None, lo=0, hi=2**62)
+        return Response(gpu_history(job.id, max_points=points, since=since))
 
     @action(detail=True, methods=["get"])
     def logs(self, request, pk=None):

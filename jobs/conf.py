@@ -9,6 +9,7 @@ DEFAULTS = {
     "MODEL_ROOT": "var/models",
     "HEARTBEAT_S": 1.0,
     "HEARTBEAT_TIMEOUT_S": 30.0,
+    "GPU_SAMPLE_S": 10.0,  # how often a node's telemetry is kept per rank for the job's charts
     "SCHEDULER_TICK_S": 5.0,
     "SCHEDULER_LEASE_S": 15.0,  # a standby scheduler takes over this long after the leader dies
     "RESTART_BACKOFF_S": 2.0,

@@ -145,3 +145,64 @@ def _line(rank_rows: list) -> tuple[list, list]:
         steps.extend((first, last))
         values.extend(pair)
     return steps, values
+
+
+def gpu_history(job_id: int, *, max_points: int = 300, since: int | None = None) -> dict:
+    """The job's kept GPU readings (`GpuSample`), per attempt and rank, as at most about
+    `max_points` time buckets each: the mean utilization and memory of the samples in a bucket
+    (one GROUP BY on the epoch seconds; GPU use is a level, not a curve with spikes to keep).
+    `since` (epoch seconds) narrows it to the samples from then on."""
+    from django.db.models import Avg, BigIntegerField, Value
+
+    from jobs.conf import lockstep_setting
+    from jobs.models import Allocation, Attempt, GpuSample
+
+    samples = GpuSample.objects.filter(job_id=job_id)
+    if since is not None:
+        samples = samples.filter(t__gte=since)
+    span = samples.aggregate(first=Min("t"), last=Max("t"))
+    if span["first"] is None:
+        return {"bucket_s": None, "series": []}
+    period = max(1, math.ceil(lockstep_setting("GPU_SAMPLE_S")))
+    width = max(period, math.ceil((span["last"] - span["first"] + 1) / max(1, max_points)))
+    rows = (
+        samples.annotate(
+            bucket=ExpressionWrapper(
+                F("t") / Value(width, output_field=BigIntegerField()),
+                output_field=BigIntegerField(),
+            )
+        )
+        .values("attempt_id", "rank", "bucket")
+        .annotate(
+            t=Min("t"), util=Avg("util"), mem_used=Avg("mem_used"), mem_total=Max("mem_total")
+        )
+        .order_by("attempt_id", "rank", "bucket")
+    )
+    numbers = dict(Attempt.objects.filter(job_id=job_id).values_list("id", "number"))
+    places = {
+        (attempt_id, rank): (node, gpu)
+        for attempt_id, rank, node, gpu in Allocation.objects.filter(
+            attempt__job_id=job_id
+        ).values_list("attempt_id", "rank", "node__name", "gpu__index")
+    }
+    series: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["attempt_id"], row["rank"])
+        if key not in series:
+            node, gpu = places.get(key, (None, None))
+            series[key] = {
+                "attempt": numbers.get(row["attempt_id"]),
+                "rank": row["rank"],
+                "node": node,
+                "gpu": gpu,
+                "t": [],
+                "util": [],
+                "mem_used": [],
+                "mem_total": row["mem_total"],
+            }
+        line = series[key]
+        line["t"].append(row["t"])
+        line["util"].append(None if row["util"] is None else round(row["util"], 2))
+        line["mem_used"].append(None if row["mem_used"] is None else round(row["mem_used"]))
+        line["mem_total"] = max(line["mem_total"] or 0, row["mem_total"] or 0) or None
+    return {"bucket_s": width, "series": list(series.values())}

@@ -28,6 +28,8 @@ class Node(models.Model):
     registered_at = models.DateTimeField()
     last_heartbeat_at = models.DateTimeField()
     telemetry = models.JSONField(default=list, blank=True)
+    # When the telemetry was last kept as GpuSample rows (every GPU_SAMPLE_S, not every beat).
+    telemetry_sampled_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["name"]
@@ -246,6 +248,27 @@ class MetricPoint(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.job_id} rank {self.rank} step {self.step} {self.name}={self.value}"
+
+
+class GpuSample(models.Model):
+    """One rank's GPU reading, kept from its node's heartbeat every GPU_SAMPLE_S seconds, so
+    that a job's GPU use can be charted over the whole run, after it ended too."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+")
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="+")
+    rank = models.PositiveIntegerField()
+    # Epoch seconds, not a DateTimeField: integer division buckets it for a chart the same way
+    # on PostgreSQL and SQLite.
+    t = models.BigIntegerField()
+    util = models.FloatField(null=True)  # percent
+    mem_used = models.BigIntegerField(null=True)  # bytes
+    mem_total = models.BigIntegerField(null=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["job", "t"])]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} rank {self.rank} at {self.t}: {self.util}%"
 
 
 class LogChunk(models.Model):

@@ -25,9 +25,11 @@ builds the rollups of the series that existed before.
 
 from __future__ import annotations
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import Count, F, IntegerField, Max, Min, Q, Sum
 from django.db.models.expressions import ExpressionWrapper
+
+from jobs.bulk_sql import insert_rows
 
 LEVELS = (16, 256, 4096, 65536, 1048576)  # each 16 x the one before
 HEADER = 0  # the width of a series' header row
@@ -78,28 +80,23 @@ def record(job_id: int, points) -> None:
         for key in sorted(buckets):
             merged = existing.get(key) or [0, 0, 0.0, 0.0, 0]
             _merge(merged, *buckets[key])
-            rows.append((job_id, *key, *merged))
-        # Merged here, under the headers' locks: the upsert writes the merged values. Plain
-        # tuples and one parameterized statement: model instances cost more CPU than the
-        # database did (see jobs.actions._insert_points).
-        _upsert(rows)
+            rows.append((*key, *merged))
+        # Merged here, under the headers' locks: the upsert writes the merged values.
+        _upsert(job_id, rows)
 
 
-def _upsert(rows: list[tuple]) -> None:
-    """INSERT ... ON CONFLICT DO UPDATE of (job_id, name, width, rank, bucket, *FIELDS) rows,
-    the syntax PostgreSQL and SQLite (3.24+) share."""
+def _upsert(job_id: int, rows: list[tuple]) -> None:
+    """Write (name, width, rank, bucket, *FIELDS) rows of the job, merged values over any row
+    already there."""
     _, Rollup = _models()
-    quote = connection.ops.quote_name
     key = ("job_id", "name", "width", "rank", "bucket")
-    columns = key + FIELDS
-    with connection.cursor() as cursor:
-        cursor.executemany(
-            f"INSERT INTO {quote(Rollup._meta.db_table)} ({', '.join(map(quote, columns))}) "
-            f"VALUES ({', '.join(['%s'] * len(columns))}) "
-            f"ON CONFLICT ({', '.join(map(quote, key))}) DO UPDATE SET "
-            + ", ".join(f"{quote(f)} = excluded.{quote(f)}" for f in FIELDS),
-            rows,
-        )
+    insert_rows(
+        Rollup,
+        key + FIELDS,
+        [(job_id, *row) for row in rows],
+        conflict=key,
+        update=FIELDS,
+    )
 
 
 def _chunks(job_id: int, keys, size: int = 100):

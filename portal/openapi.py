@@ -104,6 +104,26 @@ class JobGpuSerializer(serializers.Serializer):
     at = serializers.DateTimeField(help_text="The node's latest heartbeat")
 
 
+class GpuSeriesSerializer(serializers.Serializer):
+    attempt = serializers.IntegerField()
+    rank = serializers.IntegerField()
+    node = serializers.CharField(allow_null=True)
+    gpu = serializers.IntegerField(allow_null=True)
+    t = serializers.ListField(child=serializers.IntegerField(), help_text="Epoch seconds")
+    util = serializers.ListField(child=serializers.FloatField(allow_null=True), help_text="%")
+    mem_used = serializers.ListField(
+        child=serializers.FloatField(allow_null=True), help_text="Bytes"
+    )
+    mem_total = serializers.FloatField(allow_null=True, help_text="Bytes; null: no memory reading")
+
+
+class GpuHistorySerializer(serializers.Serializer):
+    bucket_s = serializers.IntegerField(
+        allow_null=True, help_text="Seconds per point (each the mean of its readings)"
+    )
+    series = GpuSeriesSerializer(many=True)
+
+
 class JobGpusSerializer(serializers.Serializer):
     attempt = serializers.IntegerField(allow_null=True, help_text="null: no live attempt")
     gpus = JobGpuSerializer(many=True)
@@ -175,6 +195,15 @@ extend_schema_view(
         responses={200: LogTailSerializer},
     ),
     gpus=extend_schema(responses={200: JobGpusSerializer}),
+    gpu_history=extend_schema(
+        parameters=[
+            _int("points", "Per attempt and rank, at most about this many (1-5000, default 300)"),
+            _int("since", "Only readings from this time on (epoch seconds)"),
+        ],
+        responses={200: GpuHistorySerializer},
+        description="GPU readings kept from the nodes' heartbeats every LOCKSTEP_GPU_SAMPLE_S "
+        "(10 s), per attempt and rank, averaged into time buckets.",
+    ),
 )(JobViewSet)
 
 extend_schema_view(

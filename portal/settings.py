@@ -303,6 +303,8 @@ LOCKSTEP = {
     "MODEL_ROOT": os.environ.get("LOCKSTEP_MODEL_ROOT", str(VAR_DIR / "models")),
     "HEARTBEAT_S": float(os.environ.get("LOCKSTEP_HEARTBEAT_S", "1.0")),
     "HEARTBEAT_TIMEOUT_S": float(os.environ.get("LOCKSTEP_HEARTBEAT_TIMEOUT_S", "30")),
+    # How often a node's GPU readings are kept per rank for the job page's history charts.
+    "GPU_SAMPLE_S": float(os.environ.get("LOCKSTEP_GPU_SAMPLE_S", "10")),
     "SCHEDULER_TICK_S": float(os.environ.get("LOCKSTEP_SCHEDULER_TICK_S", "5")),
     "SCHEDULER_LEASE_S": float(os.environ.get("LOCKSTEP_SCHEDULER_LEASE_S", "15")),
     "RESTART_BACKOFF_S": float(os.environ.get("LOCKSTEP_RESTART_BACKOFF_S", "2")),

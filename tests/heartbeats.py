@@ -21,10 +21,11 @@ def submit(team, user, gpus=4, **fields):
     )
 
 
-def beat(node, attempt, ranks, *, records=(), now=None):
+def beat(node, attempt, ranks, *, records=(), now=None, telemetry=None):
     """One heartbeat from `node` reporting `ranks` = {rank: exit_code or None (running)}."""
     body = {
         "boot_id": node.boot_id,
+        "telemetry": telemetry or [],
         "attempts": [
             {
                 "attempt_id": attempt.id,

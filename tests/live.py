@@ -114,6 +114,7 @@ class LiveCluster:
             LOCKSTEP_THROTTLE_AUTH_FAILURES="1000000/min",
             LOCKSTEP_HEARTBEAT_S="0.5",
             LOCKSTEP_HEARTBEAT_TIMEOUT_S="6",
+            LOCKSTEP_GPU_SAMPLE_S="1",
             # Detectors tuned for seconds-long tests; strikes never cordon a node mid-suite
             # (cordoning is covered in test_failures.py).
             LOCKSTEP_HANG_MIN_S="12",

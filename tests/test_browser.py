@@ -114,6 +114,31 @@ def test_log_in_submit_in_the_form_and_watch_the_live_chart(cluster, page):
     _shot(page, "home")
 
 
+def test_a_reopened_job_page_draws_the_gpu_use_kept_so_far(cluster, page):
+    """GPU use is kept per run by the portal (every LOCKSTEP_GPU_SAMPLE_S, 1 s here), so a page
+    opened later starts with the run's history, not an empty chart."""
+    page.goto(cluster.url + "/")
+    page.click("#jobs a >> nth=0")
+    page.wait_for_function(
+        "() => window.lockstepJob.gpu && window.lockstepJob.gpu.history !== null", timeout=30_000
+    )
+    kept = page.evaluate("() => window.lockstepJob.gpu.history")
+    assert len(kept["series"]) == 2  # the job's 2 ranks
+    assert all(len(s["t"]) >= 5 for s in kept["series"])  # seconds of running, sampled
+    # Drawn from the history before the first live poll: one trace per rank, points spanning
+    # at least 4 s of the run, and the CPU stand-in's utilization, a share in 0-100 %.
+    drawn = page.evaluate(
+        "() => document.getElementById('gpu-util-chart').data.map("
+        "t => ({name: t.name, x: t.x.map(d => new Date(d).getTime()), y: t.y}))"
+    )
+    assert [d["name"].split(" (")[0] for d in drawn] == ["rank 0", "rank 1"]
+    for trace in drawn:
+        assert max(trace["x"]) - min(trace["x"]) >= 4000
+        assert all(0 <= u <= 100 for u in trace["y"] if u is not None)
+    assert "Whole run" in page.locator("#gpu-note").inner_text()
+    _shot(page, "job-page-gpu-history")
+
+
 def test_job_page_works_at_phone_width(cluster, page):
     page.set_viewport_size({"width": 390, "height": 844})
     page.goto(cluster.url + "/")

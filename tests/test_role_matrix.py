@@ -143,7 +143,8 @@ def build_world(tmp_path) -> World:
     w.spare = others[0]
     w.cordoned = actions.do_cordon_node(others[1], actor=None, reason="matrix", now=now)
     root = tmp_path / "ckpt"
-    beat(w.node, attempt, {0: None, 1: None})
+    telemetry = [{"index": i, "kind": "cuda", "util": 55.0 + i} for i in range(2)]
+    beat(w.node, attempt, {0: None, 1: None}, telemetry=telemetry)
     step = {"kind": "step", "rank": 0, "step": 30, "loss": 1.5, "step_time_s": 0.1}
     beat(w.node, attempt, {0: None, 1: None}, records=[commit_checkpoint(root, w.job, 30), step])
     LogChunk.objects.create(attempt=attempt, rank=0, text="step 30 loss 1.5\n", created_at=now)
@@ -357,6 +358,11 @@ EXPECTATIONS: dict[str, Row] = {
     ),
     "v1_jobs_gpus_retrieve": Row(
         JOB_READ, target="job", check=lambda w, b, role: len(b["gpus"]) == 2
+    ),
+    "v1_jobs_gpus_history_retrieve": Row(
+        JOB_READ,
+        target="job",
+        check=lambda w, b, role: sorted(s["util"][0] for s in b["series"]) == [55.0, 56.0],
     ),
     "v1_jobs_logs_retrieve": Row(
         JOB_READ, target="job", check=lambda w, b, role: b["lines"] == ["step 30 loss 1.5"]

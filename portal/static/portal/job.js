@@ -207,9 +207,13 @@
     }
   }
 
-  // ---- GPU telemetry (latest readings polled while the job runs) ----------------------------
+  // ---- GPU telemetry: the run's kept readings, then the latest ones polled while it runs ----
+  // GET /api/v1/jobs/{id}/gpus/history/ has what the portal kept from the nodes' heartbeats
+  // (every GPU_SAMPLE_S, averaged into time buckets for long runs); /gpus/ the latest reading.
   var LIVE_STATES = ["STARTING", "RUNNING", "PREEMPTING"];
-  var gpu = {traces: {}, timer: null};
+  var GIB = Math.pow(2, 30);
+  var gpu = {traces: {}, timer: null, history: null, kept: 0};
+  state.gpu = gpu;
   function gpuLayout(title, ytitle) {
     return layout(title, ytitle, {
       xaxis: {type: "date", tickformat: "%H:%M:%S", nticks: 4},
@@ -220,41 +224,73 @@
   Plotly.newPlot("gpu-util-chart", [], gpuLayout("GPU utilization per rank", "%"), config);
   Plotly.newPlot("gpu-mem-chart", [], gpuLayout("GPU memory per rank", "GiB"), config);
 
+  function gpuPoints(attempt, rank, node, index, xs, utils, mems) {
+    var key = attempt + ":" + rank;
+    if (gpu.traces[key] === undefined) {
+      gpu.traces[key] = Object.keys(gpu.traces).length;
+      var name = "rank " + rank + " (" + node + ":" + index + ")" + (attempt > 1 ? ", attempt " + attempt : "");
+      Plotly.addTraces("gpu-util-chart", {x: xs, y: utils, type: "scatter", mode: "lines+markers", name: name});
+      Plotly.addTraces("gpu-mem-chart", {x: xs, y: mems, type: "scatter", mode: "lines+markers", name: name});
+    } else {
+      Plotly.extendTraces("gpu-util-chart", {x: [xs], y: [utils]}, [gpu.traces[key]], 20000);
+      Plotly.extendTraces("gpu-mem-chart", {x: [xs], y: [mems]}, [gpu.traces[key]], 20000);
+    }
+  }
+  function gpuNote(cpu) {
+    var note = document.getElementById("gpu-note");
+    var source = cpu
+      ? "CPU slots: utilization is the host's load share; no memory reading."
+      : "From the nodes' heartbeats (NVML).";
+    var kept = gpu.history && gpu.history.bucket_s
+      ? " Whole run: one point per " + gpu.history.bucket_s + " s per rank (mean)."
+      : "";
+    note.textContent = source + kept;
+  }
+  function loadGpuHistory() {
+    return fetch("/api/v1/jobs/" + jobId + "/gpus/history/", {credentials: "same-origin"})
+      .then(function (r) { return r.ok ? r.json() : null; })
+      .then(function (data) {
+        gpu.history = data || {series: []};
+        var cpu = true;
+        gpu.history.series.forEach(function (s) {
+          cpu = cpu && !s.mem_total;
+          var xs = s.t.map(function (t) { return new Date(t * 1000); });
+          var mems = s.mem_used.map(function (m) { return s.mem_total && m !== null ? m / GIB : null; });
+          gpu.kept += xs.length;
+          gpuPoints(s.attempt, s.rank, s.node, s.gpu, xs, s.util, mems);
+        });
+        if (gpu.history.series.length) gpuNote(cpu);
+      })
+      .catch(function () { gpu.history = {series: []}; });
+  }
   function pollGpus() {
     fetch("/api/v1/jobs/" + jobId + "/gpus/", {credentials: "same-origin"})
       .then(function (r) { return r.ok ? r.json() : null; })
       .then(function (data) {
         if (!data) return;
-        var note = document.getElementById("gpu-note");
-        if (!data.gpus.length) { note.textContent = "No GPUs held right now."; return; }
-        var cpu = data.gpus.every(function (g) { return g.kind === "cpu"; });
-        note.textContent = cpu
-          ? "CPU slots: utilization is the host's load share; no memory reading."
-          : "From each node's latest heartbeat (NVML).";
+        if (!data.gpus.length) {
+          if (!Object.keys(gpu.traces).length) document.getElementById("gpu-note").textContent = "No GPUs held right now.";
+          return;
+        }
+        gpuNote(data.gpus.every(function (g) { return g.kind === "cpu"; }));
         var now = new Date();
         data.gpus.forEach(function (g) {
-          var key = g.rank;
-          var label = "rank " + g.rank + " (" + g.node + ":" + g.gpu + ")";
-          var mem = g.mem_total ? g.mem_used / Math.pow(2, 30) : null;
-          if (gpu.traces[key] === undefined) {
-            gpu.traces[key] = Object.keys(gpu.traces).length;
-            Plotly.addTraces("gpu-util-chart", {x: [now], y: [g.util], type: "scatter", mode: "lines+markers", name: label});
-            Plotly.addTraces("gpu-mem-chart", {x: [now], y: [mem], type: "scatter", mode: "lines+markers", name: label});
-          } else {
-            Plotly.extendTraces("gpu-util-chart", {x: [[now]], y: [[g.util]]}, [gpu.traces[key]], 2000);
-            Plotly.extendTraces("gpu-mem-chart", {x: [[now]], y: [[mem]]}, [gpu.traces[key]], 2000);
-          }
+          var mem = g.mem_total ? g.mem_used / GIB : null;
+          gpuPoints(data.attempt, g.rank, g.node, g.gpu, [now], [g.util], [mem]);
         });
       })
       .catch(function () {});
   }
+  var gpuHistoryLoaded = loadGpuHistory();
   function watchGpus(jobState) {
-    var live = LIVE_STATES.indexOf(jobState) >= 0;
-    if (live && !gpu.timer) { pollGpus(); gpu.timer = setInterval(pollGpus, 5000); }
-    if (!live && gpu.timer) { clearInterval(gpu.timer); gpu.timer = null; }
-    if (!live && !Object.keys(gpu.traces).length) {
-      document.getElementById("gpu-note").textContent = "Telemetry is shown while the job holds GPUs.";
-    }
+    gpuHistoryLoaded.then(function () {
+      var live = LIVE_STATES.indexOf(jobState) >= 0;
+      if (live && !gpu.timer) { pollGpus(); gpu.timer = setInterval(pollGpus, 5000); }
+      if (!live && gpu.timer) { clearInterval(gpu.timer); gpu.timer = null; }
+      if (!live && !Object.keys(gpu.traces).length) {
+        document.getElementById("gpu-note").textContent = "No GPU readings were kept for this job (it never ran).";
+      }
+    });
   }
 
   // ---- Timeline of attempts and events ----------------------------------------------------
