@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,19 @@ class _FileTail:
         self.acked = max(self.acked, offset)
 
 
+def _not_a_number(_constant: str) -> None:
+    """NaN, Infinity and -Infinity, which Python's json.dumps writes by default (a diverged
+    loss), become null. Kept as floats they would make the heartbeat body invalid JSON: the
+    agent could not send it, would hold it unacked and retry it forever, and the node would be
+    lost for a metric."""
+    return None
+
+
+def _finite(text: str) -> float | None:
+    value = float(text)  # 1e999 parses as infinity
+    return value if math.isfinite(value) else None
+
+
 class MetricsTail(_FileTail):
     """Complete JSON lines appended to one rank's metrics file since the last ack."""
 
@@ -88,7 +102,7 @@ class MetricsTail(_FileTail):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line, parse_constant=_not_a_number, parse_float=_finite)
             except ValueError:
                 self._log.warning("%s: skipping a line that is not JSON: %r", self.path, line[:200])
                 continue

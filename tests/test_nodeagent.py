@@ -381,6 +381,25 @@ def test_metrics_tail_skips_bad_lines_and_a_torn_last_line_once_the_writer_exite
     assert end == path.stat().st_size
 
 
+def test_metrics_tail_turns_nan_and_infinities_into_null(tmp_path):
+    """Python's json.dumps writes NaN and Infinity unless told not to, so a script that logs a
+    diverged loss does. The heartbeat body must stay JSON the portal accepts."""
+    import requests
+
+    path = tmp_path / "m.jsonl"
+    path.write_text(
+        '{"step": 1, "loss": NaN, "tokens_per_s": Infinity, "step_time_s": -Infinity}\n'
+        '{"step": 2, "loss": 1e999, "grad": [NaN, 2.5], "compute_s": 0.25}\n'
+    )
+    records, _ = MetricsTail(path, rank=0).read()
+    assert records == [
+        {"step": 1, "loss": None, "tokens_per_s": None, "step_time_s": None, "rank": 0},
+        {"step": 2, "loss": None, "grad": [None, 2.5], "compute_s": 0.25, "rank": 0},
+    ]
+    body = requests.Request("POST", "http://portal", json={"records": records}).prepare().body
+    assert json.loads(body)["records"] == records
+
+
 def test_log_tail_ships_at_most_64k_per_read_and_resends_until_acked(tmp_path):
     path = tmp_path / "rank-0.log"
     path.write_bytes(b"a" * 100_000)
@@ -627,6 +646,35 @@ def test_agent_runs_reports_and_forgets_an_attempt(portal, running_agent):
     wait_until(lambda: len(portal.beats_since(mark)) >= 2, what="later heartbeats")
     assert portal.attempt_in_beats(21, since=mark + 1) == []
     assert portal.invalid == []  # every heartbeat had the shape the portal checks
+
+
+DIVERGED = """
+import json, os, time
+rank = int(os.environ["RANK"])
+with open(os.environ["LOCKSTEP_METRICS_PATH"], "a") as f:
+    for step, loss in ((1, 2.0), (2, float("nan")), (3, float("inf"))):
+        f.write(json.dumps({"kind": "step", "step": step, "loss": loss, "time": time.time()}))
+        f.write("\\n")
+"""
+
+
+def test_agent_keeps_heartbeating_when_a_script_writes_nan(portal, running_agent):
+    wait_until(lambda: portal.accepted, what="a first heartbeat")
+    ranks = [{"rank": 0, "local_rank": 0, "gpu_index": 0}]
+    portal.set_desired(
+        [run_item(31, launch_spec(DIVERGED, ranks, world_size=1, group_rank=0, group_world_size=1))]
+    )
+
+    def exited_beat():
+        reports = portal.attempt_in_beats(31)
+        return [a for a in reports if all(r["state"] == "exited" for r in a["ranks"])]
+
+    wait_until(exited_beat, what="the rank's exit reported")
+    losses = sorted(
+        (r["step"], r["loss"]) for a in portal.attempt_in_beats(31) for r in a["records"]
+    )
+    assert losses == [(1, 2.0), (2, None), (3, None)]
+    assert portal.invalid == []
 
 
 def test_agent_fences_an_attempt_dropped_from_desired(portal, running_agent):
