@@ -664,7 +664,12 @@ def do_end_attempt(
                 team_id=job.team_id,
             )
         elif state == Attempt.State.PREEMPTED or (was_stopping and state != Attempt.State.FAILED):
-            job.state, job.reason = Job.State.QUEUED, f"requeued after preemption: {reason}"
+            job.state = Job.State.QUEUED
+            job.reason = (
+                f"requeued: {reason}"
+                if reason.startswith(GROW_REASON)
+                else f"requeued after preemption: {reason}"
+            )
         elif early:
             # Several attempts in a row died before their first step: the job's command,
             # image or data is the likelier cause than the hardware; stop burning restarts.
@@ -1635,6 +1640,37 @@ def _execute_preemption(request: PreemptionRequest, *, now: datetime) -> None:
         data={"request": request.id, "kind": request.kind},
     )
     _push_state(victim)
+
+
+GROW_REASON = "growing back to"
+
+
+def do_grow_job(*, job_id: int, gpus: int, reason: str, now: datetime) -> bool:
+    """Scheduling rule 8 carried out: checkpoint-and-stop a running elastic job that runs on
+    fewer GPUs than it asked for, so that it is requeued and restarts at its full size from
+    that checkpoint. False (nothing changed) if it no longer runs shrunk."""
+    with transaction.atomic():
+        job, attempt = _lock_job_for_stop(job_id)
+        if (
+            job.state != Job.State.RUNNING
+            or attempt is None
+            or attempt.state != Attempt.State.RUNNING
+            or world_size(attempt) >= job.gpus
+        ):
+            return False
+        why = f"{GROW_REASON} {gpus} GPUs ({reason})"
+        _begin_stop(attempt, now=now, reason=why)
+        job.state, job.reason = Job.State.PREEMPTING, f"checkpointing and stopping: {why}"
+        job.save(update_fields=["state", "reason"])
+        _event(
+            "job.growing",
+            f"attempt {attempt.number} runs on {world_size(attempt)} of {job.gpus} GPUs; {why}",
+            job=job,
+            team_id=job.team_id,
+            data={"from_gpus": world_size(attempt), "to_gpus": gpus},
+        )
+        _push_state(job)
+    return True
 
 
 def do_withdraw_stale_preemptions(*, now: datetime) -> None:

@@ -34,6 +34,7 @@ DEFAULTS = {
     "PREEMPTION_APPROVAL_DELAY_S": 300.0,
     "RECLAIM_BACKOFF_S": 300.0,
     "PREEMPT_EXEMPT_S": 600.0,
+    "ELASTIC_GROW_AFTER_S": 600.0,
     "USAGE_HALF_LIFE_S": 86400.0,
     # A what-if over at most this many jobs runs in the request; larger ones on the rq worker.
     "WHATIF_INLINE_MAX_JOBS": 300,

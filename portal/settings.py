@@ -345,6 +345,8 @@ LOCKSTEP = {
     # Victims that started less than this long ago are preempted last (a preference, not an
     # exemption: the reclaim bound still holds).
     "PREEMPT_EXEMPT_S": float(os.environ.get("LOCKSTEP_PREEMPT_EXEMPT_S", "600")),
+    # A shrunk elastic job grows back to its full size only after this long at the smaller one.
+    "ELASTIC_GROW_AFTER_S": float(os.environ.get("LOCKSTEP_ELASTIC_GROW_AFTER_S", "600")),
     "USAGE_HALF_LIFE_S": float(os.environ.get("LOCKSTEP_USAGE_HALF_LIFE_S", "86400")),
 }
 

@@ -115,6 +115,7 @@ class LiveCluster:
             LOCKSTEP_HEARTBEAT_S="0.5",
             LOCKSTEP_HEARTBEAT_TIMEOUT_S="6",
             LOCKSTEP_GPU_SAMPLE_S="1",
+            LOCKSTEP_ELASTIC_GROW_AFTER_S="3",
             # Detectors tuned for seconds-long tests; strikes never cordon a node mid-suite
             # (cordoning is covered in test_failures.py).
             LOCKSTEP_HANG_MIN_S="12",

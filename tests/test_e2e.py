@@ -286,12 +286,13 @@ def test_an_elastic_job_restarts_on_the_node_left_with_the_same_global_batch(clu
     """Issue 5's elastic restart, with real workers: a 4-GPU job that allows 2 runs across both
     agents; one agent is frozen past the heartbeat timeout; the job restarts at once on the 2
     GPUs left, resharding its checkpoint, keeping the global batch by gradient accumulation,
-    says so in its events, and finishes."""
+    says so in its events; when the agent is back, the job grows back to 4 GPUs (checkpoint,
+    stop, restart resharded again) and finishes."""
     api = cluster.alice
     job = _submit(
         api,
         "e2e-elastic",
-        ["python", "-m", "trainer", "--steps", "160", "--checkpoint-every", "20"],
+        ["python", "-m", "trainer", "--steps", "400", "--checkpoint-every", "20"],
         min_gpus=2,
     )
     checkpoint = wait_for(
@@ -317,6 +318,18 @@ def test_an_elastic_job_restarts_on_the_node_left_with_the_same_global_batch(clu
     events = api.get(f"/api/v1/jobs/{job}/events/").json()
     (note,) = [e for e in events if e["kind"] == "attempt.shrunk"]
     assert "runs on 2 of the job's 4 GPUs" in note["message"]
+
+    def grown():
+        attempts = api.get(f"/api/v1/jobs/{job}/").json()["attempts"]
+        return len(attempts) == 3 and attempts[2]["state"] != "starting" and attempts
+
+    attempts = wait_for(grown, 120, "the job to grow back to 4 GPUs (LiveCluster: after 3 s)")
+    assert attempts[1]["state"] == "preempted"
+    assert attempts[2]["world_size"] == 4 and len(attempts[2]["nodes"]) == 2
+    assert attempts[2]["resumed_from_step"] > attempts[1]["resumed_from_step"]
+    events = api.get(f"/api/v1/jobs/{job}/events/").json()
+    (growing,) = [e for e in events if e["kind"] == "job.growing"]
+    assert "runs on 2 of 4 GPUs; growing back to 4 GPUs" in growing["message"]
     wait_for(
         lambda: api.get(f"/api/v1/jobs/{job}/").json()["state"] == "SUCCEEDED",
         300,

@@ -46,6 +46,57 @@ def test_a_lost_node_restarts_an_elastic_job_on_the_nodes_left(setup):
 
 
 @pytest.mark.django_db
+def test_a_shrunk_job_grows_back_to_its_full_size_when_the_gpus_return(setup, settings):
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "ELASTIC_GROW_AFTER_S": 300.0}
+    team, user, (a, b), root = setup
+    job = submit(team, user, gpus=4, min_gpus=2, max_restarts=3)
+    run_pass()
+    first = live_attempt(job)
+    beat(a, first, {0: None, 1: None})
+    beat(b, first, {2: None, 3: None}, records=[commit_checkpoint(root, job, 40)])
+    t0 = timezone.now()
+    actions.do_mark_node_lost(b, now=t0, reason="heartbeat timeout")
+    run_pass(now=t0 + timedelta(seconds=11))
+    second = live_attempt(job)
+    assert second.world_size == 2
+    beat(a, second, {0: None, 1: None}, now=t0 + timedelta(seconds=12))
+    actions.do_heartbeat(b, {"boot_id": b.boot_id}, now=t0 + timedelta(seconds=20))  # b is back
+
+    # Not yet: the attempt has run less than ELASTIC_GROW_AFTER_S at its smaller size.
+    run_pass(now=t0 + timedelta(seconds=60))
+    second.refresh_from_db()
+    assert second.state == "running"
+    # Then b's 2 idle GPUs and nothing queued: checkpoint-and-stop, to restart on all 4.
+    run_pass(now=second.created_at + timedelta(seconds=301))
+    second.refresh_from_db()
+    job.refresh_from_db()
+    assert second.state == "stopping"
+    assert job.state == "PREEMPTING" and "growing back to 4 GPUs" in job.reason
+    growing = Event.objects.get(kind="job.growing", job=job)
+    assert "runs on 2 of 4 GPUs" in growing.message and "2 GPUs are idle" in growing.message
+    launch = beat(a, second, {0: None, 1: None}, now=t0 + timedelta(seconds=400))["desired"]
+    assert launch[0]["action"] == "stop"
+    beat(
+        a,
+        second,
+        {0: 0, 1: 0},
+        records=[commit_checkpoint(root, job, 90)],
+        now=t0 + timedelta(seconds=401),
+    )
+    second.refresh_from_db()
+    job.refresh_from_db()
+    assert second.state == "preempted"
+    assert job.state == "QUEUED" and job.reason.startswith("requeued: growing back to 4 GPUs")
+    assert job.restart_count == 1  # the grow is not a failure: only the lost node counted
+
+    run_pass(now=t0 + timedelta(seconds=402))
+    third = live_attempt(job)
+    assert (third.number, third.world_size, third.resumed_from_step) == (3, 4, 90)
+    assert {al.node_id for al in third.allocations.all()} == {a.id, b.id}
+    assert not Event.objects.filter(kind="attempt.shrunk", attempt=third).exists()
+
+
+@pytest.mark.django_db
 def test_a_rigid_job_waits_for_all_its_gpus_instead(setup):
     team, user, (a, b), root = setup
     job = submit(team, user, gpus=4, max_restarts=3)

@@ -651,6 +651,64 @@ def test_an_elastic_job_never_shrinks_onto_a_higher_jobs_reservation():
     assert p.reservation[0] == 1 and "reservation held by job 1" in p.reasons[2]
 
 
+def shrunk(job_id: int, node_view, indices, full: int, **kw):
+    """A running elastic job on fewer GPUs (`indices` on `node_view`) than its `full` size."""
+    return dataclasses.replace(running(job_id, node_view, indices, **kw), gpus=full)
+
+
+def test_a_shrunk_job_grows_back_when_nothing_waits_and_its_full_size_fits():
+    t = team(quota=0, borrow=64, used=4)
+    nodes = [node("a", 8, busy=4), node("b", 8)]
+    run = shrunk(7, nodes[0], range(4), 8, team_id=t.id, started_ago=3600)
+    p = plan(snapshot(nodes, [], [t], [run]))
+    (grow,) = p.grows
+    assert (grow.job_id, grow.gpus, grow.held) == (7, 8, 4)
+    assert "nothing is queued and 12 GPUs are idle" in grow.reason
+
+
+def test_no_grow_while_a_queued_job_waits_for_the_idle_gpus_or_a_reservation():
+    t = team(quota=0, borrow=64, used=4)
+    nodes = [node("a", 8, busy=4), node("b", 8)]
+    run = shrunk(7, nodes[0], range(4), 8, team_id=t.id)
+    # Placed this pass: the GPUs they take are no longer idle.
+    p = plan(snapshot(nodes, [job(1, 8, team_id=t.id), job(3, 4, team_id=t.id)], [t], [run]))
+    assert sorted(pl.job_id for pl in p.placements) == [1, 3] and p.grows == ()
+    # Placed with 4 GPUs to spare, on the shrunk job's node: it grows there.
+    p = plan(snapshot(nodes, [job(1, 8, team_id=t.id)], [t], [run]))
+    assert [pl.job_id for pl in p.placements] == [1] and [g.job_id for g in p.grows] == [7]
+    # Left waiting (more GPUs than are free): the idle GPUs are its to wait for.
+    p = plan(snapshot(nodes, [job(2, 16, team_id=t.id)], [t], [run]))
+    assert p.placements == () and p.grows == ()
+
+
+def test_no_grow_for_a_job_that_shrank_recently_is_stopping_or_would_cross_its_cap():
+    nodes = [node("a", 8, busy=4), node("b", 8)]
+    t = team(quota=0, borrow=64, used=4)
+    young = shrunk(7, nodes[0], range(4), 8, team_id=t.id, started_ago=60)
+    assert plan(snapshot(nodes, [], [t], [young])).grows == ()
+    stopping = dataclasses.replace(shrunk(7, nodes[0], range(4), 8, team_id=t.id), stopping=True)
+    assert plan(snapshot(nodes, [], [t], [stopping])).grows == ()
+    capped = team(quota=0, borrow=6, used=4)
+    run = shrunk(7, nodes[0], range(4), 8, team_id=capped.id)
+    assert plan(snapshot(nodes, [], [capped], [run])).grows == ()
+
+
+def test_grows_share_the_idle_gpus_highest_priority_first():
+    t = team(quota=0, borrow=64, used=6)
+    nodes = [node("a", 8, busy={0, 1, 2, 3, 4, 5})]
+    low = shrunk(7, nodes[0], [0, 1], 4, team_id=t.id, prio=1, started_ago=7200)
+    high = shrunk(8, nodes[0], [2, 3], 4, team_id=t.id, prio=2, started_ago=3600)
+    rigid = running(9, nodes[0], [4, 5], team_id=t.id)
+    # 2 idle GPUs: enough for one of them to double, not both.
+    p = plan(snapshot(nodes, [], [t], [low, high, rigid]))
+    assert [g.job_id for g in p.grows] == [8]
+    # A whole-node job grows across nodes.
+    wide_team = team(quota=0, borrow=64, used=8)
+    wide_nodes = [node("c", 8, busy=8), node("d", 8)]
+    wide = shrunk(9, wide_nodes[0], range(8), 16, team_id=wide_team.id)
+    assert [g.gpus for g in plan(snapshot(wide_nodes, [], [wide_team], [wide])).grows] == [16]
+
+
 def claiming(job_view, *nodes):
     """The queued job as the claimant of preemptions executed on these nodes."""
     return dataclasses.replace(job_view, claim_nodes=tuple(n.id for n in nodes))

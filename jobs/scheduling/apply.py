@@ -24,6 +24,7 @@ class ApplyResult:
     applied: dict[int, int] = field(default_factory=dict)  # job id -> attempt id
     rejected: dict[int, str] = field(default_factory=dict)  # job id -> why
     preemptions: list[int] = field(default_factory=list)  # PreemptionRequest ids
+    grown: list[int] = field(default_factory=list)  # job ids told to stop and grow back
     reasons_written: int = 0  # queued jobs whose reason or start estimate changed
 
 
@@ -67,6 +68,14 @@ def apply_plan(
             continue
         if request is not None:
             result.preemptions.append(request.id)
+    from jobs.actions import do_grow_job
+
+    for grow in plan.grows:
+        try:
+            if do_grow_job(job_id=grow.job_id, gpus=grow.gpus, reason=grow.reason, now=now):
+                result.grown.append(grow.job_id)
+        except DatabaseError as exc:  # a lost race: the next pass decides again
+            log.warning("job %s not grown: %s", grow.job_id, exc)
     if result.rejected:
         log.info("rejected placements: %s", result.rejected)
     return result

@@ -27,6 +27,11 @@ Rules (DESIGN.md section 6):
    trainer keeps it by gradient accumulation and resumes by resharding). A job within its
    team's quota reclaims for its full size instead.
 7. Every job left queued gets a reason a person can read.
+8. Growing back: when every queued job has been placed and idle GPUs remain, a shrunk elastic
+   job that has run `grow_after_s` at its smaller size, and whose full size fits on its own
+   GPUs plus idle ones under its team's cap, is checkpointed and stopped; requeued, it starts
+   again at full size (rule 3) and resumes resharded. Never while anyone waits: the idle GPUs
+   are theirs first, and a grow would delay them by a restart.
 """
 
 from __future__ import annotations
@@ -76,11 +81,22 @@ class Preemption:
 
 
 @dataclass(frozen=True)
+class Grow:
+    """A shrunk elastic job to checkpoint-and-stop so that it restarts at full size (rule 8)."""
+
+    job_id: int
+    gpus: int  # its full size
+    held: int  # the GPUs it runs on now
+    reason: str
+
+
+@dataclass(frozen=True)
 class Plan:
     placements: tuple[Placement, ...]
     reasons: dict[int, str] = field(default_factory=dict)  # queued job id -> why it waits
     reservation: tuple[int, tuple[int, ...]] | None = None  # (job id, node ids)
     preemptions: tuple[Preemption, ...] = ()
+    grows: tuple[Grow, ...] = ()
 
 
 def fair_share(team: TeamView) -> float:
@@ -711,12 +727,58 @@ def plan(snapshot: Snapshot) -> Plan:
         used[team.id] += shrunk.get(job.id, job.gpus)
         placements.append(Placement(job.id, job.team_id, _to_slots(choice)))
 
+    placed = {p.job_id for p in placements}
+    everyone_placed = all(job.id in placed for job in snapshot.queued)
     return Plan(
         placements=tuple(placements),
         reasons=reasons,
         reservation=reservation,
         preemptions=tuple(preemptions),
+        grows=tuple(_grow_back(snapshot, teams, used, free, nodes, largest))
+        if everyone_placed
+        else (),
     )
+
+
+def _grow_back(snapshot, teams, used, free, nodes, largest) -> list[Grow]:
+    """Rule 8, after every queued job is placed: shrunk elastic jobs whose full size fits on
+    their own GPUs plus the idle ones, highest priority and longest shrunk first. Updates
+    `free` and `used` as if each grown job were already placed there."""
+    grows = []
+    by_order = sorted(snapshot.running, key=lambda r: (-r.priority, r.started_at, r.id))
+    for run in by_order:
+        held = len(run.slots)
+        if run.stopping or held >= run.gpus:
+            continue
+        if (snapshot.now - run.started_at).total_seconds() < snapshot.grow_after_s:
+            continue
+        team = teams.get(run.team_id)
+        if team is None or used[team.id] - held + run.gpus > team.cap:
+            continue
+        trial = {node_id: list(indices) for node_id, indices in free.items()}
+        for node_id, index in run.slots:
+            if node_id in trial:
+                trial[node_id] = sorted({*trial[node_id], index})
+        if run.gpus <= largest:
+            choice = _single_node(run.gpus, trial, nodes)
+        else:
+            choice = _whole_nodes(run.gpus, trial, nodes)
+        if choice is None:
+            continue
+        idle = sum(len(free[n.id]) for n in nodes)
+        for node, indices in choice:
+            trial[node.id] = [i for i in trial[node.id] if i not in set(indices)]
+        free.update(trial)
+        used[team.id] += run.gpus - held
+        grows.append(
+            Grow(
+                run.id,
+                run.gpus,
+                held,
+                f"it runs on {held}; nothing is queued and {idle} GPUs are idle",
+            )
+        )
+    return grows
 
 
 def _place_on_claim(job, free, claimed, nodes, largest):

@@ -78,6 +78,9 @@ class Snapshot:
     # longer-running one will do: without it, a just-resumed job - little work at risk - is
     # the cheapest victim again and again (Slurm's PreemptExemptTime, as a preference).
     preempt_exempt_s: float = 600.0
+    # A shrunk elastic job grows back (rule 8) only after running this long at its smaller
+    # size: each grow costs a checkpoint and a restart.
+    grow_after_s: float = 600.0
 
     def team(self, team_id: int) -> TeamView:
         for team in self.teams:
@@ -210,6 +213,7 @@ def take_snapshot(now: datetime) -> Snapshot:
         teams=teams,
         running=running,
         preempt_exempt_s=lockstep_setting("PREEMPT_EXEMPT_S"),
+        grow_after_s=lockstep_setting("ELASTIC_GROW_AFTER_S"),
     )
 
 
