@@ -47,7 +47,8 @@ def clusters(draw):
             RunningView(
                 id=jid,
                 team_id=team_id,
-                gpus=size,
+                # Some run shrunk (elastic): on fewer GPUs than their full size.
+                gpus=size * draw(st.sampled_from([1, 1, 2, 4])),
                 priority=draw(st.integers(0, 3)),
                 slots=tuple((node.id, i) for i in take),
                 started_at=T0 - timedelta(seconds=draw(st.integers(1, 10_000))),
@@ -115,6 +116,7 @@ def clusters(draw):
 @given(clusters())
 def test_plans_never_break_the_invariants(snap):
     result = plan(snap)
+    runs_by_id = {r.id: r for r in snap.running}
     nodes = {n.id: n for n in snap.nodes}
     jobs = {j.id: j for j in snap.queued}
     teams = {t.id: t for t in snap.teams}
@@ -143,6 +145,18 @@ def test_plans_never_break_the_invariants(snap):
             assert gpus <= team.quota + team.borrow_limit
             if not claimant_placed[team_id]:
                 assert gpus <= team.cap
+    # Growing back (rule 8): only when every queued job was placed, only shrunk jobs that
+    # are not stopping, within their team's cap, and no more GPUs than are idle.
+    if result.grows:
+        assert {p.job_id for p in result.placements} == set(jobs)
+    idle = sum(len(n.free) for n in snap.nodes if n.schedulable) - len(used_gpus)
+    for grow in result.grows:
+        run = runs_by_id[grow.job_id]
+        assert not run.stopping and len(run.slots) == grow.held < grow.gpus == run.gpus
+        after[run.team_id] += grow.gpus - grow.held
+        assert after[run.team_id] <= teams[run.team_id].cap
+        idle -= grow.gpus - grow.held
+        assert idle >= 0
     # 6: reclaim victims come only from teams above their quota, each taken while its team
     # still is (so a team loses less than one victim's GPUs below its quota), and only for a
     # claimant within its own quota.
