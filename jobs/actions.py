@@ -1629,17 +1629,26 @@ def _execute_preemption(request: PreemptionRequest, *, now: datetime) -> None:
     if attempt is None:
         return
     why = f"preempted ({request.kind}) for job {request.claimant_id}: {request.reason}"
-    _begin_stop(attempt, now=now, reason=why)
-    victim.state, victim.reason = Job.State.PREEMPTING, f"checkpointing and stopping: {why}"
-    victim.save(update_fields=["state", "reason"])
-    _event(
-        "job.preempting",
-        victim.reason,
-        job=victim,
-        team_id=victim.team_id,
+    _stop_to_requeue(
+        victim,
+        attempt,
+        why=why,
+        now=now,
+        kind="job.preempting",
         data={"request": request.id, "kind": request.kind},
     )
-    _push_state(victim)
+
+
+def _stop_to_requeue(
+    job: Job, attempt: Attempt, *, why: str, now: datetime, kind: str, data: dict, message=None
+) -> None:
+    """Checkpoint-and-stop the job's live attempt; the job is requeued when it exits
+    (`do_end_attempt`). `message` is the Event's text (default: the job's new reason)."""
+    _begin_stop(attempt, now=now, reason=why)
+    job.state, job.reason = Job.State.PREEMPTING, f"checkpointing and stopping: {why}"
+    job.save(update_fields=["state", "reason"])
+    _event(kind, message or job.reason, job=job, team_id=job.team_id, data=data)
+    _push_state(job)
 
 
 GROW_REASON = "growing back to"
@@ -1659,17 +1668,16 @@ def do_grow_job(*, job_id: int, gpus: int, reason: str, now: datetime) -> bool:
         ):
             return False
         why = f"{GROW_REASON} {gpus} GPUs ({reason})"
-        _begin_stop(attempt, now=now, reason=why)
-        job.state, job.reason = Job.State.PREEMPTING, f"checkpointing and stopping: {why}"
-        job.save(update_fields=["state", "reason"])
-        _event(
-            "job.growing",
-            f"attempt {attempt.number} runs on {world_size(attempt)} of {job.gpus} GPUs; {why}",
-            job=job,
-            team_id=job.team_id,
-            data={"from_gpus": world_size(attempt), "to_gpus": gpus},
+        held = world_size(attempt)
+        _stop_to_requeue(
+            job,
+            attempt,
+            why=why,
+            now=now,
+            kind="job.growing",
+            data={"from_gpus": held, "to_gpus": gpus},
+            message=f"attempt {attempt.number} runs on {held} of {job.gpus} GPUs; {why}",
         )
-        _push_state(job)
     return True
 
 
