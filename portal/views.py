@@ -221,7 +221,13 @@ TIMELINE_KINDS = {
         "job.failed",
         "job.time_limit",
     ),
-    "restart": ("job.restarting", "job.requeued", "checkpoint.recovered"),
+    "restart": (
+        "job.restarting",
+        "job.requeued",
+        "checkpoint.recovered",
+        "attempt.shrunk",  # elastic: restarted smaller
+        "job.growing",  # elastic: stopped to restart at full size
+    ),
     "preemption": ("job.preempting", "attempt.preempted", "attempt.stopping"),
     "checkpoint": ("checkpoint.committed", "model.registered", "model.exported"),
 }

@@ -3,9 +3,11 @@ fewer nodes when one is lost, says so in its events, and launches its ranks with
 world size and the job's full size (for the global batch); the applier refuses sizes the job
 did not allow; bad min_gpus is refused and creates nothing."""
 
+import json
 from datetime import timedelta
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -94,6 +96,13 @@ def test_a_shrunk_job_grows_back_to_its_full_size_when_the_gpus_return(setup, se
     assert (third.number, third.world_size, third.resumed_from_step) == (3, 4, 90)
     assert {al.node_id for al in third.allocations.all()} == {a.id, b.id}
     assert not Event.objects.filter(kind="attempt.shrunk", attempt=third).exists()
+    # The job page's timeline marks the shrink and the grow as restarts, not as preemptions.
+    client = Client()
+    client.force_login(user)
+    html = client.get(f"/jobs/{job.id}/").content.decode()
+    page = json.loads(html.split('id="job-data" type="application/json">')[1].split("</script>")[0])
+    groups = {e["kind"]: e["group"] for e in page["timeline"]["events"]}
+    assert groups["attempt.shrunk"] == groups["job.growing"] == "restart"
 
 
 @pytest.mark.django_db
