@@ -1298,7 +1298,6 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
     }
 
 
-@transaction.atomic
 def _reading_number(value, kind=float):
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
@@ -1341,6 +1340,7 @@ def _sample_gpus(node: Node, now: datetime) -> None:
     Node.objects.filter(pk=node.pk).update(telemetry_sampled_at=now)
 
 
+@transaction.atomic
 def do_mark_node_lost(node: Node, *, now: datetime, reason: str) -> None:
     node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     if node.state == Node.State.DOWN:
