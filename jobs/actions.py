@@ -1681,8 +1681,10 @@ def do_grow_job(*, job_id: int, gpus: int, reason: str, now: datetime) -> bool:
     return True
 
 
+@transaction.atomic
 def do_withdraw_stale_preemptions(*, now: datetime) -> None:
-    """Proposals whose claimant no longer waits (started, cancelled) are withdrawn."""
+    """Proposals whose claimant no longer waits (started, cancelled) are withdrawn, each with
+    its Event (atomic: a crash between the two lost the Event)."""
     for request in PreemptionRequest.objects.filter(state=PreemptionRequest.State.PROPOSED).exclude(
         claimant__state=Job.State.QUEUED
     ):
