@@ -54,21 +54,14 @@ def child(shape: str, heartbeats: int) -> dict:
     from jobs import actions
     from jobs.models import Attempt, MetricPoint
     from teams.actions import do_create_team
+    from tests.heartbeats import submit
 
     ranks, steps = SHAPES[shape]
     connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
     try:
         team = do_create_team("bench", quota=64)
         user = get_user_model().objects.create(username="bench")
-        job = actions.do_submit_job(
-            owner=user,
-            team=team,
-            now=timezone.now(),
-            name="ingest",
-            image="lockstep/trainer:latest",
-            command=["python", "-m", "trainer"],
-            gpus=ranks,
-        )
+        job = submit(team, user, gpus=ranks)  # through the real action, as the tests do
         attempt = Attempt.objects.create(
             job=job,
             number=1,

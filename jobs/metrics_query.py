@@ -16,11 +16,12 @@ point.
 
 import math
 
-from django.db.models import Count, F, IntegerField, Max, Min
+from django.db.models import Avg, BigIntegerField, Count, F, IntegerField, Max, Min, Value
 from django.db.models.expressions import ExpressionWrapper
 
 from jobs import rollup
-from jobs.models import MetricPoint
+from jobs.conf import lockstep_setting
+from jobs.models import Allocation, Attempt, GpuSample, MetricPoint
 
 
 def metric_series(
@@ -152,11 +153,6 @@ def gpu_history(job_id: int, *, max_points: int = 300, since: int | None = None)
     `max_points` time buckets each: the mean utilization and memory of the samples in a bucket
     (one GROUP BY on the epoch seconds; GPU use is a level, not a curve with spikes to keep).
     `since` (epoch seconds) narrows it to the samples from then on."""
-    from django.db.models import Avg, BigIntegerField, Value
-
-    from jobs.conf import lockstep_setting
-    from jobs.models import Allocation, Attempt, GpuSample
-
     samples = GpuSample.objects.filter(job_id=job_id)
     if since is not None:
         samples = samples.filter(t__gte=since)
@@ -198,7 +194,7 @@ def gpu_history(job_id: int, *, max_points: int = 300, since: int | None = None)
                 "t": [],
                 "util": [],
                 "mem_used": [],
-                "mem_total": row["mem_total"],
+                "mem_total": None,  # the largest reading: a GPU's total does not change
             }
         line = series[key]
         line["t"].append(row["t"])

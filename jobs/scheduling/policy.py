@@ -197,8 +197,10 @@ def _whole_nodes(gpus: int, free: dict[int, list[int]], nodes: list[NodeView]):
     return chosen if need <= 0 else None
 
 
-def place(job: JobView, free: dict[int, list[int]], nodes: list[NodeView], largest=None):
-    """[(node, [gpu indices])] for the job, or None if it does not fit now."""
+def place(
+    job: JobView | RunningView, free: dict[int, list[int]], nodes: list[NodeView], largest=None
+):
+    """[(node, [gpu indices])] for `job.gpus` GPUs, or None if they do not fit now."""
     if largest is None:
         largest = max((n.total for n in nodes), default=0)
     if job.gpus <= largest:
@@ -264,13 +266,18 @@ def _victims(
         if not may_take(victim, chosen):
             continue
         chosen.append(victim)
-        for node_id, index in victim.slots:
-            if node_id in trial:
-                trial[node_id] = sorted({*trial[node_id], index})
+        _release(trial, victim)
         choice = place(job, trial, nodes)
         if choice is not None and (enough is None or enough(chosen)):
             return chosen, choice
     return None
+
+
+def _release(free: dict[int, list[int]], run: RunningView) -> None:
+    """Count the running job's GPUs as free in `free` (a trial copy), on the nodes it has."""
+    for node_id, index in run.slots:
+        if node_id in free:
+            free[node_id] = sorted({*free[node_id], index})
 
 
 def _cost(victims: list[RunningView], order) -> tuple:
@@ -350,9 +357,7 @@ def _victims_whole_nodes(job, candidates, free, nodes, may_take, order):
         else:
             chosen.extend(taken_here)
             for victim in taken_here:
-                for node_id, index in victim.slots:
-                    if node_id in trial:
-                        trial[node_id] = sorted({*trial[node_id], index})
+                _release(trial, victim)
             need -= node.total
     if need > 0 or not chosen:
         return None
@@ -756,13 +761,8 @@ def _grow_back(snapshot, teams, used, free, nodes, largest) -> list[Grow]:
         if team is None or used[team.id] - held + run.gpus > team.cap:
             continue
         trial = {node_id: list(indices) for node_id, indices in free.items()}
-        for node_id, index in run.slots:
-            if node_id in trial:
-                trial[node_id] = sorted({*trial[node_id], index})
-        if run.gpus <= largest:
-            choice = _single_node(run.gpus, trial, nodes)
-        else:
-            choice = _whole_nodes(run.gpus, trial, nodes)
+        _release(trial, run)
+        choice = place(run, trial, nodes, largest)  # its full size: run.gpus
         if choice is None:
             continue
         idle = sum(len(free[n.id]) for n in nodes)
