@@ -212,7 +212,7 @@
   // (every GPU_SAMPLE_S, averaged into time buckets for long runs); /gpus/ the latest reading.
   var LIVE_STATES = ["STARTING", "RUNNING", "PREEMPTING"];
   var GIB = Math.pow(2, 30);
-  var gpu = {traces: {}, timer: null, history: null, kept: 0};
+  var gpu = {traces: {}, timer: null, history: null};
   state.gpu = gpu;
   function gpuLayout(title, ytitle) {
     return layout(title, ytitle, {
@@ -256,7 +256,6 @@
           cpu = cpu && !s.mem_total;
           var xs = s.t.map(function (t) { return new Date(t * 1000); });
           var mems = s.mem_used.map(function (m) { return s.mem_total && m !== null ? m / GIB : null; });
-          gpu.kept += xs.length;
           gpuPoints(s.attempt, s.rank, s.node, s.gpu, xs, s.util, mems);
         });
         if (gpu.history.series.length) gpuNote(cpu);
