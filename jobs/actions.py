@@ -1542,9 +1542,9 @@ def do_flag_straggler(
 def do_propose_preemption(
     *, victim_id: int, claimant_id: int, kind: str, reason: str, now: datetime
 ) -> PreemptionRequest | None:
-    """Record a planned preemption; reclaims are approved and carried out at once, priority
-    preemptions wait for an admin or for their auto-approve deadline. None if the victim
-    already has an open request or is no longer running."""
+    """Record a planned preemption; reclaims and starvation claims are approved and carried
+    out at once, priority preemptions wait for an admin or for their auto-approve deadline.
+    None if the victim already has an open request or is no longer running."""
     with transaction.atomic():
         victim, _ = _lock_job_for_stop(victim_id)
         if victim.state not in (Job.State.STARTING, Job.State.RUNNING):
@@ -1566,7 +1566,7 @@ def do_propose_preemption(
             created_at=now,
             work_at_risk_s=max((now - since).total_seconds(), 0.0),
             auto_approve_at=None
-            if kind == PreemptionRequest.Kind.RECLAIM
+            if kind in PreemptionRequest.AUTOMATIC
             else now + timedelta(seconds=lockstep_setting("PREEMPTION_APPROVAL_DELAY_S")),
         )
         _event(
@@ -1576,8 +1576,9 @@ def do_propose_preemption(
             team_id=victim.team_id,
             data={"request": request.id, "claimant": claimant_id, "kind": kind},
         )
-        if kind == PreemptionRequest.Kind.RECLAIM:
-            # Reclaims are automatic: lent GPUs go back to their owner without asking anyone.
+        if kind in PreemptionRequest.AUTOMATIC:
+            # Reclaims are automatic: lent GPUs go back to their owner without asking anyone;
+            # so are starvation claims (they take no team below its quota).
             # In the proposal's transaction: a reclaim has no approval deadline, so one left
             # proposed (its approval a deadlock victim) would block every later proposal for
             # this victim and never be carried out. Rolled back whole, the next pass proposes
@@ -1602,8 +1603,8 @@ def do_decide_preemption(
             actor.username
             if actor
             else (
-                "automatic (reclaim)"
-                if request.kind == PreemptionRequest.Kind.RECLAIM
+                f"automatic ({request.kind})"
+                if request.kind in PreemptionRequest.AUTOMATIC
                 else "automatic (approval deadline passed)"
             )
         )

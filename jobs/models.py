@@ -346,14 +346,19 @@ class Event(models.Model):
 class PreemptionRequest(models.Model):
     """A decision to checkpoint-and-stop a running job (the victim) for a queued one.
 
-    Reclaims (a team taking back its quota from borrowers) are approved at once; priority
-    preemptions wait for an admin, and approve themselves at `auto_approve_at` so the time a
-    claimant waits stays bounded.
+    Reclaims (a team taking back its quota from borrowers) and starvation claims (scheduling
+    rule 4) are approved at once; priority preemptions wait for an admin, and approve
+    themselves at `auto_approve_at` so the time a claimant waits stays bounded.
     """
 
     class Kind(models.TextChoices):
         RECLAIM = "reclaim"
         PRIORITY = "priority"
+        STARVATION = "starvation"  # a job waiting many times its length (scheduling rule 4)
+
+    # Carried out at once, without an admin: reclaims give lent GPUs back to their owner, and
+    # a starvation claim takes only its own team's or heavier teams' work beyond their quotas.
+    AUTOMATIC = (Kind.RECLAIM, Kind.STARVATION)
 
     class State(models.TextChoices):
         PROPOSED = "proposed"

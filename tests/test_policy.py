@@ -348,6 +348,98 @@ def test_a_starving_job_gets_no_reservation_on_nodes_too_small_for_it():
     assert p.reasons[3].startswith("waiting for 2 GPUs")  # one free GPU per small node
 
 
+def _starving(job_id, gpus, team_view, waited_s, estimate=600, **kw):
+    return job(job_id, gpus, team_id=team_view.id, submitted=-waited_s, estimate=estimate, **kw)
+
+
+def test_a_job_waiting_six_times_its_length_stops_its_own_teams_work_beyond_the_quota():
+    # A heavy borrower (quota 8, 16 in use): its 10-minute job has waited 4,000 s behind its
+    # own 2-hour jobs on a full cluster. It stops one of them (checkpoint first, at once).
+    heavy = team("heavy", quota=8, borrow=24, used=16)
+    n1, n2 = node("n1", 8, busy=8), node("n2", 8, busy=8)
+    runs = [
+        running(10, n1, range(8), team_id=heavy.id, ends_in=7200, checkpoint_age=900),
+        running(11, n2, range(8), team_id=heavy.id, ends_in=7200, checkpoint_age=60),
+    ]
+    p = plan(snapshot([n1, n2], [_starving(1, 8, heavy, 4000)], [heavy], runs))
+    (pre,) = p.preemptions
+    assert (pre.victim_job_id, pre.claimant_job_id, pre.kind) == (11, 1, "starvation")
+    assert p.reasons[1] == (
+        "waiting for job 11 to checkpoint and stop (it has waited 7 times its length); "
+        "8 GPUs reserved"
+    )
+    # 5.8 times its length: it only holds a reservation.
+    p = plan(snapshot([n1, n2], [_starving(1, 8, heavy, 3500)], [heavy], runs))
+    assert p.preemptions == ()
+    # Never below its team's quota: with quota 16 the team's 16 GPUs are all guaranteed.
+    within = dataclasses.replace(heavy, quota=16)
+    p = plan(snapshot([n1, n2], [_starving(1, 8, within, 4000)], [within], runs))
+    assert p.preemptions == ()
+
+
+def test_a_starvation_claim_takes_borrowed_work_of_heavier_teams_never_of_lighter_ones():
+    # The claimant's team uses 3x its quota; "other" runs two 4-GPU jobs, 4 GPUs beyond its
+    # quota of 4. A 4-GPU job of "other" is the cheaper victim, but only when "other" is the
+    # heavier team by fair share; else the claimant stops its own team's 8-GPU job.
+    mine = team("mine", quota=8, borrow=24, used=24)
+    n1, n2, n3, n4 = (node(f"n{i}", 8, busy=8) for i in range(1, 5))
+    runs = [
+        running(10, n1, range(8), team_id=mine.id, ends_in=7200, checkpoint_age=600),
+        running(11, n2, range(8), team_id=mine.id, ends_in=7200, checkpoint_age=600),
+        running(12, n3, range(8), team_id=mine.id, ends_in=7200, checkpoint_age=600),
+    ]
+
+    def victims(other_weight):
+        other = team("other", quota=4, borrow=8, used=8, weight=other_weight)
+        jobs_of_other = [
+            running(20, n4, range(4), team_id=other.id, ends_in=7200, checkpoint_age=600),
+            running(21, n4, range(4, 8), team_id=other.id, ends_in=7200, checkpoint_age=60),
+        ]
+        queue = [_starving(1, 4, mine, 4000)]
+        p = plan(snapshot([n1, n2, n3, n4], queue, [mine, other], runs + jobs_of_other))
+        return {(x.victim_job_id, x.kind) for x in p.preemptions}
+
+    # fair share: mine 24 / 8 = 3; other 8 / 4 = 2 (lighter), or 8 / (4 x 0.25) = 8 (heavier).
+    (mine_stopped,) = victims(1.0)
+    assert mine_stopped in {(10, "starvation"), (11, "starvation"), (12, "starvation")}
+    assert victims(0.25) == {(21, "starvation")}
+
+
+def test_a_starvation_claim_spares_jobs_that_end_first_just_started_or_outrank_it():
+    heavy = team("heavy", quota=0, borrow=16, used=8)
+    n = node("n1", 8, busy=8)
+
+    def victims(**run):
+        args = {"ends_in": 7200, "checkpoint_age": 600, "started_ago": 3600, "prio": 1} | run
+        runs = [running(10, n, range(8), team_id=heavy.id, **args)]
+        p = plan(snapshot([n], [_starving(1, 8, heavy, 4000)], [heavy], runs))
+        return [x.victim_job_id for x in p.preemptions]
+
+    assert victims() == [10]
+    assert victims(ends_in=500) == []  # it ends before the claimant would: waiting is cheaper
+    assert victims(started_ago=300) == []  # within its exempt time: no stop-restart chains
+    assert victims(prio=2) == []  # higher priority
+
+
+def test_guaranteed_reclaims_go_before_starvation_claims_in_a_pass():
+    # One lendable 8-GPU job. The starving borrower is ordered first (aged), but the job
+    # queued within its team's quota reclaims it; the starving job claims nothing.
+    lender = team("lender", quota=0, borrow=8, used=8)
+    starver = team("starver", quota=8, borrow=8, used=0)
+    owner = team("owner", quota=8, used=0)
+    n = node("n1", 8, busy=8)
+    runs = [running(10, n, range(8), team_id=lender.id, ends_in=7200, checkpoint_age=600)]
+    starving = _starving(1, 16, starver, 40000, estimate=6000)
+    queue = [starving, job(2, 8, team_id=owner.id)]
+    p = plan(snapshot([n], queue, [lender, starver, owner], runs))
+    assert {(x.victim_job_id, x.claimant_job_id, x.kind) for x in p.preemptions} == {
+        (10, 2, "reclaim")
+    }
+    # Without the owner's job, the starving job (16 GPUs) still finds no room on one node.
+    p = plan(snapshot([n], [starving], [lender, starver], runs))
+    assert p.preemptions == ()
+
+
 def test_reclaim_takes_borrowed_gpus_lowest_priority_and_least_work_lost_first():
     owner = team("owner", quota=8, used=0)
     guest = team("guest", quota=0, borrow=16, used=8)

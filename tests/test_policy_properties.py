@@ -9,7 +9,7 @@ from datetime import timedelta
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs.scheduling.policy import plan
+from jobs.scheduling.policy import fair_share, plan
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 from tests.builders import T0
 
@@ -30,7 +30,8 @@ def clusters(draw):
         for i in range(n_nodes)
     ]
     n_teams = draw(st.integers(1, 4))
-    quotas = [draw(st.integers(0, n_nodes * gpn)) for _ in range(n_teams)]
+    # Teams with no quota borrow everything: their work is reclaimed or starvation-claimed.
+    quotas = [draw(st.sampled_from([0, 0, 1, gpn, n_nodes * gpn])) for _ in range(n_teams)]
     borrows = [draw(st.integers(0, n_nodes * gpn)) for _ in range(n_teams)]
     # Running jobs take disjoint GPUs; each team's usage is what it runs.
     free = {n.id: list(range(gpn)) for n in nodes}
@@ -52,7 +53,9 @@ def clusters(draw):
                 priority=draw(st.integers(0, 3)),
                 slots=tuple((node.id, i) for i in take),
                 started_at=T0 - timedelta(seconds=draw(st.integers(1, 10_000))),
-                expected_end=draw(st.one_of(st.none(), st.just(T0 + timedelta(seconds=600)))),
+                expected_end=draw(
+                    st.sampled_from([None, T0 + timedelta(seconds=600), T0 + timedelta(days=1)])
+                ),
                 last_checkpoint_at=None,
                 stopping=draw(st.booleans()) and draw(st.booleans()),
             )
@@ -87,7 +90,8 @@ def clusters(draw):
             team_id=draw(st.integers(1, n_teams)),
             gpus=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
             priority=draw(st.integers(0, 3)),
-            submitted_at=T0 + timedelta(seconds=draw(st.integers(0, 1000))),
+            # Some have waited many times their length (aging, starvation claims).
+            submitted_at=T0 + timedelta(seconds=draw(st.integers(-40_000, 1000))),
             runtime_estimate_s=draw(st.one_of(st.none(), st.integers(1, 5000))),
         )
         for j in range(1, draw(st.integers(0, 25)) + 1)
@@ -180,6 +184,16 @@ def test_plans_never_break_the_invariants(snap):
             if claimant.id not in claimants:
                 claimants.add(claimant.id)
                 claiming[claimant.team_id] += claimant.gpus
+        elif pre.kind == "starvation":
+            # Rule 4: no higher priority, the claimant's own team or a team with at least its
+            # fair share, and that team stays at or above its quota.
+            claimant = jobs[pre.claimant_job_id]
+            assert victim.priority <= claimant.priority
+            assert victim.team_id == claimant.team_id or fair_share(
+                teams[victim.team_id]
+            ) >= fair_share(teams[claimant.team_id])
+            reclaimed[victim.team_id] += victim.gpus
+            assert after[victim.team_id] - reclaimed[victim.team_id] >= teams[victim.team_id].quota
         else:
             assert victim.priority < jobs[pre.claimant_job_id].priority
     # Claimants are within their quota, counting the team's other claims of the pass (and

@@ -228,3 +228,48 @@ def test_priority_preemption_approves_itself_at_its_deadline(two_teams):
     assert Event.objects.filter(
         kind="preemption.approved", message__contains="approval deadline passed"
     ).exists()
+
+
+@pytest.mark.django_db
+def test_a_starving_job_stops_its_own_teams_long_job_at_once_and_runs(two_teams):
+    """Scheduling rule 4's starvation claim, live: the guest's 2-minute job has waited over
+    six times its stretch floor (10 min) behind the guest's own 2-hour job on the only node.
+    The long job is stopped at once (no admin: the guest stays at or above its quota of 0),
+    checkpoints, and is requeued without pausing the guest's borrowing; the short job runs."""
+    _, (guest, gus), node, root = two_teams
+    guest.borrow_limit = 4
+    guest.save()
+    long_job = submit(guest, gus, gpus=2, time_limit_s=7200)
+    run_pass()
+    attempt = live_attempt(long_job)
+    beat(node, attempt, {0: None, 1: None})
+    now = timezone.now()
+    attempt.created_at = now - timedelta(seconds=3600)  # past its exempt time
+    attempt.save(update_fields=["created_at"])
+    short = submit(guest, gus, gpus=2, time_limit_s=120)
+    Job.objects.filter(pk=short.pk).update(submitted_at=now - timedelta(seconds=3000))
+    run_pass()
+    assert not PreemptionRequest.objects.exists()  # 5 times its length: it only waits
+    Job.objects.filter(pk=short.pk).update(submitted_at=now - timedelta(seconds=3700))
+    run_pass()
+    (request,) = PreemptionRequest.objects.all()
+    assert (request.kind, request.state, request.victim, request.claimant) == (
+        "starvation",
+        "executed",
+        long_job,
+        short,
+    )
+    assert request.auto_approve_at is None and request.decided_by is None
+    assert Event.objects.filter(
+        kind="preemption.approved", message__contains="automatic (starvation)"
+    ).exists()
+    short.refresh_from_db()
+    assert short.reason.startswith(
+        f"waiting for job {long_job.id} to checkpoint and stop (it has waited 6 times its length)"
+    )
+    _stop_and_exit(node, attempt, root)
+    run_pass()
+    assert live_attempt(short).allocations.count() == 2
+    long_job.refresh_from_db()
+    assert long_job.state == "QUEUED" and "borrowing paused" not in long_job.reason
+    assert long_job.checkpoints.get().preemption is True

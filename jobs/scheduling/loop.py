@@ -94,7 +94,7 @@ def housekeeping(now) -> None:
     # committed before its approval failed (code before reclaims were proposed and approved
     # in one transaction); carry it out now.
     for request in PreemptionRequest.objects.filter(
-        Q(auto_approve_at__lte=now) | Q(kind=PreemptionRequest.Kind.RECLAIM),
+        Q(auto_approve_at__lte=now) | Q(kind__in=PreemptionRequest.AUTOMATIC),
         state=PreemptionRequest.State.PROPOSED,
     ):
         actions.do_decide_preemption(request, approve=True, actor=None, now=now)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from jobs.scheduling.policy import AUTOMATIC_KINDS
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 
 EPOCH = datetime(2021, 3, 4, tzinfo=UTC)  # t = 0 of the virtual clock (any aware time works)
@@ -687,8 +688,9 @@ class _Engine:
         heapq.heappush(self.events, (t, self.seq, kind, jid, attempt))
 
     def _preempt(self, proposal, t: float) -> None:
-        """As the live system: one open request per victim; reclaims are carried out at once,
-        priority preemptions when their approval deadline passes (no admin in a simulation)."""
+        """As the live system: one open request per victim; reclaims and starvation claims are
+        carried out at once, priority preemptions when their approval deadline passes (no
+        admin in a simulation)."""
         self.preemptions["proposed"] += 1
         jid = proposal.victim_job_id
         run = self.running.get(jid)
@@ -698,7 +700,7 @@ class _Engine:
         kind = proposal.kind
         self.preemptions_by_kind[kind] = self.preemptions_by_kind.get(kind, 0) + 1
         self.open_requests[jid] = (proposal.claimant_job_id, kind)
-        if kind == "reclaim" or self.cfg.approval_delay_s <= 0:
+        if kind in AUTOMATIC_KINDS or self.cfg.approval_delay_s <= 0:
             self._execute(jid, t)
         else:
             self._push(t + self.cfg.approval_delay_s, _APPROVE, jid, run.attempt)
