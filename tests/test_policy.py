@@ -422,22 +422,37 @@ def test_a_starvation_claim_spares_jobs_that_end_first_just_started_or_outrank_i
 
 
 def test_guaranteed_reclaims_go_before_starvation_claims_in_a_pass():
-    # One lendable 8-GPU job. The starving borrower is ordered first (aged), but the job
-    # queued within its team's quota reclaims it; the starving job claims nothing.
-    lender = team("lender", quota=0, borrow=8, used=8)
-    starver = team("starver", quota=8, borrow=8, used=0)
+    # The lender holds 8 GPUs beyond its quota: one job's worth may go. The starving
+    # borrower is ordered first (aged), but the job queued within its team's quota reclaims
+    # it; the starving job may not take the lender below its quota and claims nothing.
+    lender = team("lender", quota=8, borrow=8, used=16)
+    starver = team("starver", quota=0, borrow=16, used=0)
     owner = team("owner", quota=8, used=0)
-    n = node("n1", 8, busy=8)
-    runs = [running(10, n, range(8), team_id=lender.id, ends_in=7200, checkpoint_age=600)]
-    starving = _starving(1, 16, starver, 40000, estimate=6000)
-    queue = [starving, job(2, 8, team_id=owner.id)]
-    p = plan(snapshot([n], queue, [lender, starver, owner], runs))
-    assert {(x.victim_job_id, x.claimant_job_id, x.kind) for x in p.preemptions} == {
-        (10, 2, "reclaim")
-    }
-    # Without the owner's job, the starving job (16 GPUs) still finds no room on one node.
-    p = plan(snapshot([n], [starving], [lender, starver], runs))
+    n1, n2 = node("n1", 8, busy=8), node("n2", 8, busy=8)
+    runs = [
+        running(10, n1, range(8), team_id=lender.id, ends_in=7200, checkpoint_age=600),
+        running(11, n2, range(8), team_id=lender.id, ends_in=7200, checkpoint_age=600),
+    ]
+    starving = _starving(1, 8, starver, 4000)
+    teams = [lender, starver, owner]
+    p = plan(snapshot([n1, n2], [starving, job(2, 8, team_id=owner.id)], teams, runs))
+    assert [(x.victim_job_id, x.claimant_job_id, x.kind) for x in p.preemptions] == [
+        (11, 2, "reclaim")
+    ]
+    # Without the owner's job the starving job takes it.
+    p = plan(snapshot([n1, n2], [starving], teams, runs))
+    assert [(x.victim_job_id, x.claimant_job_id, x.kind) for x in p.preemptions] == [
+        (11, 1, "starvation")
+    ]
+    # On one node the starving head reserves it, and reclaims may not stop jobs on the
+    # head's reservation: the head does not take there what the guaranteed job could not.
+    only = [running(10, n1, range(8), team_id=lender.id, ends_in=7200, checkpoint_age=600)]
+    lender = dataclasses.replace(lender, used=8, quota=0)
+    teams = [lender, starver, owner]
+    p = plan(snapshot([n1], [starving, job(2, 8, team_id=owner.id)], teams, only))
     assert p.preemptions == ()
+    p = plan(snapshot([n1], [starving], teams, only))
+    assert [(x.victim_job_id, x.kind) for x in p.preemptions] == [(10, "starvation")]
 
 
 def test_reclaim_takes_borrowed_gpus_lowest_priority_and_least_work_lost_first():

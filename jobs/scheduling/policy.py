@@ -482,6 +482,7 @@ def plan(snapshot: Snapshot) -> Plan:
     hold_failed_from: dict[bool, int] = {}  # one node or whole nodes -> smallest job refused
     starving: list[tuple[JobView, TeamView]] = []  # blocked at STARVING_CLAIM_STRETCH or more
     head_nodes: frozenset[int] = frozenset()  # the first blocked job's own reservation
+    guaranteed_waiting = False  # a job within its team's quota found no victims this pass
     smallest_failed: dict[tuple, int] = {}
 
     def usable_for(job: JobView) -> tuple[tuple, list[NodeView]]:
@@ -656,6 +657,8 @@ def plan(snapshot: Snapshot) -> Plan:
                 )
                 if claimed is None:
                     claim_failed.add(attempt_key)
+            if claimed is None and guaranteed:
+                guaranteed_waiting = True
             elastic = _shrunk(job, free, usable, largest) if claimed is None else None
             if elastic is not None:
                 size, choice = elastic
@@ -756,26 +759,32 @@ def plan(snapshot: Snapshot) -> Plan:
     # victims taken or their nodes reserved by a borrower (that ran reclaim clocks past the
     # bound in the simulator).
     for job, team in starving:
-        # The first blocked job may also stop work on the nodes it reserved.
         head = reservation is not None and reservation[0] == job.id
         attempt_key = (team.id, job.gpus, "starvation", head)
         if attempt_key in claim_failed:
             continue
-        claim_nodes = claimable + [n for n in nodes if n.id in head_nodes] if head else claimable
-        claimed = _starvation_claim(
-            job,
-            team,
-            by_victim_order,
-            taken,
-            teams,
-            used,
-            free,
-            claim_nodes,
-            victim_key,
-            lent,
-            now,
-            snapshot.preempt_exempt_s,
-        )
+        claimed = None
+        # Outside the head's reservation first; the head itself, failing that, on its own
+        # reserved nodes (where it would otherwise wait for them to drain), unless a
+        # guaranteed job waits: reclaims may not stop jobs there, so the head would take the
+        # victims a reclaim could not (a reclaim clock past its bound).
+        own = [n for n in nodes if n.id in head_nodes] if head and not guaranteed_waiting else []
+        for claim_nodes in (claimable, own):
+            if claimed is None and claim_nodes:
+                claimed = _starvation_claim(
+                    job,
+                    team,
+                    by_victim_order,
+                    taken,
+                    teams,
+                    used,
+                    free,
+                    claim_nodes,
+                    victim_key,
+                    lent,
+                    now,
+                    snapshot.preempt_exempt_s,
+                )
         if claimed is None:
             claim_failed.add(attempt_key)
             continue
