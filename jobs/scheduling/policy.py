@@ -167,6 +167,9 @@ MAX_STARVING_HOLDS = 4
 # of the heaviest borrowers waiting 10-12 times their length on the msft trace at 1,280
 # GPUs: the nodes that free first held jobs hours long.
 STARVING_CLAIM_STRETCH = 6.0
+# Victim searches for starvation claims per pass, the most starved first: each scans the
+# running jobs, and a synthetic 10,000-job queue with half of it starving doubled the pass.
+MAX_STARVATION_SEARCHES = 8
 
 
 def job_order_key(job: JobView, teams: dict[int, TeamView] | None = None, now=None):
@@ -758,11 +761,16 @@ def plan(snapshot: Snapshot) -> Plan:
     # Rule 4's starvation claims come last: a guaranteed job's reclaim must not find its
     # victims taken or their nodes reserved by a borrower (that ran reclaim clocks past the
     # bound in the simulator).
+    searches = 0
+    refused: dict[tuple[int, bool], int] = {}  # (team id, head) -> smallest job that found none
     for job, team in starving:
         head = reservation is not None and reservation[0] == job.id
-        attempt_key = (team.id, job.gpus, "starvation", head)
-        if attempt_key in claim_failed:
+        # Victims and free GPUs only shrink within a pass: a larger job of the team fails too.
+        if job.gpus >= refused.get((team.id, head), 1 << 30):
             continue
+        if searches == MAX_STARVATION_SEARCHES:
+            break
+        searches += 1
         claimed = None
         # Outside the head's reservation first; the head itself, failing that, on its own
         # reserved nodes (where it would otherwise wait for them to drain), unless a
@@ -786,7 +794,7 @@ def plan(snapshot: Snapshot) -> Plan:
                     snapshot.preempt_exempt_s,
                 )
         if claimed is None:
-            claim_failed.add(attempt_key)
+            refused[(team.id, head)] = job.gpus
             continue
         victims, choice = claimed
         taken.update(v.id for v in victims)
