@@ -73,8 +73,8 @@ class Preemption:
     kind "reclaim": the claimant's team is under its quota and the victim runs on borrowed
     GPUs (automatic). kind "priority": a higher-priority claimant (a proposal for admins).
     kind "starvation": the claimant has waited STARVING_CLAIM_STRETCH times its length and
-    the victim is its own team's work beyond the quota, or borrowed work of a team with a
-    larger fair share (automatic, rule 4).
+    the victim is its own team's work beyond the quota, or borrowed work of a team with at
+    least its team's fair share (automatic, rule 4).
     """
 
     victim_job_id: int
