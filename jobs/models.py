@@ -8,6 +8,8 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from jobs.scheduling.policy import AUTOMATIC_KINDS
+
 
 class Node(models.Model):
     class State(models.TextChoices):
@@ -356,9 +358,10 @@ class PreemptionRequest(models.Model):
         PRIORITY = "priority"
         STARVATION = "starvation"  # a job waiting many times its length (scheduling rule 4)
 
-    # Carried out at once, without an admin: reclaims give lent GPUs back to their owner, and
-    # a starvation claim takes only its own team's or heavier teams' work beyond their quotas.
-    AUTOMATIC = (Kind.RECLAIM, Kind.STARVATION)
+    # Carried out at once, without an admin (the policy's list, which the simulator follows):
+    # reclaims give lent GPUs back to their owner, and a starvation claim takes only its own
+    # team's or heavier teams' work beyond their quotas.
+    AUTOMATIC = tuple(map(Kind, AUTOMATIC_KINDS))
 
     class State(models.TextChoices):
         PROPOSED = "proposed"

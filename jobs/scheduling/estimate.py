@@ -12,7 +12,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 
 from jobs.conf import DEFAULTS
-from jobs.scheduling.policy import plan
+from jobs.scheduling.policy import AUTOMATIC_KINDS, plan
 from jobs.scheduling.snapshot import RunningView, Snapshot
 
 DEFAULT_RUNTIME_S = 3600.0
@@ -79,7 +79,7 @@ def estimate_starts(
         # which holds the victim's nodes, so later plans of the replay neither reclaim again
         # for it nor give the freed GPUs to another job.
         for preemption in result.preemptions:
-            delay = stop_grace_s + (approval_delay_s if preemption.kind == "priority" else 0.0)
+            delay = stop_grace_s + (0.0 if preemption.kind in AUTOMATIC_KINDS else approval_delay_s)
             for index, run in enumerate(running):
                 if run.id == preemption.victim_job_id and not run.stopping:
                     end = min(ends[run.id], clock + timedelta(seconds=delay))
