@@ -282,9 +282,12 @@ def test_resubmit_prefills_the_form(cluster, page):
 
 def test_a_checkpoint_becomes_a_model_version_with_lineage_and_weights(cluster, page):
     page.goto(f"{cluster.url}/jobs/{cluster.running}/")
-    row = page.locator("#checkpoints tbody tr[data-step]").first
-    row.wait_for(timeout=120_000)
-    step = row.get_attribute("data-step")
+    newest = page.locator("#checkpoints tbody tr[data-step]").first
+    newest.wait_for(timeout=120_000)
+    step = newest.get_attribute("data-step")
+    # Pin the row by its step: a checkpoint committing meanwhile is inserted above it, and
+    # `.first` would then point the fill and the click at different rows.
+    row = page.locator(f'#checkpoints tbody tr[data-step="{step}"]')
     row.locator("input[name=name]").fill("adder")
     row.locator("input[name=notes]").fill("first look")
     row.locator("button").click()
