@@ -22,7 +22,9 @@ launcher and compared.
     flock /tmp/lockstep-bench.lock .venv/bin/python bench/overhead.py
     # writes bench/results/overhead.json and docs/figures/overhead.png
     # env: BENCH_ROUNDS, BENCH_STEPS, BENCH_SETTINGS (production,production-cold,test),
-    # BENCH_CONFIGS (saturated,headroom)
+    # BENCH_CONFIGS (saturated,headroom), BENCH_CONTROL=1 (a second torchrun run in every
+    # round: the torchrun/torchrun ratio is the noise floor the Lockstep ratio is read against),
+    # BENCH_OUT (results file, default bench/results/overhead.json)
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ STEPS = int(os.environ.get("BENCH_STEPS", "160"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 SETTINGS = os.environ.get("BENCH_SETTINGS", "production,production-cold,test").split(",")
 CONFIG_NAMES = os.environ.get("BENCH_CONFIGS", "saturated,headroom").split(",")
+CONTROL = os.environ.get("BENCH_CONTROL", "0") == "1"
+OUT = Path(os.environ.get("BENCH_OUT", "bench/results/overhead.json"))
 EVERY, WARMUP, SAMPLE_S = 20, 10, 0.2
 TRAIN = [
     "-m",
@@ -414,12 +418,15 @@ def run_phase(setting: str, work: Path) -> list[dict]:
             for name in CONFIG_NAMES:
                 cfg = CONFIGS[name]
                 tag = f"{setting}-{name}-{i}"
-                order = ["torchrun", "lockstep"] if i % 2 == 0 else ["lockstep", "torchrun"]
+                order = ["torchrun", "lockstep"] + (["torchrun-control"] if CONTROL else [])
+                if i % 2:
+                    order.reverse()
                 for launcher in order:
-                    if launcher == "torchrun":
-                        run = run_torchrun(work, tag, cfg, named)
-                    else:
+                    if launcher == "lockstep":
                         run = run_lockstep(live, api, tag, cfg, named)
+                    else:
+                        run = run_torchrun(work, f"{tag}-{launcher}", cfg, named)
+                        run["launcher"] = launcher
                     run.update(setting=setting, config=name, round=i + 1)
                     runs.append(run)
                     brief = {k: v for k, v in run.items() if k not in ("rank0", "metric_files")}
@@ -443,13 +450,16 @@ def summarize(runs: list[dict]) -> dict:
             sel = [r for r in runs if r["setting"] == setting and r["config"] == name]
             by = {
                 launcher: [r for r in sel if r["launcher"] == launcher]
-                for launcher in ("torchrun", "lockstep")
+                for launcher in ("torchrun", "lockstep", "torchrun-control")
             }
             t = [r["median_tokens_per_s"] for r in by["torchrun"]]
             lk = [r["median_tokens_per_s"] for r in by["lockstep"]]
             per_round = [b / a for a, b in zip(t, lk, strict=True)]
+            control = by["torchrun-control"]
             cores = {}
             for launcher, rs in by.items():
+                if not rs:
+                    continue
                 cores[launcher] = {
                     col: round(
                         statistics.median(
@@ -483,9 +493,28 @@ def summarize(runs: list[dict]) -> dict:
                     "lockstep": statistics.median(lk),
                 },
                 "median_cores_used_in_window": cores,
+                **(control_summary(t, lk, control) if control else {}),
                 "rank0_env_diff": env_diff(by["torchrun"][0]["rank0"], by["lockstep"][0]["rank0"]),
             }
     return out
+
+
+def control_summary(t: list[float], lk: list[float], control_runs: list[dict]) -> dict:
+    """With a second torchrun run in every round: the torchrun/torchrun ratio (what the same
+    launcher reads against itself on this host, the noise floor) and Lockstep against both
+    torchrun runs pooled (twice the baseline samples)."""
+    c = [r["median_tokens_per_s"] for r in control_runs]
+    pooled = statistics.median(t + c)
+    return {
+        "control_ratio_torchrun_over_torchrun": statistics.median(c) / statistics.median(t),
+        "control_per_round_ratios": [b / a for a, b in zip(t, c, strict=True)],
+        "ratio_lockstep_over_pooled_torchrun": statistics.median(lk) / pooled,
+        "ratio_of_means_lockstep_over_pooled_torchrun": statistics.mean(lk)
+        / statistics.mean(t + c),
+    }
+
+
+LABELS = {"torchrun": "torch", "torchrun-control": "ctl", "lockstep": "lockst"}
 
 
 def plot(runs: list[dict], summary: dict) -> None:
@@ -509,11 +538,14 @@ def plot(runs: list[dict], summary: dict) -> None:
         ax.bar(
             xs,
             [r["median_tokens_per_s"] for r in sel],
-            color=["tab:gray" if r["launcher"] == "torchrun" else "tab:green" for r in sel],
+            color=["tab:green" if r["launcher"] == "lockstep" else "tab:gray" for r in sel],
         )
-        ax.set_xticks(list(xs), [f"{r['launcher'][:5]}\nr{r['round']}" for r in sel], fontsize=7)
+        ticks = [f"{LABELS[r['launcher']]}\nr{r['round']}" for r in sel]
+        ax.set_xticks(list(xs), ticks, fontsize=7)
         ratio = summary[key]["ratio_lockstep_over_torchrun"]
-        ax.set_title(f"{setting}, {name} ({CONFIGS[name]['ranks']} rank)\nratio {ratio:.3f}")
+        noise = summary[key].get("control_ratio_torchrun_over_torchrun")
+        also = f", torchrun/torchrun {noise:.3f}" if noise else ""
+        ax.set_title(f"{setting}, {name} ({CONFIGS[name]['ranks']} rank)\nratio {ratio:.3f}{also}")
         ax.set_ylabel("median tokens/s, rank 0")
     fig.suptitle("Lockstep (green) vs torchrun (gray), goal ratio >= 0.98")
     fig.tight_layout()
@@ -547,7 +579,7 @@ def main() -> None:
         "summary": summary,
         "runs": runs,
     }
-    (ROOT / "bench/results/overhead.json").write_text(json.dumps(out, indent=1))
+    (ROOT / OUT).write_text(json.dumps(out, indent=1))
     for key, s in summary.items():
         print(
             key,

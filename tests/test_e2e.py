@@ -116,15 +116,20 @@ def test_websocket_client_receives_metrics_while_the_job_trains(cluster, job):
         # Generous: on a loaded 2-core CI machine four trainers take a while to import torch.
         deadline = time.monotonic() + 90
         metrics = []
-        while time.monotonic() < deadline and len(metrics) < 3:
+
+        def rank0_steps():
+            return [p["step"] for m in metrics for p in m["points"] if p["rank"] == 0]
+
+        # Each agent's heartbeat is a message of its own, and a slow host can put a single
+        # step of rank 0 in the first few: read until rank 0 has moved on by a step.
+        while time.monotonic() < deadline and len(set(rank0_steps())) < 2:
             message = json.loads(ws.recv(timeout=max(deadline - time.monotonic(), 0.1)))
             if message["type"] == "metrics":
                 metrics.append(message)
-    assert len(metrics) == 3
     names = {p["name"] for m in metrics for p in m["points"]}
     assert {"loss", "tokens_per_s", "step_time_s"} <= names
-    steps = [p["step"] for m in metrics for p in m["points"] if p["rank"] == 0]
-    assert steps == sorted(steps) and steps[-1] > steps[0]
+    steps = rank0_steps()
+    assert steps and steps == sorted(steps) and steps[-1] > steps[0], steps
 
 
 def test_another_teams_user_gets_404_for_the_job_its_metrics_and_its_websocket(cluster, job):

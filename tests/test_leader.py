@@ -13,6 +13,7 @@ from django.conf import settings
 from jobs.scheduling.leader import LeaderLease, lease_key
 from jobs.scheduling.wake import redis_client
 from portal.settings import sqlite_database
+from tests.live import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,7 +87,14 @@ def test_a_second_scheduler_stands_by_and_takes_over_when_the_leader_stops(tmp_p
     try:
         _wait_for_holder(key, leader.pid)
         standby = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=logs["standby"])
-        time.sleep(2)
+        # Until the standby has tried and lost (a loaded host takes seconds to start Django),
+        # then a few more of its ticks: the leader keeps the lease throughout.
+        wait_for(
+            lambda: "is not the leader" in (tmp_path / "standby.log").read_text(),
+            120,
+            "the standby to find a leader",
+        )
+        time.sleep(1)
         assert standby.poll() is None and _holder_pid(key) == leader.pid
         leader.terminate()  # SIGTERM: releases the lease on the way out
         assert leader.wait(timeout=30) == 0
