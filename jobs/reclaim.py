@@ -15,13 +15,15 @@ from datetime import datetime
 from jobs.conf import lockstep_setting
 from jobs.models import Job, PreemptionRequest
 
-KINDS = (PreemptionRequest.Kind.RECLAIM, PreemptionRequest.Kind.PRIORITY)
+# Every kind the model knows: a report that listed only some raised KeyError on the others.
+KINDS = tuple(PreemptionRequest.Kind)
 
 
 def reclaim_bound_s(kind: str) -> float:
-    """STOP_GRACE_S + SCHEDULER_TICK_S, plus PREEMPTION_APPROVAL_DELAY_S for a priority one."""
+    """STOP_GRACE_S + SCHEDULER_TICK_S, plus PREEMPTION_APPROVAL_DELAY_S for a kind that waits
+    for an admin (one that is not carried out at once)."""
     bound = lockstep_setting("STOP_GRACE_S") + lockstep_setting("SCHEDULER_TICK_S")
-    if kind == PreemptionRequest.Kind.PRIORITY:
+    if kind not in PreemptionRequest.AUTOMATIC:
         bound += lockstep_setting("PREEMPTION_APPROVAL_DELAY_S")
     return float(bound)
 

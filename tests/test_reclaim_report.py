@@ -83,9 +83,9 @@ def test_the_summary_counts_claims_per_team_against_their_bound(claims):
 
     mine = summary[owner.id]
     assert (mine["claims"], mine["median_s"], mine["max_s"]) == (4, 75.0, 200.0)
-    assert mine["by_kind"] == {"reclaim": 3, "priority": 1}
+    assert mine["by_kind"] == {"reclaim": 3, "priority": 1, "starvation": 0}
     assert (mine["breaches"], mine["waiting"], mine["breached"]) == (1, 0, True)
-    assert mine["bound_s"] == {"reclaim": 65.0, "priority": 365.0}
+    assert mine["bound_s"] == {"reclaim": 65.0, "priority": 365.0, "starvation": 65.0}
     theirs = summary[guest.id]
     assert (theirs["claims"], theirs["median_s"], theirs["breaches"]) == (0, None, 0)
     assert (theirs["waiting"], theirs["waiting_over_bound"], theirs["breached"]) == (1, 1, True)
@@ -122,7 +122,7 @@ def test_the_console_shows_reclaim_times_with_breaches_highlighted(claims, make_
     assert "75 s" in cells and "3.3 min" in cells and "<strong>1</strong>" in cells
     css, cells = rows["guest"]
     assert css == "breach" and "1 over the bound" in cells
-    assert "reclaim 65 s, priority 6.1 min" in html
+    assert "reclaim 65 s, priority 6.1 min, starvation 65 s" in html
     member = Client()
     member.force_login(olga)
     assert member.get("/console/preemptions/").status_code == 404  # admins only, leaks nothing
@@ -142,7 +142,7 @@ def test_the_team_api_includes_the_same_summary(claims, make_user):
         want = expected[team.id]
         for key in ("claims", "median_s", "max_s", "breaches", "waiting", "breached", "by_kind"):
             assert got[key] == want[key], (team.name, key)
-        assert got["bound_s"] == {"reclaim": 65.0, "priority": 365.0}
+        assert got["bound_s"] == {"reclaim": 65.0, "priority": 365.0, "starvation": 65.0}
     member = APIClient()
     member.force_authenticate(olga)
     (mine,) = member.get("/api/v1/teams/").json()["results"]
@@ -150,3 +150,45 @@ def test_the_team_api_includes_the_same_summary(claims, make_user):
     assert member.get(f"/api/v1/teams/{owner.id}/").json()["reclaim"]["claims"] == 4
     changed = admin.patch(f"/api/v1/teams/{owner.id}/", {"quota": 5}, format="json")
     assert changed.status_code == 200 and changed.json()["reclaim"]["claims"] == 4
+
+
+@pytest.mark.django_db
+def test_a_starvation_claim_in_the_window_is_counted_on_the_console_and_the_team_api(
+    claims, make_user
+):
+    """Starvation claims (scheduling rule 4) are automatic like reclaims: they count with the
+    reclaim bound. The report once listed only reclaim and priority, and a starvation claim in
+    the window made the summary raise KeyError (console page and team API answered 500)."""
+    now, owner, guest, quiet, olga = claims
+    made = submit(owner, olga, gpus=1)
+    Job.objects.filter(pk=made.pk).update(state="RUNNING")
+    victim = submit(guest, make_user("gwen", team=guest), gpus=1)
+    Job.objects.filter(pk=victim.pk).update(state="PREEMPTING")
+    created = now - timedelta(seconds=500)
+    PreemptionRequest.objects.create(
+        victim=victim,
+        claimant=made,
+        kind="starvation",
+        state="executed",
+        reason="test",
+        created_at=created,
+        executed_at=created,
+        claimant_started_at=created + timedelta(seconds=20),
+    )
+    summary = reclaim_summary(since=now - timedelta(days=7), now=now, team_ids=[owner.id])
+    mine = summary[owner.id]
+    assert mine["by_kind"] == {"reclaim": 3, "priority": 1, "starvation": 1}
+    assert mine["bound_s"]["starvation"] == GRACE + TICK  # automatic: no approval delay
+    assert mine["claims"] == 5
+
+    admin = Client()
+    admin.force_login(make_user("root", staff=True))
+    page = admin.get("/console/preemptions/")
+    assert page.status_code == 200
+    assert "starvation 65 s" in page.content.decode()
+    api = APIClient()
+    api.force_authenticate(olga)
+    answer = api.get("/api/v1/teams/")
+    assert answer.status_code == 200
+    (team,) = answer.json()["results"]
+    assert team["reclaim"]["by_kind"]["starvation"] == 1
