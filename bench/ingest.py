@@ -1,5 +1,5 @@
 """Metric ingest cost: the portal CPU one agent heartbeat's step records take to store
-(`jobs.actions._ingest_records`: raw points, dedupe against a resend, rollup buckets), for the
+(`jobs.actions.ingest.ingest_records`: raw points, dedupe against a resend, rollup buckets), for the
 code as it is and for the code at a baseline git ref, interleaved in the same run, on SQLite
 (the embedded default, a WAL file) and on PostgreSQL when DATABASE_URL is set.
 
@@ -51,7 +51,6 @@ def child(shape: str, heartbeats: int) -> dict:
     from django.db import connection, transaction
     from django.utils import timezone
 
-    from jobs import actions
     from jobs.models import Attempt, MetricPoint
     from teams.actions import do_create_team
     from tests.heartbeats import submit
@@ -92,7 +91,7 @@ def child(shape: str, heartbeats: int) -> dict:
         def ingest(beat: int) -> None:
             with transaction.atomic():
                 locked = Attempt.objects.select_for_update().get(pk=attempt.pk)
-                actions._ingest_records(locked, records(beat), now=timezone.now())
+                ingest.ingest_records(locked, records(beat), now=timezone.now())
 
         for beat in range(WARMUP):
             ingest(beat)
@@ -257,7 +256,7 @@ def main() -> int:
                     "current": round(512 * now / 1000, 2),
                 }
     result = {
-        "benchmark": "metric ingest CPU per agent heartbeat (jobs.actions._ingest_records)",
+        "benchmark": "metric ingest CPU per agent heartbeat (jobs.actions.ingest.ingest_records)",
         "commit": head,
         "baseline_ref": f"{args.ref} ({sha[:10]})",
         "rounds": args.rounds,

@@ -13,6 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from jobs import actions
+from jobs.actions.ingest import STEP_METRICS
 from jobs.conf import lockstep_setting
 from jobs.models import Node
 from teams.models import token_digest
@@ -91,7 +92,7 @@ METRIC_RECORD = {
         "rank": {"type": "integer", "minimum": 0},
         "step": {"type": "integer", "minimum": 0},
         "time": {"type": "number"},
-        **{name: {"type": "number"} for name in actions.STEP_METRICS},
+        **{name: {"type": "number"} for name in STEP_METRICS},
         "path": {"type": "string"},
         "bytes": {"type": "integer", "minimum": 0},
         "save_s": {"type": "number"},

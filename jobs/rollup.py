@@ -5,7 +5,7 @@ Each series has buckets on fixed grids anchored at step 0, of `LEVELS` widths (1
 65536 and 1048576 steps). A bucket holds its first and last step, minimum and maximum value and
 point count: numbers that merge exactly (min of minima, sum of counts, ...), so
 
-- ingest (`record`, called by `jobs.actions._ingest_records` in the heartbeat's transaction)
+- ingest (`record`, called by `jobs.actions.ingest.ingest_records` in the heartbeat's transaction)
   merges a batch of new points into the buckets they fall in, at every level;
 - a chart asking for buckets of width w (a power of two, `jobs.metrics_query`) reads the widest
   level of at most w and merges w / level adjacent buckets in SQL: at most 16 rows per bucket

@@ -15,6 +15,7 @@ from django.db import transaction
 from django.db.models import Count
 from django.utils import timezone
 
+from jobs import queue
 from jobs.conf import lockstep_setting
 from jobs.models import PRIORITY_RANK, Attempt, Event, Job, Node, WhatIfRun
 from jobs.reclaim import reclaim_bound_s
@@ -271,11 +272,7 @@ def do_request_whatif(
             data={"whatif": whatif.id},
         )
         if not inline:
-            import django_rq
-
-            from jobs.tasks import run_whatif
-
-            django_rq.enqueue(run_whatif, whatif.id)  # deferred to commit (RQ COMMIT_MODE)
+            queue.enqueue_whatif(whatif.id)  # deferred to commit (RQ COMMIT_MODE)
     if inline:
         execute_whatif(whatif.id)
         whatif.refresh_from_db()

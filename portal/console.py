@@ -19,7 +19,7 @@ from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 
-from jobs import actions
+from jobs import actions, queries
 from jobs.conf import lockstep_setting
 from jobs.models import GPU, PRIORITY_RANK, Allocation, Attempt, Event, Job, Node, Priority
 from teams.access import is_cluster_admin
@@ -186,7 +186,7 @@ def queue(request, scope):
             j.id,
         )
     )
-    held = actions.run_seconds([j.id for j in rows], now=now)
+    held = queries.run_seconds([j.id for j in rows], now=now)
     posted = failed.data.get("job") if failed is not None else None
     table, reservations = [], []
     for job in rows:

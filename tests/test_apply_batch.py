@@ -14,6 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from jobs import actions
+from jobs.actions import claim
 from jobs.models import GPU, Allocation, Attempt, Event, Job, Node
 from jobs.scheduling.apply import apply_plan
 from jobs.scheduling.policy import Placement, Plan
@@ -167,7 +168,7 @@ def test_a_gpu_taken_after_the_check_rolls_back_and_rejects_only_its_gang(
         Plan(placements=(placement_on(thief, [GPU.objects.get(pk=stolen)]),)), now=timezone.now()
     )
     assert Allocation.objects.filter(gpu_id=stolen, released_at__isnull=True).exists()
-    monkeypatch.setattr(actions, "_held_gpus", lambda gpu_ids: set())  # a stale read
+    monkeypatch.setattr(claim, "_held_gpus", lambda gpu_ids: set())  # a stale read
     result, queries = _apply_counting(Plan(placements=tuple(placements)))
     assert result.rejected == {loser.id: "claim lost a race: IntegrityError"}
     assert set(result.applied) == {j.id for j in jobs} - {loser.id}
@@ -201,7 +202,7 @@ def test_a_gpu_claimed_by_another_connection_mid_pass_rejects_only_that_gang(
     thief_attempt = Attempt.objects.create(
         job=thief, number=1, created_at=timezone.now(), master_addr="127.0.0.1", master_port=1
     )
-    original = actions._held_gpus
+    original = claim._held_gpus
     errors: list[BaseException] = []
 
     def steal() -> None:
@@ -230,7 +231,7 @@ def test_a_gpu_claimed_by_another_connection_mid_pass_rejects_only_that_gang(
             assert not thread.is_alive(), "the other connection was blocked by the pass"
         return held
 
-    monkeypatch.setattr(actions, "_held_gpus", held_then_race)
+    monkeypatch.setattr(claim, "_held_gpus", held_then_race)
     result = apply_plan(Plan(placements=tuple(placements)), now=timezone.now())
     assert not errors, errors
     # The batch's insert hit the index; retried in halves, the loser's check saw the GPU held.
@@ -410,13 +411,13 @@ def test_a_job_that_moves_on_after_the_check_is_rejected_alone(
     make_nodes(2, 8)
     jobs, placements = _gangs(team, user, 8)
     mover = jobs[5]
-    original = actions._held_gpus
+    original = claim._held_gpus
 
     def held_then_move(gpu_ids):
         Job.objects.filter(pk=mover.pk).update(state=Job.State.CANCELLED)
         return original(gpu_ids)
 
-    monkeypatch.setattr(actions, "_held_gpus", held_then_move)
+    monkeypatch.setattr(claim, "_held_gpus", held_then_move)
     result = apply_plan(Plan(placements=tuple(placements)), now=timezone.now())
     assert result.rejected == {mover.id: f"job {mover.id} is CANCELLED, not QUEUED"}
     assert len(result.applied) == 7

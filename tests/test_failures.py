@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from jobs import actions
+from jobs import actions, queries
 from jobs.checkpoint_policy import checkpoint_advice
 from jobs.goodput import job_goodput
 from jobs.health import find_stragglers, progress_timeout, young_daly_interval
@@ -303,7 +303,7 @@ def test_retention_keeps_the_last_k_registered_and_preemption_checkpoints(setup,
     assert not (root / f"job-{job.id}" / "step-000030").exists()
     for step in (10, 20, 40, 50):
         assert (root / f"job-{job.id}" / f"step-{step:06d}").exists()
-    assert actions.latest_checkpoint(job.id).step == 50
+    assert queries.latest_checkpoint(job.id).step == 50
     # A pruned checkpoint is gone from the API and cannot be registered.
     client = APIClient()
     client.force_authenticate(job.owner)

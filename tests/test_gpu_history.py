@@ -1,5 +1,5 @@
 """GPU use kept per run: the nodes' heartbeat telemetry is kept per rank every GPU_SAMPLE_S
-(`jobs.actions._sample_gpus`) and read back averaged into time buckets
+(`jobs.actions.heartbeat._sample_gpus`) and read back averaged into time buckets
 (`GET /api/v1/jobs/{id}/gpus/history/`), so the job page charts GPU use over the whole run,
 after it ended too, not only while someone watches."""
 

@@ -7,7 +7,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from jobs import actions
+from jobs import actions, queries
+from jobs.actions import strikes
+from jobs.actions.strikes import node_strikes
 from jobs.models import Allocation, Event, Job
 from jobs.scheduling.loop import run_pass
 from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
@@ -54,7 +56,7 @@ def test_a_failed_rank_restarts_the_job_from_its_latest_checkpoint(setup):
     run_pass(now=timezone.now() + timedelta(seconds=11))
     second = live_attempt(job)
     assert (second.number, second.resumed_from_step) == (2, 30)
-    launch = actions.launch_spec(second, a)
+    launch = queries.launch_spec(second, a)
     assert launch["resume_from"].endswith("step-000030") and launch["restart_count"] == 1
 
 
@@ -130,7 +132,7 @@ def test_time_limit_stops_the_job_checkpoint_first_and_fails_it(setup):
     job = submit(team, user, time_limit_s=60, checkpoint_interval_s=30)
     run_pass()
     attempt = live_attempt(job)
-    assert actions.launch_spec(attempt, a)["env"] == {"LOCKSTEP_CHECKPOINT_INTERVAL_S": "30"}
+    assert queries.launch_spec(attempt, a)["env"] == {"LOCKSTEP_CHECKPOINT_INTERVAL_S": "30"}
     later = timezone.now() + timedelta(seconds=61)
     for node in (a, b):  # both agents alive at that time
         actions.do_heartbeat(node, {"boot_id": node.boot_id}, now=later)
@@ -328,15 +330,13 @@ def test_a_revised_cause_moves_the_nodes_strike_to_the_culprits_node(
     first, a's strike is withdrawn, a is back up, and b gets the strike and the cordon."""
     from datetime import timedelta
 
-    from jobs.actions import node_strikes
-
     settings.LOCKSTEP = {**settings.LOCKSTEP, "STRIKES_TO_CORDON": 2}
     (a, b), job, attempt = _running_on_two_nodes(setup)
     t0 = timezone.now()
     step = {"kind": "step", "rank": 0, "step": 1, "loss": 1.0, "time": t0.timestamp()}
     beat(a, attempt, {0: None, 1: None}, records=[step], now=t0 - timedelta(seconds=5))
     for earlier in (a, b):  # one strike each from an earlier failure
-        actions._strike(earlier, "an earlier failure", now=t0)
+        strikes.strike_node(earlier, "an earlier failure", now=t0)
     beat(a, attempt, {0: 1, 1: None}, now=t0)
     a.refresh_from_db()
     assert node_strikes(a, t0) == 2 and a.state == "cordoned"  # blamed first

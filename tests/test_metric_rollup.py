@@ -12,7 +12,8 @@ from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from jobs import actions, metrics_query, rollup
+from jobs import metrics_query, rollup
+from jobs.actions import ingest
 from jobs.metrics_query import metric_series
 from jobs.models import Attempt, MetricPoint, MetricRollup
 from tests.heartbeats import beat, live_attempt, submit
@@ -152,7 +153,7 @@ def test_ingest_records_keeps_the_rollup(setup):
     ]
     records[1234]["loss"] = 99.0
     for i in range(0, len(records), 250):
-        actions._ingest_records(attempt, records[i : i + 250], now=timezone.now())
+        ingest.ingest_records(attempt, records[i : i + 250], now=timezone.now())
     assert MetricPoint.objects.filter(job=job).count() == 20_000
     incremental = _rollup_rows(job)
     assert incremental  # kept by ingest, not by a read
@@ -185,8 +186,8 @@ def test_ingested_points_keep_every_field_as_reported(setup):
         for rank in (0, 3)
     ]
     # Two batches, each with gaps; the second adds to buckets of the first at every width.
-    actions._ingest_records(attempt, records[:8], now=timezone.now())
-    actions._ingest_records(attempt, records[8:], now=timezone.now())
+    ingest.ingest_records(attempt, records[:8], now=timezone.now())
+    ingest.ingest_records(attempt, records[8:], now=timezone.now())
     stored = {
         (p.rank, p.step, p.name): p
         for p in MetricPoint.objects.filter(job=job).select_related("attempt")
@@ -225,8 +226,8 @@ def test_a_resent_heartbeat_stores_each_step_once(setup):
             for r in (0, 1)
         ]
 
-    actions._ingest_records(attempt, steps(1, 3), now=timezone.now())
-    pushed = actions._ingest_records(attempt, steps(1, 5), now=timezone.now())
+    ingest.ingest_records(attempt, steps(1, 3), now=timezone.now())
+    pushed = ingest.ingest_records(attempt, steps(1, 5), now=timezone.now())
     assert sorted({(p["rank"], p["step"]) for p in pushed}) == [(0, 4), (0, 5), (1, 4), (1, 5)]
     rank0 = MetricPoint.objects.filter(job=job, name="loss", rank=0).order_by("step")
     assert list(rank0.values_list("step", flat=True)) == [1, 2, 3, 4, 5]
@@ -234,7 +235,7 @@ def test_a_resent_heartbeat_stores_each_step_once(setup):
     # Another attempt of the job (a restart from step 2) stores its own steps.
     Attempt.objects.filter(pk=attempt.pk).update(state="failed", ended_at=timezone.now())
     _, second = _job_and_attempt(team, user, number=2, job=job)
-    actions._ingest_records(second, steps(3, 4), now=timezone.now())
+    ingest.ingest_records(second, steps(3, 4), now=timezone.now())
     assert MetricPoint.objects.filter(job=job, name="loss", rank=0).count() == 7
 
 

@@ -9,7 +9,7 @@ from django.db import OperationalError
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from jobs import actions
+from jobs.actions import preemption as preemption_actions
 from jobs.models import Event, Job, PreemptionRequest
 from jobs.scheduling.loop import run_pass
 from jobs.scheduling.snapshot import CLAIM_AFTER_EXIT_S, take_snapshot
@@ -109,7 +109,7 @@ def test_a_reclaim_whose_approval_dies_is_proposed_again_by_the_next_pass(two_te
         raise OperationalError("deadlock detected")
 
     with monkeypatch.context() as patched:
-        patched.setattr(actions, "_execute_preemption", deadlock)
+        patched.setattr(preemption_actions, "_execute_preemption", deadlock)
         run_pass()
     assert not PreemptionRequest.objects.exists()
     assert Job.objects.get(pk=borrowed.pk).state == "RUNNING"

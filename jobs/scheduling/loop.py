@@ -14,7 +14,7 @@ from django.db import close_old_connections
 from django.db.models import Max, Min, Q
 from django.utils import timezone
 
-from jobs import actions
+from jobs import actions, queries
 from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Job, Node, PreemptionRequest
 from jobs.scheduling.apply import ApplyResult, apply_plan
@@ -116,7 +116,7 @@ def housekeeping(now) -> None:
     ):
         actions.do_end_attempt(
             attempt,
-            state=actions.stopped_state(attempt.job),
+            state=queries.stopped_state(attempt.job),
             now=now,
             reason="stop deadline passed; workers killed",
         )

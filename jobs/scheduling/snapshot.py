@@ -95,9 +95,9 @@ def take_snapshot(now: datetime) -> Snapshot:
 
     from django.db.models import Count, Max, Q
 
-    from jobs.actions import run_seconds
     from jobs.conf import lockstep_setting
     from jobs.models import GPU, PRIORITY_RANK, Allocation, Attempt, Job, Node, PreemptionRequest
+    from jobs.queries import run_seconds
     from teams.models import Team
 
     live = list(

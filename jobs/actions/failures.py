@@ -1,0 +1,299 @@
+"""Which rank failed and why: exits recorded and blamed on the first rank to die, causes revised
+by later reports, hangs (stacks first, then the end) and stragglers."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+from django.db import transaction
+
+from jobs.actions.attempts import do_end_attempt
+from jobs.actions.base import describe_exit, record_event, wake
+from jobs.actions.strikes import node_strikes, strike_node
+from jobs.conf import lockstep_setting
+from jobs.models import (
+    Allocation,
+    Attempt,
+    Event,
+    Job,
+    LogChunk,
+    Node,
+)
+from jobs.queries import stopped_state, world_size
+
+log = logging.getLogger(__name__)
+
+
+# Exits this close together are one event seen at slightly different moments (agents poll their
+# workers every 0.25 s and report on their own heartbeats).
+SIMULTANEOUS_EXITS_S = 1.0
+
+
+def _culprit(failed: list[Allocation]) -> Allocation:
+    """The rank to blame among those that failed: among the first exits, one killed by a signal
+    (SIGKILL, a segfault, the OOM killer) before one that exited with an error code, and a code
+    other than 1 before 1: when a rank dies, the others' collectives break and they raise and
+    exit 1 a moment later, often within the same poll of their agent."""
+    first = min(a.exited_at for a in failed)
+    near = [a for a in failed if (a.exited_at - first).total_seconds() <= SIMULTANEOUS_EXITS_S]
+    return min(near, key=lambda a: (a.exit_code >= 0, a.exit_code == 1, a.exited_at, a.rank))
+
+
+# How long after a failed attempt ended the other nodes' reports of its exits may still change
+# which rank it blames (a few heartbeats).
+REVISE_CAUSE_S = 30.0
+
+
+def _failure_reason(allocation: Allocation) -> str:
+    return (
+        f"rank {allocation.rank} on {allocation.node.name} exited with "
+        f"{describe_exit(allocation.exit_code)}"
+    )
+
+
+def revise_cause(attempt: Attempt, node: Node, report: dict, *, now: datetime) -> None:
+    """An attempt ends on the first report of a failed rank, so that the rest of the gang is
+    stopped at once. That report may come from a rank that only exited because its peer on
+    another node died (its collective broke) a moment earlier: when that node's report arrives
+    just after, with the real cause, the attempt's reason (and the job's) name it instead, and
+    an Event says so. Nothing else about the ended attempt changes."""
+    if attempt.ended_at is None or (now - attempt.ended_at).total_seconds() > REVISE_CAUSE_S:
+        return
+    mine = {a.rank: a for a in attempt.allocations.filter(node=node, exit_code__isnull=True)}
+    for item in report.get("ranks") or []:
+        allocation = mine.get(item.get("rank"))
+        if allocation is None or item.get("state") != "exited" or item.get("exit_code") is None:
+            continue
+        allocation.exit_code = int(item["exit_code"])
+        allocation.exited_at = agent_time(item.get("exited_at"), now)
+        allocation.save(update_fields=["exit_code", "exited_at"])
+    # Exits after the attempt ended are the fencing's doing (its ranks killed), not a cause.
+    failed = [
+        a
+        for a in attempt.allocations.select_related("node")
+        if a.exit_code not in (None, 0)
+        and a.exited_at is not None
+        and a.exited_at <= attempt.ended_at
+    ]
+    if not failed or not attempt.end_reason.startswith("rank "):
+        return  # a hang or a lost node: not an exit to re-attribute
+    reason = _failure_reason(_culprit(failed))
+    if reason == attempt.end_reason:
+        return
+    old = attempt.end_reason
+    Attempt.objects.filter(pk=attempt.pk).update(end_reason=reason)
+    job = Job.objects.select_for_update(no_key=True).get(pk=attempt.job_id)
+    if job.reason.startswith(old):
+        job.reason = reason + job.reason[len(old) :]
+        job.save(update_fields=["reason"])
+    record_event(
+        "attempt.cause_revised",
+        f"attempt {attempt.number}: {reason} (first reported: {old})",
+        job=job,
+        attempt=attempt,
+        node=node,
+        team_id=job.team_id,
+    )
+    # After this heartbeat commits, in a transaction of its own: it writes rows that point at
+    # the first node, whose own heartbeat may hold that node's lock while it waits for this
+    # attempt's (a deadlock on PostgreSQL if done here).
+    culprit_id, attempt_id = _culprit(failed).node_id, attempt.id
+    transaction.on_commit(lambda: _move_strike(attempt_id, culprit_id, reason, now=now))
+
+
+def _move_strike(attempt_id: int, culprit_id: int, reason: str, *, now: datetime) -> None:
+    """The strike for an attempt's end follows a revised cause to the culprit's node: the
+    node first blamed only saw its rank die of the broken collective. If that strike had
+    cordoned the node automatically and the node is now under the limit, it is back up."""
+    with transaction.atomic():
+        strike = (
+            Event.objects.filter(kind="node.strike", attempt_id=attempt_id, data__attempt_end=True)
+            .order_by("-id")
+            .first()
+        )
+        if strike is None or strike.node_id == culprit_id:
+            return
+        attempt = Attempt.objects.get(pk=attempt_id)
+        first = Node.objects.select_for_update(no_key=True).get(pk=strike.node_id)
+        record_event(
+            "node.strike_withdrawn",
+            f"strike on {first.name} withdrawn: job {attempt.job_id} attempt "
+            f"{attempt.number} failed because of {reason}",
+            node=first,
+            attempt=attempt,
+            data={"strike": strike.id},
+        )
+        last_cordon = Event.objects.filter(node=first, kind="node.cordoned").order_by("-id").first()
+        if (
+            first.state == Node.State.CORDONED
+            and last_cordon is not None
+            and last_cordon.id > strike.id
+            and last_cordon.data.get("automatic")
+            and node_strikes(first, now) < lockstep_setting("STRIKES_TO_CORDON")
+        ):
+            first.state, first.state_reason = Node.State.UP, ""
+            first.save(update_fields=["state", "state_reason"])
+            record_event(
+                "node.uncordoned",
+                f"node {first.name} uncordoned automatically: the strike that cordoned it "
+                "was withdrawn",
+                node=first,
+                data={"automatic": True},
+            )
+            wake("node uncordoned")
+        strike_node(
+            Node.objects.select_for_update(no_key=True).get(pk=culprit_id),
+            f"job {attempt.job_id} attempt {attempt.number}: {reason}",
+            now=now,
+            attempt=attempt,
+        )
+
+
+def record_exits(
+    attempt: Attempt, node: Node, exits: dict[int, tuple[int, datetime]], *, now: datetime
+) -> None:
+    """Apply reported rank exits (code, when the agent saw it) and end the attempt when the
+    gang's fate is known. The first rank to die is blamed: the others usually die after it,
+    of a broken collective."""
+    allocations = list(attempt.allocations.select_related("node"))
+    mine = {a.rank: a for a in allocations if a.node_id == node.id}
+    for rank, (code, exited_at) in exits.items():
+        allocation = mine.get(rank)
+        if allocation is None or allocation.exit_code is not None:
+            continue
+        allocation.exit_code, allocation.exited_at = code, min(exited_at, now)
+        allocation.save(update_fields=["exit_code", "exited_at"])
+        record_event(
+            "rank.exited",
+            f"rank {rank} on {node.name} ended with {describe_exit(code)}",
+            job_id=attempt.job_id,
+            attempt=attempt,
+            node=node,
+            data={"rank": rank, "exit_code": code},
+        )
+    codes = [a.exit_code for a in allocations]
+    failed = [a for a in allocations if a.exit_code not in (None, 0)]
+    if attempt.state == Attempt.State.STOPPING:
+        if all(c is not None for c in codes):
+            do_end_attempt(
+                attempt,
+                state=stopped_state(attempt.job),
+                reason=attempt.end_reason or "stopped",
+                now=now,
+            )
+    elif failed:
+        first = _culprit(failed)
+        do_end_attempt(
+            attempt,
+            state=Attempt.State.FAILED,
+            now=now,
+            failed_at=first.exited_at,
+            blame_node=first.node,
+            reason=_failure_reason(first),
+        )
+    elif all(c == 0 for c in codes):
+        do_end_attempt(attempt, state=Attempt.State.SUCCEEDED, reason="all ranks exited 0", now=now)
+
+
+# --- checkpoints, metrics, logs ------------------------------------------------------------
+
+
+def agent_time(value, now: datetime) -> datetime:
+    """An agent's wall-clock timestamp, trusted only if plausible (clocks drift)."""
+    # Compared as numbers first: fromtimestamp() raises on values out of the platform's range.
+    if isinstance(value, int | float) and now.timestamp() - 3600 <= value <= now.timestamp():
+        return datetime.fromtimestamp(value, now.tzinfo)
+    return now
+
+
+@transaction.atomic
+def do_request_stack_dump(attempt: Attempt, *, reason: str, now: datetime) -> bool:
+    """A hang was seen: ask the agents for every rank's stacks before the attempt is killed."""
+    if not Attempt.objects.filter(
+        pk=attempt.pk, ended_at__isnull=True, dump_requested_at__isnull=True
+    ).update(dump_requested_at=now, end_reason=reason):
+        return False
+    record_event(
+        "attempt.hang_detected",
+        f"attempt {attempt.number}: {reason}; capturing stacks before restart",
+        job_id=attempt.job_id,
+        attempt=attempt,
+        data={"last_step": attempt.last_step},
+    )
+    return True
+
+
+def stacks_since(attempt: Attempt, since: datetime, *, limit: int = 20_000) -> dict[str, str]:
+    """Per rank, the stack dumps (faulthandler's output) shipped in the logs since `since`."""
+    by_rank: dict[int, list[str]] = {}
+    for rank, text in LogChunk.objects.filter(attempt=attempt, created_at__gte=since).values_list(
+        "rank", "text"
+    ):
+        by_rank.setdefault(rank, []).append(text)
+    stacks = {}
+    for rank, parts in sorted(by_rank.items()):
+        text = "".join(parts)
+        start = min(
+            (i for i in (text.find("Thread 0x"), text.find("Current thread")) if i >= 0),
+            default=-1,
+        )
+        if start >= 0:
+            stacks[str(rank)] = text[start:][:limit]
+    return stacks
+
+
+def do_end_hung_attempt(attempt: Attempt, *, now: datetime) -> Attempt:
+    stacks = stacks_since(attempt, attempt.dump_requested_at)
+    reason = attempt.end_reason or "hung"
+    # A rank that could not even dump its stacks (stopped, stuck in the kernel) is the likely
+    # culprit: when such ranks sit on one node, that node takes the strike.
+    silent = attempt.allocations.exclude(rank__in=[int(r) for r in stacks]).select_related("node")
+    silent_nodes = {a.node for a in silent}
+    blame = silent_nodes.pop() if stacks and len(silent_nodes) == 1 else None
+    silent_ranks = sorted(a.rank for a in silent)
+    if stacks and silent_ranks:
+        reason += f"; no stacks from rank(s) {', '.join(map(str, silent_ranks))}"
+    return do_end_attempt(
+        attempt,
+        state=Attempt.State.FAILED,
+        now=now,
+        reason=f"{reason} (stacks from {len(stacks)} of {world_size(attempt)} ranks)",
+        failed_at=attempt.last_progress_at or attempt.running_at,
+        blame_node=blame,
+        data={"stacks": stacks, "silent_ranks": silent_ranks},
+    )
+
+
+@transaction.atomic
+def do_flag_straggler(
+    attempt: Attempt,
+    *,
+    rank: int,
+    node: Node,
+    seconds: float,
+    gang_seconds: float,
+    window: int,
+    now: datetime,
+) -> None:
+    attempt = Attempt.objects.select_for_update(no_key=True).get(pk=attempt.pk)
+    if rank in attempt.stragglers:
+        return
+    attempt.stragglers = [*attempt.stragglers, rank]
+    attempt.save(update_fields=["stragglers"])
+    message = (
+        f"rank {rank} on {node.name} is a straggler: {seconds * 1000:.0f} ms/step of compute "
+        f"vs {gang_seconds * 1000:.0f} ms for the rest of the gang (median, last {window} steps)"
+    )
+    record_event(
+        "attempt.straggler",
+        message,
+        job_id=attempt.job_id,
+        attempt=attempt,
+        node=node,
+        data={"rank": rank, "compute_s": seconds, "gang_compute_s": gang_seconds},
+    )
+    strike_node(node, f"job {attempt.job_id}: {message}", now=now)
+
+
+# --- preemption ---------------------------------------------------------------------------

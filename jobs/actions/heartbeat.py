@@ -1,0 +1,167 @@
+"""One agent heartbeat applied: node liveness, per-rank states and exits, logs, metrics and GPU
+samples; the answer lists what should run on the node."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+from django.db import transaction
+
+from jobs.actions.attempts import do_mark_attempt_running
+from jobs.actions.base import record_event, wake
+from jobs.actions.failures import agent_time, record_exits, revise_cause
+from jobs.actions.ingest import ingest_records
+from jobs.conf import lockstep_setting
+from jobs.models import (
+    Allocation,
+    Attempt,
+    GpuSample,
+    LogChunk,
+    Node,
+)
+from jobs.notify import on_commit_send
+from jobs.queries import (
+    desired_for_node,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _report_order(report) -> int:
+    attempt_id = report.get("attempt_id") if isinstance(report, dict) else None
+    return attempt_id if isinstance(attempt_id, int) else -1
+
+
+def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
+    """Apply one agent heartbeat; returns the response (what should run on the node)."""
+    acked = []
+    with transaction.atomic():
+        node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
+        if node.state == Node.State.DOWN:
+            node.state, node.state_reason = Node.State.UP, ""
+            record_event("node.up", f"node {node.name} is back (heartbeat resumed)", node=node)
+            wake("node up")
+        node.last_heartbeat_at = now
+        node.telemetry = body.get("telemetry") or []
+        node.save(update_fields=["state", "state_reason", "last_heartbeat_at", "telemetry"])
+
+        # In attempt id order, so two heartbeats lock shared attempts in one order (no deadlock).
+        for report in sorted(body.get("attempts") or [], key=_report_order):
+            attempt_id = report.get("attempt_id")
+            # Locked: the nodes of one gang report at the same moment (every rank exits at
+            # the end, or on a stop), each in its own transaction. Unlocked, on PostgreSQL each
+            # saw the other nodes' ranks still running and none ended the attempt (or marked it
+            # RUNNING), leaving it to the stop deadline or the start timeout.
+            attempt = (
+                Attempt.objects.select_for_update(of=("self",), no_key=True)
+                .select_related("job")
+                .filter(pk=attempt_id)
+                .first()
+                if isinstance(attempt_id, int)
+                else None
+            )
+            if (
+                attempt is None
+                or attempt.ended_at is not None
+                or not attempt.allocations.filter(node=node).exists()
+            ):
+                # Fencing on the portal side: reports from attempts that are no longer live
+                # (or never were on this node) change nothing, except the cause of a failure
+                # just ended on another node's report (`revise_cause`).
+                if attempt is not None and attempt.state == Attempt.State.FAILED:
+                    revise_cause(attempt, node, report, now=now)
+                acked.append(attempt_id)
+                continue
+            pushed = ingest_records(attempt, report.get("records") or [], now=now)
+            chunks = [
+                LogChunk(
+                    attempt=attempt,
+                    rank=int(item["rank"]),
+                    # A worker may print NUL characters; PostgreSQL text cannot store them.
+                    text=str(item["text"]).replace("\x00", "\ufffd"),
+                    created_at=now,
+                )
+                for item in report.get("logs") or []
+                if isinstance(item, dict) and item.get("text")
+            ]
+            LogChunk.objects.bulk_create(chunks)
+            ranks = report.get("ranks") or []
+            started = [int(r["rank"]) for r in ranks if r.get("state") in ("running", "exited")]
+            if started:
+                attempt.allocations.filter(
+                    node=node, rank__in=started, started_at__isnull=True
+                ).update(started_at=now)
+                if (
+                    attempt.state == Attempt.State.STARTING
+                    and not attempt.allocations.filter(started_at__isnull=True).exists()
+                ):
+                    do_mark_attempt_running(attempt, now=now)
+                    attempt.refresh_from_db()
+            exits = {
+                int(r["rank"]): (int(r["exit_code"]), agent_time(r.get("exited_at"), now))
+                for r in ranks
+                if r.get("state") == "exited" and r.get("exit_code") is not None
+            }
+            if exits:
+                record_exits(attempt, node, exits, now=now)
+            if pushed:
+                on_commit_send(attempt.job_id, {"type": "metrics", "points": pushed})
+            for chunk in chunks:
+                on_commit_send(
+                    attempt.job_id,
+                    {
+                        "type": "log",
+                        "rank": chunk.rank,
+                        "attempt": attempt.number,
+                        "text": chunk.text,
+                    },
+                )
+        _sample_gpus(node, now)
+    return {
+        "heartbeat_s": lockstep_setting("HEARTBEAT_S"),
+        "desired": desired_for_node(node, now),
+        "acked": acked,
+    }
+
+
+def _reading_number(value, kind=float):
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = kind(value)
+    except (OverflowError, ValueError):  # inf, nan as an int
+        return None
+    return number if number == number and abs(number) < 2**62 else None
+
+
+def _sample_gpus(node: Node, now: datetime) -> None:
+    """Keep the node's latest telemetry for every rank of a live attempt on it, at most every
+    GPU_SAMPLE_S: the heartbeat's readings are otherwise overwritten by the next one. One
+    sample per rank per period whatever the heartbeat rate (4,096 GPUs: ~410 rows a second
+    at the default 10 s)."""
+    every = lockstep_setting("GPU_SAMPLE_S")
+    last = node.telemetry_sampled_at
+    if not every or (last is not None and (now - last).total_seconds() < every):
+        return
+    readings = {
+        reading.get("index"): reading for reading in node.telemetry if isinstance(reading, dict)
+    }
+    allocations = Allocation.objects.filter(
+        node=node, started_at__isnull=False, released_at__isnull=True, attempt__ended_at=None
+    ).values_list("attempt__job_id", "attempt_id", "rank", "gpu__index")
+    samples = [
+        GpuSample(
+            job_id=job_id,
+            attempt_id=attempt_id,
+            rank=rank,
+            t=int(now.timestamp()),
+            util=_reading_number(reading.get("util")),
+            mem_used=_reading_number(reading.get("mem_used"), int),
+            mem_total=_reading_number(reading.get("mem_total"), int),
+        )
+        for job_id, attempt_id, rank, index in allocations
+        if (reading := readings.get(index)) is not None
+    ]
+    GpuSample.objects.bulk_create(samples)
+    Node.objects.filter(pk=node.pk).update(telemetry_sampled_at=now)

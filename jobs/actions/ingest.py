@@ -1,0 +1,173 @@
+"""What a heartbeat brings in for one attempt: metric points (bulk insert and rollups),
+checkpoint commits and the trainer's start and end records."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from pathlib import Path
+from typing import NamedTuple
+
+from django.db import connection
+from django.template.defaultfilters import filesizeformat
+
+from jobs import queue, rollup
+from jobs.actions.base import record_event
+from jobs.bulk_sql import insert_rows
+from jobs.conf import lockstep_setting
+from jobs.models import (
+    Attempt,
+    Checkpoint,
+    MetricPoint,
+)
+from jobs.notify import on_commit_send
+
+log = logging.getLogger(__name__)
+
+
+STEP_METRICS = ("loss", "tokens_per_s", "step_time_s", "compute_s")
+# Steps and ranks are PositiveIntegerFields: 32 bits on PostgreSQL. A report beyond them is
+# dropped as bad, rather than failing the whole heartbeat in the database.
+MAX_COUNTER = 2**31 - 1
+
+
+def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Checkpoint | None:
+    path = str(record.get("path", ""))
+    root = Path(lockstep_setting("CHECKPOINT_ROOT")).resolve()
+    job_dir = root / f"job-{attempt.job_id}"
+    resolved = Path(path).resolve()
+    # Only paths inside the job's own checkpoint directory, and only committed saves.
+    if not resolved.is_relative_to(job_dir) or not (resolved / "COMMITTED").exists():
+        log.warning("ignoring checkpoint record outside %s or uncommitted: %s", job_dir, path)
+        return None
+    if not 0 <= int(record["step"]) <= MAX_COUNTER or not 0 <= int(record.get("bytes", 0)) < 2**63:
+        raise ValueError(f"checkpoint step or size out of range: {record}")
+    checkpoint, created = Checkpoint.objects.get_or_create(
+        job_id=attempt.job_id,
+        path=str(resolved),
+        defaults={
+            "attempt": attempt,
+            "preemption": attempt.state == Attempt.State.STOPPING,
+            "step": int(record["step"]),
+            "bytes": int(record.get("bytes", 0)),
+            "save_s": float(record.get("save_s", 0)),
+            "created_at": now,
+        },
+    )
+    if created:
+        record_event(
+            "checkpoint.committed",
+            f"checkpoint at step {checkpoint.step} ({filesizeformat(checkpoint.bytes)}, "
+            f"saved in {checkpoint.save_s:.2f}s)",
+            job_id=attempt.job_id,
+            attempt=attempt,
+            data={"step": checkpoint.step},
+        )
+        on_commit_send(
+            attempt.job_id, {"type": "checkpoint", "step": checkpoint.step, "id": checkpoint.id}
+        )
+        queue.enqueue_prune(attempt.job_id)
+    return checkpoint
+
+
+class _Point(NamedTuple):
+    """A metric point on its way in: what `rollup.record` reads, without a model instance."""
+
+    rank: int
+    step: int
+    name: str
+    value: float
+    time: datetime
+
+
+def _insert_points(job_id: int, attempt_id: int, points: list[_Point]) -> None:
+    """Plain tuples, inserted in bulk (jobs.bulk_sql): `bulk_create` spent most of a
+    heartbeat's CPU building a model instance per point (the portal's share of the platform
+    overhead, docs/training-benchmarks.md); the values here are already typed and checked."""
+    adapt_time = connection.ops.adapt_datetimefield_value
+    insert_rows(
+        MetricPoint,
+        ("job_id", "attempt_id", "rank", "step", "name", "value", "time"),
+        [(job_id, attempt_id, p.rank, p.step, p.name, p.value, adapt_time(p.time)) for p in points],
+    )
+
+
+def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[dict]:
+    points, pushed = [], []
+    for record in records:
+        if not isinstance(record, dict):
+            continue
+        kind = record.get("kind")
+        try:
+            rank = int(record.get("rank", 0))
+            if not 0 <= rank <= MAX_COUNTER:
+                raise ValueError(f"rank {rank} out of range")
+            if kind == "step":
+                step = int(record["step"])
+                if not 0 <= step <= MAX_COUNTER:
+                    raise ValueError(f"step {step} out of range")
+                when = datetime.fromtimestamp(
+                    float(record.get("time", now.timestamp())), now.tzinfo
+                )
+                for name in STEP_METRICS:
+                    if isinstance(record.get(name), int | float):
+                        value = float(record[name])
+                        points.append(_Point(rank, step, name, value, when))
+                        pushed.append(
+                            {
+                                "rank": rank,
+                                "step": step,
+                                "name": name,
+                                "value": value,
+                                "attempt": attempt.number,
+                            }
+                        )
+                attempt.last_step = max(attempt.last_step, step)
+            elif kind == "checkpoint":
+                _record_checkpoint(attempt, record, now=now)
+            elif kind == "start" and rank == 0:
+                record_event(
+                    "attempt.trainer_started",
+                    f"trainer up: world size {record.get('world_size')}"
+                    + (f" on {record['device']}" if record.get("device") else "")
+                    + f", resumed from step {record.get('resumed_from_step', 0)}",
+                    job_id=attempt.job_id,
+                    attempt=attempt,
+                )
+            elif kind == "end" and rank == 0:
+                record_event(
+                    "attempt.trainer_ended",
+                    f"trainer ended at step {record.get('step')}: {record.get('reason')}",
+                    job_id=attempt.job_id,
+                    attempt=attempt,
+                )
+        except (KeyError, TypeError, ValueError, OverflowError, OSError) as exc:
+            # OverflowError, OSError: a timestamp out of the platform's range.
+            log.warning("bad metric record from attempt %s: %s (%s)", attempt.id, record, exc)
+    if points:
+        # Delivery is at least once: a heartbeat the portal committed but whose answer the
+        # agent never got (the portal restarted in between) is sent again. A step of one rank
+        # is stored once per attempt; the attempt's row lock keeps two heartbeats from racing.
+        stored = set(
+            MetricPoint.objects.filter(
+                job_id=attempt.job_id,
+                name__in=STEP_METRICS,
+                step__in={p.step for p in points},
+                attempt=attempt,
+            ).values_list("rank", "step", "name")
+        )
+        if stored:
+            points = [p for p in points if (p.rank, p.step, p.name) not in stored]
+            pushed = [p for p in pushed if (p["rank"], p["step"], p["name"]) not in stored]
+    if points:
+        _insert_points(attempt.job_id, attempt.id, points)
+        rollup.record(attempt.job_id, points)
+        # Progress is what the hang detector watches: the portal's clock, not the workers'.
+        attempt.last_progress_at = now
+        attempt.first_step_at = attempt.first_step_at or now
+        Attempt.objects.filter(pk=attempt.pk).update(
+            last_step=attempt.last_step,
+            last_progress_at=now,
+            first_step_at=attempt.first_step_at,
+        )
+    return pushed

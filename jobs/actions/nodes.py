@@ -1,0 +1,153 @@
+"""Nodes: registration (an agent's restart included), lost, cordon, drain and uncordon."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from datetime import datetime
+
+from django.db import transaction
+
+from jobs.actions.attempts import do_end_attempt
+from jobs.actions.base import begin_stop, record_event, wake
+from jobs.models import (
+    GPU,
+    Attempt,
+    Node,
+)
+from teams.models import token_digest
+
+log = logging.getLogger(__name__)
+
+
+@transaction.atomic
+def do_register_node(
+    *,
+    name: str,
+    gpus: int,
+    address: str,
+    hostname: str = "",
+    rack: str = "default",
+    gpu_kind: str = "cpu",
+    boot_id: str = "",
+    killed_orphans: int = 0,
+    now: datetime,
+) -> tuple[Node, str]:
+    """Create or re-bind a node; returns it with a fresh node token (shown once)."""
+    raw = "node_" + secrets.token_urlsafe(32)
+    node = Node.objects.select_for_update(no_key=True).filter(name=name).first()
+    if node is None:
+        node = Node.objects.create(
+            name=name,
+            address=address,
+            hostname=hostname,
+            rack=rack,
+            gpu_kind=gpu_kind,
+            token_digest=token_digest(raw),
+            boot_id=boot_id,
+            registered_at=now,
+            last_heartbeat_at=now,
+        )
+        record_event(
+            "node.registered", f"node {name} registered with {gpus} {gpu_kind} GPUs", node=node
+        )
+    else:
+        # A new boot means the agent restarted: any workers it had are gone (it kills them on
+        # exit, and fencing kills leftovers), so attempts placed here cannot go on.
+        if node.boot_id != boot_id:
+            for attempt in Attempt.objects.filter(
+                ended_at__isnull=True, allocations__node=node
+            ).distinct():
+                do_end_attempt(
+                    attempt,
+                    state=Attempt.State.LOST,
+                    now=now,
+                    failed_at=node.last_heartbeat_at,
+                    blame_node=node,
+                    reason=f"agent on {name} restarted; it killed {killed_orphans} worker(s) "
+                    "left by its previous process (workers are not re-adopted)",
+                )
+        was_down = node.state == Node.State.DOWN
+        node.address, node.hostname, node.rack, node.gpu_kind = address, hostname, rack, gpu_kind
+        node.token_digest, node.boot_id = token_digest(raw), boot_id
+        node.registered_at = node.last_heartbeat_at = now
+        if was_down:
+            node.state, node.state_reason = Node.State.UP, ""
+        node.save()
+        record_event(
+            "node.reregistered",
+            f"node {name} re-registered ({gpus} GPUs)"
+            + ("; back up" if was_down else "")
+            + (
+                f"; its agent killed {killed_orphans} orphaned worker(s) on start"
+                if killed_orphans
+                else ""
+            ),
+            node=node,
+            data={"killed_orphans": killed_orphans},
+        )
+    existing = set(node.gpus.values_list("index", flat=True))
+    GPU.objects.bulk_create([GPU(node=node, index=i) for i in range(gpus) if i not in existing])
+    # GPUs the node no longer reports are removed only when free.
+    node.gpus.filter(index__gte=gpus).exclude(allocations__released_at__isnull=True).delete()
+    wake("node registered")
+    return node, raw
+
+
+@transaction.atomic
+def do_mark_node_lost(node: Node, *, now: datetime, reason: str) -> None:
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
+    if node.state == Node.State.DOWN:
+        return
+    node.state, node.state_reason = Node.State.DOWN, reason
+    node.save(update_fields=["state", "state_reason"])
+    record_event("node.down", f"node {node.name} down: {reason}", node=node)
+    for attempt in Attempt.objects.filter(ended_at__isnull=True, allocations__node=node).distinct():
+        do_end_attempt(
+            attempt,
+            state=Attempt.State.LOST,
+            now=now,
+            reason=f"node {node.name} lost ({reason})",
+            failed_at=node.last_heartbeat_at,
+            blame_node=node,
+        )
+    wake("node down")
+
+
+@transaction.atomic
+def do_cordon_node(node: Node, *, actor, reason: str, drain: bool = False, now: datetime) -> Node:
+    """No new work on the node; with `drain`, its attempts also checkpoint, stop and requeue."""
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
+    node.state = Node.State.DRAINING if drain else Node.State.CORDONED
+    node.state_reason = reason
+    node.save(update_fields=["state", "state_reason"])
+    record_event(
+        f"node.{node.state}",
+        f"node {node.name} {node.state} by {actor}: {reason}",
+        node=node,
+        actor=actor,
+    )
+    if drain:
+        for attempt in Attempt.objects.filter(
+            ended_at__isnull=True, allocations__node=node
+        ).distinct():
+            begin_stop(attempt, now=now, reason=f"node {node.name} draining: {reason}")
+    wake("node cordoned")
+    return node
+
+
+@transaction.atomic
+def do_uncordon_node(node: Node, *, actor, reason: str = "") -> Node:
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
+    if node.state == Node.State.DOWN:
+        return node  # it comes back up with its next heartbeat
+    node.state, node.state_reason = Node.State.UP, ""
+    node.save(update_fields=["state", "state_reason"])
+    record_event(
+        "node.uncordoned",
+        f"node {node.name} uncordoned by {actor}" + (f": {reason}" if reason else ""),
+        node=node,
+        actor=actor,
+    )
+    wake("node uncordoned")
+    return node

@@ -1,0 +1,185 @@
+"""Preemption: proposals, decisions, checkpoint-first execution, growing a shrunk elastic job
+back, and withdrawing proposals whose claimant no longer waits."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from django.db import transaction
+
+from jobs.actions.attempts import GROW_REASON
+from jobs.actions.base import begin_stop, lock_job_for_stop, push_state, record_event, wake
+from jobs.conf import lockstep_setting
+from jobs.models import (
+    Attempt,
+    Job,
+    PreemptionRequest,
+)
+from jobs.queries import (
+    latest_checkpoint,
+    world_size,
+)
+
+log = logging.getLogger(__name__)
+
+
+def do_propose_preemption(
+    *, victim_id: int, claimant_id: int, kind: str, reason: str, now: datetime
+) -> PreemptionRequest | None:
+    """Record a planned preemption; reclaims and starvation claims are approved and carried
+    out at once, priority preemptions wait for an admin or for their auto-approve deadline.
+    None if the victim already has an open request or is no longer running."""
+    with transaction.atomic():
+        victim, _ = lock_job_for_stop(victim_id)
+        if victim.state not in (Job.State.STARTING, Job.State.RUNNING):
+            return None
+        if PreemptionRequest.objects.filter(
+            victim=victim, state__in=PreemptionRequest.OPEN
+        ).exists():
+            return None
+        since = (
+            latest_checkpoint(victim.id).created_at
+            if latest_checkpoint(victim.id)
+            else (victim.first_started_at or now)
+        )
+        request = PreemptionRequest.objects.create(
+            victim=victim,
+            claimant_id=claimant_id,
+            kind=kind,
+            reason=reason[:500],
+            created_at=now,
+            work_at_risk_s=max((now - since).total_seconds(), 0.0),
+            auto_approve_at=None
+            if kind in PreemptionRequest.AUTOMATIC
+            else now + timedelta(seconds=lockstep_setting("PREEMPTION_APPROVAL_DELAY_S")),
+        )
+        record_event(
+            "preemption.proposed",
+            f"{kind} preemption of job {victim.id} proposed for job {claimant_id}: {reason}",
+            job=victim,
+            team_id=victim.team_id,
+            data={"request": request.id, "claimant": claimant_id, "kind": kind},
+        )
+        if kind in PreemptionRequest.AUTOMATIC:
+            # Reclaims are automatic: lent GPUs go back to their owner without asking anyone;
+            # so are starvation claims (they take no team below its quota).
+            # In the proposal's transaction: a reclaim has no approval deadline, so one left
+            # proposed (its approval a deadlock victim) would block every later proposal for
+            # this victim and never be carried out. Rolled back whole, the next pass proposes
+            # it again.
+            do_decide_preemption(request, approve=True, actor=None, now=now)
+    return request
+
+
+def do_decide_preemption(
+    request: PreemptionRequest, *, approve: bool, actor, now: datetime
+) -> PreemptionRequest:
+    with transaction.atomic():
+        request = PreemptionRequest.objects.select_for_update(no_key=True).get(pk=request.pk)
+        if request.state != PreemptionRequest.State.PROPOSED:
+            return request
+        request.state = (
+            PreemptionRequest.State.APPROVED if approve else PreemptionRequest.State.REJECTED
+        )
+        request.decided_by, request.decided_at = actor, now
+        request.save(update_fields=["state", "decided_by", "decided_at"])
+        who = (
+            actor.username
+            if actor
+            else (
+                f"automatic ({request.kind})"
+                if request.kind in PreemptionRequest.AUTOMATIC
+                else "automatic (approval deadline passed)"
+            )
+        )
+        record_event(
+            f"preemption.{request.state}",
+            f"preemption of job {request.victim_id} for job {request.claimant_id} "
+            f"{request.state} by {who}",
+            job_id=request.victim_id,
+            actor=actor,
+            data={"request": request.id},
+        )
+        if approve:
+            _execute_preemption(request, now=now)
+        else:
+            wake("preemption rejected")
+    return request
+
+
+def _execute_preemption(request: PreemptionRequest, *, now: datetime) -> None:
+    victim, attempt = lock_job_for_stop(request.victim_id)
+    request.state, request.executed_at = PreemptionRequest.State.EXECUTED, now
+    request.save(update_fields=["state", "executed_at"])
+    if attempt is None:
+        return
+    why = f"preempted ({request.kind}) for job {request.claimant_id}: {request.reason}"
+    stop_to_requeue(
+        victim,
+        attempt,
+        why=why,
+        now=now,
+        kind="job.preempting",
+        data={"request": request.id, "kind": request.kind},
+    )
+
+
+def stop_to_requeue(
+    job: Job, attempt: Attempt, *, why: str, now: datetime, kind: str, data: dict, message=None
+) -> None:
+    """Checkpoint-and-stop the job's live attempt; the job is requeued when it exits
+    (`do_end_attempt`). `message` is the Event's text (default: the job's new reason)."""
+    begin_stop(attempt, now=now, reason=why)
+    job.state, job.reason = Job.State.PREEMPTING, f"checkpointing and stopping: {why}"
+    job.save(update_fields=["state", "reason"])
+    record_event(kind, message or job.reason, job=job, team_id=job.team_id, data=data)
+    push_state(job)
+
+
+def do_grow_job(*, job_id: int, gpus: int, reason: str, now: datetime) -> bool:
+    """Scheduling rule 8 carried out: checkpoint-and-stop a running elastic job that runs on
+    fewer GPUs than it asked for, so that it is requeued and restarts at its full size from
+    that checkpoint. False (nothing changed) if it no longer runs shrunk."""
+    with transaction.atomic():
+        job, attempt = lock_job_for_stop(job_id)
+        if (
+            job.state != Job.State.RUNNING
+            or attempt is None
+            or attempt.state != Attempt.State.RUNNING
+            or world_size(attempt) >= job.gpus
+        ):
+            return False
+        why = f"{GROW_REASON} {gpus} GPUs ({reason})"
+        held = world_size(attempt)
+        stop_to_requeue(
+            job,
+            attempt,
+            why=why,
+            now=now,
+            kind="job.growing",
+            data={"from_gpus": held, "to_gpus": gpus},
+            message=f"attempt {attempt.number} runs on {held} of {job.gpus} GPUs; {why}",
+        )
+    return True
+
+
+@transaction.atomic
+def do_withdraw_stale_preemptions(*, now: datetime) -> None:
+    """Proposals whose claimant no longer waits (started, cancelled) are withdrawn, each with
+    its Event (atomic: a crash between the two lost the Event)."""
+    for request in PreemptionRequest.objects.filter(state=PreemptionRequest.State.PROPOSED).exclude(
+        claimant__state=Job.State.QUEUED
+    ):
+        PreemptionRequest.objects.filter(pk=request.pk).update(
+            state=PreemptionRequest.State.WITHDRAWN, decided_at=now
+        )
+        record_event(
+            "preemption.withdrawn",
+            f"preemption of job {request.victim_id} withdrawn: "
+            f"job {request.claimant_id} no longer waits",
+            job_id=request.victim_id,
+        )
+
+
+# --- model registry ------------------------------------------------------------------------

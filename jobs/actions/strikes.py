@@ -1,0 +1,62 @@
+"""Strikes: failures attributed to a node, and the automatic cordon after too many in a window.
+The lowest layer of the actions that blame a node; it imports only the shared base."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from jobs.actions.base import record_event
+from jobs.conf import lockstep_setting
+from jobs.models import (
+    Attempt,
+    Event,
+    Node,
+)
+
+log = logging.getLogger(__name__)
+
+
+def node_strikes(node: Node, now: datetime) -> int:
+    """Strikes against the node in the window, less those withdrawn (`_move_strike`)."""
+    window = now - timedelta(seconds=lockstep_setting("STRIKE_WINDOW_S"))
+    withdrawn = {
+        int(ref)
+        for ref in Event.objects.filter(
+            node=node, kind="node.strike_withdrawn", created_at__gte=window
+        ).values_list("data__strike", flat=True)
+        if ref is not None
+    }
+    strikes = Event.objects.filter(node=node, kind="node.strike", created_at__gte=window)
+    return strikes.exclude(id__in=withdrawn).count()
+
+
+def strike_node(node: Node, reason: str, *, now: datetime, attempt: Attempt | None = None) -> None:
+    """Attribute a failure to a node; enough strikes in the window cordon it for admins.
+    `attempt`: the attempt whose end is blamed on the node (a strike `_move_strike` can move
+    when the cause is revised)."""
+    record_event(
+        "node.strike",
+        f"strike on {node.name}: {reason}",
+        node=node,
+        attempt=attempt,
+        data={"attempt_end": attempt is not None},
+    )
+    strikes = node_strikes(node, now)
+    limit = lockstep_setting("STRIKES_TO_CORDON")
+    if strikes < limit:
+        return
+    hours = lockstep_setting("STRIKE_WINDOW_S") / 3600
+    why = f"{strikes} failures in {hours:.0f}h; an admin should check it"
+    # Conditional: the caller's Node may be stale (another transaction set it down or
+    # draining meanwhile); only a node that is up is cordoned.
+    if Node.objects.filter(pk=node.pk, state=Node.State.UP).update(
+        state=Node.State.CORDONED, state_reason=why
+    ):
+        node.state, node.state_reason = Node.State.CORDONED, why
+        record_event(
+            "node.cordoned",
+            f"node {node.name} cordoned automatically: {node.state_reason}",
+            node=node,
+            data={"strikes": strikes, "automatic": True},
+        )

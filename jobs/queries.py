@@ -1,0 +1,118 @@
+"""Reads and builders over the job models that the actions, the scheduler's snapshot reader,
+the agent API and the pages share: run time, the latest checkpoint, the sizes an attempt may
+have, an attempt's launch spec and what should run on a node. Nothing here writes."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+from jobs.conf import lockstep_setting
+from jobs.models import Attempt, Checkpoint, Job, Node
+
+
+def run_seconds(job_ids, *, now: datetime, live: bool = True) -> dict[int, float]:
+    """Seconds each job has held GPUs so far, summed over its attempts (the live one up to
+    `now` unless live=False). Time spent queued, preempted or backing off is not counted."""
+    totals: dict[int, float] = {}
+    attempts = Attempt.objects.filter(job_id__in=job_ids)
+    if not live:
+        attempts = attempts.filter(ended_at__isnull=False)
+    for job_id, started, ended in attempts.values_list("job_id", "created_at", "ended_at"):
+        totals[job_id] = totals.get(job_id, 0.0) + max(
+            ((ended or now) - started).total_seconds(), 0.0
+        )
+    return totals
+
+
+def latest_checkpoint(job_id: int) -> Checkpoint | None:
+    return (
+        Checkpoint.objects.filter(job_id=job_id, deleted_at__isnull=True)
+        .order_by("-step", "-id")
+        .first()
+    )
+
+
+def allowed_sizes(job: Job) -> set[int]:
+    """GPU counts an attempt of the job may have: all it asked for, or, elastic, a divisor of
+    that down to min_gpus (jobs.scheduling.policy.shrink_sizes)."""
+    low = job.min_gpus or job.gpus
+    return {job.gpus} | {n for n in range(max(low, 1), job.gpus) if job.gpus % n == 0}
+
+
+def world_size(attempt: Attempt) -> int:
+    """Ranks of the attempt (attempts from before elastic jobs have world_size 0: all)."""
+    return attempt.world_size or attempt.job.gpus
+
+
+def launch_spec(attempt: Attempt, node: Node) -> dict:
+    job = attempt.job
+    allocations = [a for a in attempt.allocations.all() if a.node_id == node.id]
+    group_ranks = {a.group_rank for a in attempt.allocations.all()}
+    # One directory per attempt: a zombie worker of an earlier attempt (on a node declared lost
+    # but still running) can never write into, or mix files with, the live attempt's saves.
+    checkpoint_dir = (
+        Path(lockstep_setting("CHECKPOINT_ROOT")).resolve()
+        / f"job-{job.id}"
+        / f"attempt-{attempt.number}"
+    )
+    return {
+        "job_id": job.id,
+        "attempt": attempt.number,
+        "command": list(job.command),
+        # The job's checkpoint interval rides in the env the trainer reads (users may not set
+        # LOCKSTEP_* themselves, so this cannot be overridden by job.env).
+        "env": {
+            **job.env,
+            **(
+                {"LOCKSTEP_CHECKPOINT_INTERVAL_S": str(attempt.checkpoint_interval_s)}
+                if attempt.checkpoint_interval_s
+                else {}
+            ),
+        },
+        "world_size": world_size(attempt),
+        # The size the job asked for: an elastic attempt on fewer GPUs keeps the global batch
+        # of that size (the trainer accumulates gradients).
+        "job_gpus": job.gpus,
+        "local_world_size": len(allocations),
+        "group_rank": allocations[0].group_rank if allocations else 0,
+        "group_world_size": len(group_ranks),
+        "master_addr": attempt.master_addr,
+        "master_port": attempt.master_port,
+        "run_id": f"job{job.id}-attempt{attempt.number}",
+        "restart_count": attempt.number - 1,
+        "max_restarts": job.max_restarts,
+        "checkpoint_dir": str(checkpoint_dir),
+        "resume_from": attempt.resumed_from.path if attempt.resumed_from else "",
+        "dataset": job.dataset,
+        "ranks": [
+            {"rank": a.rank, "local_rank": a.local_rank, "gpu_index": a.gpu.index}
+            for a in sorted(allocations, key=lambda a: a.rank)
+        ],
+    }
+
+
+def desired_for_node(node: Node, now: datetime) -> list[dict]:
+    desired = []
+    attempts = (
+        Attempt.objects.filter(ended_at__isnull=True, allocations__node=node)
+        .distinct()
+        .select_related("job", "resumed_from")
+        .prefetch_related("allocations__gpu")
+    )
+    for attempt in attempts:
+        if attempt.dump_requested_at is not None and attempt.state != Attempt.State.STOPPING:
+            desired.append({"attempt_id": attempt.id, "action": "dump"})
+        elif attempt.state == Attempt.State.STOPPING:
+            remaining = max((attempt.stop_deadline - now).total_seconds(), 0.0)
+            desired.append({"attempt_id": attempt.id, "action": "stop", "deadline_s": remaining})
+        else:
+            desired.append(
+                {"attempt_id": attempt.id, "action": "run", "launch": launch_spec(attempt, node)}
+            )
+    return desired
+
+
+def stopped_state(job: Job) -> str:
+    """How a checkpoint-and-stop ends: the job was ended (cancel, time limit) or preempted."""
+    return Attempt.State.CANCELLED if job.is_terminal else Attempt.State.PREEMPTED
