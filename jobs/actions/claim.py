@@ -142,10 +142,29 @@ def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt],
     """
     assert transaction.get_connection().in_atomic_block, "claims run inside a transaction"
     placements = list(placements)
-    started: dict[int, Attempt] = {}
-    rejected: dict[int, str] = {}
     if not placements:
-        return started, rejected
+        return {}, {}
+    accepted, rejected, nodes = _check_gangs(placements)
+    if not accepted:
+        return {}, rejected
+    attempts = _create_attempts(accepted, nodes, now=now)
+    _write_allocations(accepted, attempts, now=now)
+    _move_to_starting(accepted, attempts, nodes, now=now)
+    _record_starts(accepted, attempts, now=now)
+    started: dict[int, Attempt] = {}
+    # Last, after every write that can fail: pushes queued in a savepoint that rolls back
+    # would otherwise go out for jobs that did not start.
+    for (_, job, _), attempt in zip(accepted, attempts, strict=True):
+        push_state(job)
+        started[job.id] = attempt
+    return started, rejected
+
+
+def _check_gangs(placements) -> tuple[list, dict[int, str], dict[int, Node]]:
+    """Lock the teams, then the jobs (id order), read usage, nodes and held GPUs in one query
+    each, and check every gang in memory in plan order: (accepted (placement, job, team) in
+    plan order, {job id: why} rejected, the placements' nodes that are up)."""
+    rejected: dict[int, str] = {}
     team_ids = sorted({p.team_id for p in placements})
     teams = {
         t.id: t
@@ -209,9 +228,12 @@ def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt],
             claimed.add(job.id)
             continue
         rejected[placement.job_id] = why
-    if not accepted:
-        return started, rejected
+    return accepted, rejected, nodes
 
+
+def _create_attempts(accepted, nodes: dict[int, Node], *, now: datetime) -> list[Attempt]:
+    """One attempt per accepted gang, numbered after the job's last, resuming from its newest
+    committed checkpoint, with a rendezvous port of its own on the master node."""
     # Jobs that ran before: adopt committed checkpoints nobody reported, resume from the newest.
     ids = [job.id for _, job, _ in accepted]
     numbers = dict(
@@ -262,6 +284,10 @@ def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt],
         attempt.master_port = _master_port(nodes[placement.slots[0].node_id], attempt.id, taken)
         taken.add(attempt.master_port)
     bulk_set(Attempt, ["master_port"], [(a.id, a.master_port) for a in attempts])
+    return attempts
+
+
+def _write_allocations(accepted, attempts: list[Attempt], *, now: datetime) -> None:
     # Sorted by GPU id so concurrent claimers lock index entries in one order (no deadlock).
     # A GPU claimed concurrently since `held` was read fails here, on gpu_held_once.
     Allocation.objects.bulk_create(
@@ -283,6 +309,9 @@ def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt],
         ),
         batch_size=1000,
     )
+
+
+def _move_to_starting(accepted, attempts: list[Attempt], nodes: dict[int, Node], *, now) -> None:
     for (placement, job, _), attempt in zip(accepted, attempts, strict=True):
         slots = placement.slots
         where = ", ".join(
@@ -310,6 +339,12 @@ def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt],
     )
     if moved != len(accepted):
         raise ClaimConflict(f"{len(accepted) - moved} job(s) left QUEUED during the claim")
+
+
+def _record_starts(accepted, attempts: list[Attempt], *, now: datetime) -> None:
+    """The started events (and shrunk ones for elastic gangs), and the claimants of executed
+    preemptions marked started: their reclaim time ends here."""
+    ids = [job.id for _, job, _ in accepted]
     Event.objects.bulk_create(
         [
             Event(
@@ -360,9 +395,3 @@ def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt],
             team=team,
             data={"request": request.id, "kind": request.kind, "reclaim_s": request.reclaim_s},
         )
-    # Last, after every write that can fail: pushes queued in a savepoint that rolls back
-    # would otherwise go out for jobs that did not start.
-    for (_, job, _), attempt in zip(accepted, attempts, strict=True):
-        push_state(job)
-        started[job.id] = attempt
-    return started, rejected
