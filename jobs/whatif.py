@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from jobs import queue
 from jobs.conf import lockstep_setting
+from jobs.event_kinds import EventKind
 from jobs.models import PRIORITY_RANK, Attempt, Event, Job, Node, WhatIfRun
 from jobs.reclaim import reclaim_bound_s
 from jobs.scheduling.report import binned
@@ -264,7 +265,7 @@ def do_request_whatif(
         )
         changes = describe_changes(inputs)
         Event.objects.create(
-            kind="whatif.requested",
+            kind=EventKind.WHATIF_REQUESTED,
             message=f"{actor.username if actor else 'someone'} ran what-if {whatif.id} over "
             f"{count} jobs ({since:%Y-%m-%d %H:%M} to {until:%Y-%m-%d %H:%M}): "
             f"{changes or 'no changes'}"[:2000],

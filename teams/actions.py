@@ -6,6 +6,7 @@ from datetime import datetime
 from django.contrib.auth import get_user_model
 from django.db import transaction
 
+from jobs.event_kinds import EventKind
 from jobs.models import Event
 from teams.models import ApiToken, Membership, Team, token_digest
 
@@ -20,7 +21,7 @@ def do_create_team(
     Event.objects.create(
         team=team,
         actor=actor,
-        kind="team.created",
+        kind=EventKind.TEAM_CREATED,
         message=f"team {name} created with quota {quota}, borrow limit {borrow_limit}",
     )
     return team
@@ -45,7 +46,7 @@ def do_set_team_quota(
     Event.objects.create(
         team=team,
         actor=actor,
-        kind="team.quota_changed",
+        kind=EventKind.TEAM_QUOTA_CHANGED,
         message=(
             f"quota {before[0]} -> {team.quota}, borrow limit {before[1]} -> {team.borrow_limit},"
             f" weight {before[2]} -> {team.weight}"
@@ -67,7 +68,7 @@ def do_add_member(team: Team, user, *, role: str = Membership.Role.MEMBER, actor
         Event.objects.create(
             team=team,
             actor=actor,
-            kind="team.member_added",
+            kind=EventKind.TEAM_MEMBER_ADDED,
             message=f"{user.username} joined {team.name} as {role}",
         )
     return membership
@@ -83,7 +84,9 @@ def do_issue_token(
         user=user, name=name, digest=token_digest(raw), prefix=raw[:10], expires_at=expires_at
     )
     Event.objects.create(
-        actor=user, kind="token.issued", message=f"API token {name!r} issued to {user.username}"
+        actor=user,
+        kind=EventKind.TOKEN_ISSUED,
+        message=f"API token {name!r} issued to {user.username}",
     )
     return token, raw
 
@@ -97,7 +100,7 @@ def do_revoke_token(token: ApiToken, *, actor, now: datetime) -> bool:
     token.revoked_at = now
     Event.objects.create(
         actor=actor,
-        kind="token.revoked",
+        kind=EventKind.TOKEN_REVOKED,
         message=f"API token {token.name!r} ({token.prefix}...) of {token.user.username} revoked",
     )
     return True

@@ -11,6 +11,7 @@ from django.db import transaction
 from jobs.actions.base import push_state, record_event, wake
 from jobs.actions.strikes import strike_node
 from jobs.conf import lockstep_setting
+from jobs.event_kinds import EventKind
 from jobs.models import (
     Allocation,
     Attempt,
@@ -74,7 +75,7 @@ def do_end_attempt(
         Allocation.objects.filter(attempt=attempt, released_at__isnull=True).update(released_at=now)
         job = Job.objects.select_for_update(no_key=True).get(pk=attempt.job_id)
         record_event(
-            f"attempt.{state}",
+            EventKind(f"attempt.{state}"),
             f"attempt {attempt.number} {state}: {reason}",
             job=job,
             attempt=attempt,
@@ -107,7 +108,7 @@ def do_end_attempt(
         elif state == Attempt.State.SUCCEEDED:
             job.state, job.reason, job.finished_at = Job.State.SUCCEEDED, "finished", now
             record_event(
-                "job.succeeded",
+                EventKind.JOB_SUCCEEDED,
                 f"succeeded after {attempt.number} attempt(s)",
                 job=job,
                 team_id=job.team_id,
@@ -128,7 +129,7 @@ def do_end_attempt(
                 f"last: {reason}"
             )
             record_event(
-                "job.failed",
+                EventKind.JOB_FAILED,
                 job.reason,
                 job=job,
                 team_id=job.team_id,
@@ -144,11 +145,11 @@ def do_end_attempt(
                 f"{reason}; restart {job.restart_count}/{job.max_restarts} in {delay:.0f}s from "
                 + (f"checkpoint at step {checkpoint.step}" if checkpoint else "step 0")
             )
-            record_event("job.restarting", job.reason, job=job, team_id=job.team_id)
+            record_event(EventKind.JOB_RESTARTING, job.reason, job=job, team_id=job.team_id)
         else:
             job.state, job.finished_at = Job.State.FAILED, now
             job.reason = f"{reason}; no restarts left ({job.max_restarts} used)"
-            record_event("job.failed", job.reason, job=job, team_id=job.team_id)
+            record_event(EventKind.JOB_FAILED, job.reason, job=job, team_id=job.team_id)
         job.save(update_fields=["state", "reason", "restart_count", "restart_after", "finished_at"])
         push_state(job)
         wake("attempt ended")
@@ -168,7 +169,7 @@ def do_mark_attempt_running(attempt: Attempt, *, now: datetime) -> None:
         job.save(update_fields=["state", "reason"])
         push_state(job)
     record_event(
-        "attempt.running",
+        EventKind.ATTEMPT_RUNNING,
         f"attempt {attempt.number}: all {world_size(attempt)} ranks up",
         job=job,
         attempt=attempt,

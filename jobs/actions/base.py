@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from django.db import transaction
 
 from jobs.conf import lockstep_setting
+from jobs.event_kinds import EventKind
 from jobs.models import (
     Attempt,
     Event,
@@ -21,9 +22,11 @@ from jobs.scheduling.wake import wake_scheduler
 log = logging.getLogger(__name__)
 
 
-def record_event(kind: str, message: str, **refs) -> Event:
+def record_event(kind: EventKind, message: str, **refs) -> Event:
+    """Write the Event; EventKind(kind) refuses a kind that is not in the list."""
     # Messages quote agent and trainer reports; PostgreSQL text cannot hold a NUL character.
-    return Event.objects.create(kind=kind, message=message.replace("\x00", "\ufffd")[:2000], **refs)
+    text = message.replace("\x00", "\ufffd")[:2000]
+    return Event.objects.create(kind=EventKind(kind), message=text, **refs)
 
 
 def push_state(job: Job) -> None:
@@ -69,7 +72,7 @@ def begin_stop(attempt: Attempt, *, now: datetime, reason: str) -> None:
     attempt.end_reason = reason
     attempt.save(update_fields=["state", "stop_deadline", "end_reason"])
     record_event(
-        "attempt.stopping",
+        EventKind.ATTEMPT_STOPPING,
         f"attempt {attempt.number}: checkpoint-and-stop, deadline {attempt.stop_deadline:%H:%M:%S}",
         job_id=attempt.job_id,
         attempt=attempt,

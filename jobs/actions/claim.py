@@ -15,6 +15,7 @@ from jobs.actions.base import push_state, record_event
 from jobs.bulk import bulk_set
 from jobs.checkpoint_policy import checkpoint_advice
 from jobs.conf import lockstep_setting
+from jobs.event_kinds import EventKind
 from jobs.models import (
     GPU,
     Allocation,
@@ -88,7 +89,7 @@ def adopt_unreported_checkpoints(job: Job, *, now: datetime) -> list[Checkpoint]
             )
             adopted.append(checkpoint)
             record_event(
-                "checkpoint.recovered",
+                EventKind.CHECKPOINT_RECOVERED,
                 f"committed checkpoint at step {step} of attempt {attempt.number} found on "
                 "disk (its report was lost with its node)",
                 job=job,
@@ -348,7 +349,7 @@ def _record_starts(accepted, attempts: list[Attempt], *, now: datetime) -> None:
     Event.objects.bulk_create(
         [
             Event(
-                kind="attempt.started",
+                kind=EventKind.ATTEMPT_STARTED,
                 message=job.reason[:2000],
                 job=job,
                 attempt=attempt,
@@ -358,7 +359,7 @@ def _record_starts(accepted, attempts: list[Attempt], *, now: datetime) -> None:
         ]
         + [
             Event(
-                kind="attempt.shrunk",
+                kind=EventKind.ATTEMPT_SHRUNK,
                 message=(
                     f"attempt {attempt.number} runs on {attempt.world_size} of the job's "
                     f"{job.gpus} GPUs: the cluster is short of {job.gpus} and the job is elastic "
@@ -388,7 +389,7 @@ def _record_starts(accepted, attempts: list[Attempt], *, now: datetime) -> None:
         request.claimant_started_at = now
         request.save(update_fields=["claimant_started_at"])
         record_event(
-            "preemption.claimant_started",
+            EventKind.PREEMPTION_CLAIMANT_STARTED,
             f"job {job.id} started {request.reclaim_s:.0f}s after its {request.kind} of job "
             f"{request.victim_id} was decided",
             job=job,

@@ -12,6 +12,7 @@ from jobs.actions.attempts import do_end_attempt
 from jobs.actions.base import describe_exit, record_event, wake
 from jobs.actions.strikes import node_strikes, strike_node
 from jobs.conf import lockstep_setting
+from jobs.event_kinds import EventKind
 from jobs.models import (
     Allocation,
     Attempt,
@@ -88,7 +89,7 @@ def revise_cause(attempt: Attempt, node: Node, report: dict, *, now: datetime) -
         job.reason = reason + job.reason[len(old) :]
         job.save(update_fields=["reason"])
     record_event(
-        "attempt.cause_revised",
+        EventKind.ATTEMPT_CAUSE_REVISED,
         f"attempt {attempt.number}: {reason} (first reported: {old})",
         job=job,
         attempt=attempt,
@@ -108,7 +109,9 @@ def _move_strike(attempt_id: int, culprit_id: int, reason: str, *, now: datetime
     cordoned the node automatically and the node is now under the limit, it is back up."""
     with transaction.atomic():
         strike = (
-            Event.objects.filter(kind="node.strike", attempt_id=attempt_id, data__attempt_end=True)
+            Event.objects.filter(
+                kind=EventKind.NODE_STRIKE, attempt_id=attempt_id, data__attempt_end=True
+            )
             .order_by("-id")
             .first()
         )
@@ -117,14 +120,16 @@ def _move_strike(attempt_id: int, culprit_id: int, reason: str, *, now: datetime
         attempt = Attempt.objects.get(pk=attempt_id)
         first = Node.objects.select_for_update(no_key=True).get(pk=strike.node_id)
         record_event(
-            "node.strike_withdrawn",
+            EventKind.NODE_STRIKE_WITHDRAWN,
             f"strike on {first.name} withdrawn: job {attempt.job_id} attempt "
             f"{attempt.number} failed because of {reason}",
             node=first,
             attempt=attempt,
             data={"strike": strike.id},
         )
-        last_cordon = Event.objects.filter(node=first, kind="node.cordoned").order_by("-id").first()
+        last_cordon = (
+            Event.objects.filter(node=first, kind=EventKind.NODE_CORDONED).order_by("-id").first()
+        )
         if (
             first.state == Node.State.CORDONED
             and last_cordon is not None
@@ -135,7 +140,7 @@ def _move_strike(attempt_id: int, culprit_id: int, reason: str, *, now: datetime
             first.state, first.state_reason = Node.State.UP, ""
             first.save(update_fields=["state", "state_reason"])
             record_event(
-                "node.uncordoned",
+                EventKind.NODE_UNCORDONED,
                 f"node {first.name} uncordoned automatically: the strike that cordoned it "
                 "was withdrawn",
                 node=first,
@@ -165,7 +170,7 @@ def record_exits(
         allocation.exit_code, allocation.exited_at = code, min(exited_at, now)
         allocation.save(update_fields=["exit_code", "exited_at"])
         record_event(
-            "rank.exited",
+            EventKind.RANK_EXITED,
             f"rank {rank} on {node.name} ended with {describe_exit(code)}",
             job_id=attempt.job_id,
             attempt=attempt,
@@ -215,7 +220,7 @@ def do_request_stack_dump(attempt: Attempt, *, reason: str, now: datetime) -> bo
     ).update(dump_requested_at=now, end_reason=reason):
         return False
     record_event(
-        "attempt.hang_detected",
+        EventKind.ATTEMPT_HANG_DETECTED,
         f"attempt {attempt.number}: {reason}; capturing stacks before restart",
         job_id=attempt.job_id,
         attempt=attempt,
@@ -286,7 +291,7 @@ def do_flag_straggler(
         f"vs {gang_seconds * 1000:.0f} ms for the rest of the gang (median, last {window} steps)"
     )
     record_event(
-        "attempt.straggler",
+        EventKind.ATTEMPT_STRAGGLER,
         message,
         job_id=attempt.job_id,
         attempt=attempt,

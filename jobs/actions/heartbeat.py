@@ -13,6 +13,7 @@ from jobs.actions.base import record_event, wake
 from jobs.actions.failures import agent_time, record_exits, revise_cause
 from jobs.actions.ingest import ingest_records
 from jobs.conf import lockstep_setting
+from jobs.event_kinds import EventKind
 from jobs.models import (
     Allocation,
     Attempt,
@@ -40,7 +41,9 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
         node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
         if node.state == Node.State.DOWN:
             node.state, node.state_reason = Node.State.UP, ""
-            record_event("node.up", f"node {node.name} is back (heartbeat resumed)", node=node)
+            record_event(
+                EventKind.NODE_UP, f"node {node.name} is back (heartbeat resumed)", node=node
+            )
             wake("node up")
         node.last_heartbeat_at = now
         node.telemetry = body.get("telemetry") or []

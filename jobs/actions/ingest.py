@@ -15,6 +15,7 @@ from jobs import queue, rollup
 from jobs.actions.base import record_event
 from jobs.bulk_sql import insert_rows
 from jobs.conf import lockstep_setting
+from jobs.event_kinds import EventKind
 from jobs.models import (
     Attempt,
     Checkpoint,
@@ -56,7 +57,7 @@ def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Chec
     )
     if created:
         record_event(
-            "checkpoint.committed",
+            EventKind.CHECKPOINT_COMMITTED,
             f"checkpoint at step {checkpoint.step} ({filesizeformat(checkpoint.bytes)}, "
             f"saved in {checkpoint.save_s:.2f}s)",
             job_id=attempt.job_id,
@@ -127,7 +128,7 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
                 _record_checkpoint(attempt, record, now=now)
             elif kind == "start" and rank == 0:
                 record_event(
-                    "attempt.trainer_started",
+                    EventKind.ATTEMPT_TRAINER_STARTED,
                     f"trainer up: world size {record.get('world_size')}"
                     + (f" on {record['device']}" if record.get("device") else "")
                     + f", resumed from step {record.get('resumed_from_step', 0)}",
@@ -136,7 +137,7 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
                 )
             elif kind == "end" and rank == 0:
                 record_event(
-                    "attempt.trainer_ended",
+                    EventKind.ATTEMPT_TRAINER_ENDED,
                     f"trainer ended at step {record.get('step')}: {record.get('reason')}",
                     job_id=attempt.job_id,
                     attempt=attempt,

@@ -8,6 +8,7 @@ from datetime import datetime
 from django.db import transaction
 
 from jobs.actions.base import begin_stop, lock_job_for_stop, push_state, record_event, wake
+from jobs.event_kinds import EventKind
 from jobs.models import (
     Job,
 )
@@ -30,7 +31,7 @@ def do_submit_job(*, owner, team: Team, now: datetime, **fields) -> Job:
         **fields,
     )
     record_event(
-        "job.submitted",
+        EventKind.JOB_SUBMITTED,
         f"{owner.username} submitted {job.name}: {job.gpus} GPUs, priority {job.priority}",
         job=job,
         team=team,
@@ -54,7 +55,7 @@ def do_cancel_job(job: Job, *, actor, now: datetime, reason: str = "") -> Job:
     job.reason = why
     job.finished_at = now
     job.save(update_fields=["state", "reason", "finished_at"])
-    record_event("job.cancelled", why, job=job, team_id=job.team_id, actor=actor)
+    record_event(EventKind.JOB_CANCELLED, why, job=job, team_id=job.team_id, actor=actor)
     push_state(job)
     wake("job cancelled")
     return job
@@ -75,7 +76,7 @@ def do_enforce_time_limit(job: Job, *, now: datetime) -> bool:
         begin_stop(attempt, now=now, reason=why)
     job.state, job.reason, job.finished_at = Job.State.FAILED, why, now
     job.save(update_fields=["state", "reason", "finished_at"])
-    record_event("job.time_limit", why, job=job, team_id=job.team_id)
+    record_event(EventKind.JOB_TIME_LIMIT, why, job=job, team_id=job.team_id)
     push_state(job)
     wake("time limit")
     return True
@@ -87,7 +88,7 @@ def do_set_job_priority(job: Job, *, priority: str, actor) -> Job:
     job.priority = priority
     job.save(update_fields=["priority"])
     record_event(
-        "job.priority_changed",
+        EventKind.JOB_PRIORITY_CHANGED,
         f"priority {before} -> {priority}",
         job=job,
         team_id=job.team_id,
@@ -106,7 +107,7 @@ def do_requeue_job(job: Job, *, now: datetime) -> bool:
     if updated:
         job.refresh_from_db()
         record_event(
-            "job.requeued",
+            EventKind.JOB_REQUEUED,
             f"requeued for restart {job.restart_count}",
             job=job,
             team_id=job.team_id,

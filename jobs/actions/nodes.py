@@ -10,6 +10,7 @@ from django.db import transaction
 
 from jobs.actions.attempts import do_end_attempt
 from jobs.actions.base import begin_stop, record_event, wake
+from jobs.event_kinds import EventKind
 from jobs.models import (
     GPU,
     Attempt,
@@ -49,7 +50,9 @@ def do_register_node(
             last_heartbeat_at=now,
         )
         record_event(
-            "node.registered", f"node {name} registered with {gpus} {gpu_kind} GPUs", node=node
+            EventKind.NODE_REGISTERED,
+            f"node {name} registered with {gpus} {gpu_kind} GPUs",
+            node=node,
         )
     else:
         # A new boot means the agent restarted: any workers it had are gone (it kills them on
@@ -75,7 +78,7 @@ def do_register_node(
             node.state, node.state_reason = Node.State.UP, ""
         node.save()
         record_event(
-            "node.reregistered",
+            EventKind.NODE_REREGISTERED,
             f"node {name} re-registered ({gpus} GPUs)"
             + ("; back up" if was_down else "")
             + (
@@ -101,7 +104,7 @@ def do_mark_node_lost(node: Node, *, now: datetime, reason: str) -> None:
         return
     node.state, node.state_reason = Node.State.DOWN, reason
     node.save(update_fields=["state", "state_reason"])
-    record_event("node.down", f"node {node.name} down: {reason}", node=node)
+    record_event(EventKind.NODE_DOWN, f"node {node.name} down: {reason}", node=node)
     for attempt in Attempt.objects.filter(ended_at__isnull=True, allocations__node=node).distinct():
         do_end_attempt(
             attempt,
@@ -122,7 +125,7 @@ def do_cordon_node(node: Node, *, actor, reason: str, drain: bool = False, now: 
     node.state_reason = reason
     node.save(update_fields=["state", "state_reason"])
     record_event(
-        f"node.{node.state}",
+        EventKind(f"node.{node.state}"),
         f"node {node.name} {node.state} by {actor}: {reason}",
         node=node,
         actor=actor,
@@ -144,7 +147,7 @@ def do_uncordon_node(node: Node, *, actor, reason: str = "") -> Node:
     node.state, node.state_reason = Node.State.UP, ""
     node.save(update_fields=["state", "state_reason"])
     record_event(
-        "node.uncordoned",
+        EventKind.NODE_UNCORDONED,
         f"node {node.name} uncordoned by {actor}" + (f": {reason}" if reason else ""),
         node=node,
         actor=actor,

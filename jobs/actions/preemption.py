@@ -11,6 +11,7 @@ from django.db import transaction
 from jobs.actions.attempts import GROW_REASON
 from jobs.actions.base import begin_stop, lock_job_for_stop, push_state, record_event, wake
 from jobs.conf import lockstep_setting
+from jobs.event_kinds import EventKind
 from jobs.models import (
     Attempt,
     Job,
@@ -55,7 +56,7 @@ def do_propose_preemption(
             else now + timedelta(seconds=lockstep_setting("PREEMPTION_APPROVAL_DELAY_S")),
         )
         record_event(
-            "preemption.proposed",
+            EventKind.PREEMPTION_PROPOSED,
             f"{kind} preemption of job {victim.id} proposed for job {claimant_id}: {reason}",
             job=victim,
             team_id=victim.team_id,
@@ -94,7 +95,7 @@ def do_decide_preemption(
             )
         )
         record_event(
-            f"preemption.{request.state}",
+            EventKind(f"preemption.{request.state}"),
             f"preemption of job {request.victim_id} for job {request.claimant_id} "
             f"{request.state} by {who}",
             job_id=request.victim_id,
@@ -120,7 +121,7 @@ def _execute_preemption(request: PreemptionRequest, *, now: datetime) -> None:
         attempt,
         why=why,
         now=now,
-        kind="job.preempting",
+        kind=EventKind.JOB_PREEMPTING,
         data={"request": request.id, "kind": request.kind},
     )
 
@@ -157,7 +158,7 @@ def do_grow_job(*, job_id: int, gpus: int, reason: str, now: datetime) -> bool:
             attempt,
             why=why,
             now=now,
-            kind="job.growing",
+            kind=EventKind.JOB_GROWING,
             data={"from_gpus": held, "to_gpus": gpus},
             message=f"attempt {attempt.number} runs on {held} of {job.gpus} GPUs; {why}",
         )
@@ -175,7 +176,7 @@ def do_withdraw_stale_preemptions(*, now: datetime) -> None:
             state=PreemptionRequest.State.WITHDRAWN, decided_at=now
         )
         record_event(
-            "preemption.withdrawn",
+            EventKind.PREEMPTION_WITHDRAWN,
             f"preemption of job {request.victim_id} withdrawn: "
             f"job {request.claimant_id} no longer waits",
             job_id=request.victim_id,

@@ -11,6 +11,7 @@ from django.db.models import Max
 
 from jobs import queue
 from jobs.actions.base import record_event
+from jobs.event_kinds import EventKind
 from jobs.models import (
     Checkpoint,
     MetricPoint,
@@ -46,7 +47,7 @@ def do_register_model_version(
         metrics=at_step,
     )
     record_event(
-        "model.registered",
+        EventKind.MODEL_REGISTERED,
         f"{name} v{version.version} registered from job {checkpoint.job_id} step {checkpoint.step}",
         job_id=checkpoint.job_id,
         actor=actor,
@@ -64,4 +65,4 @@ def do_finish_model_export(version: ModelVersion, *, path: str | None, error: st
         version.export_state = ModelVersion.ExportState.FAILED
         message = f"{version} export failed: {error}"
     version.save(update_fields=["export_state", "export_path"])
-    record_event("model.exported", message, job_id=version.job_id)
+    record_event(EventKind.MODEL_EXPORTED, message, job_id=version.job_id)

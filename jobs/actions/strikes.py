@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 
 from jobs.actions.base import record_event
 from jobs.conf import lockstep_setting
+from jobs.event_kinds import EventKind
 from jobs.models import (
     Attempt,
     Event,
@@ -23,11 +24,11 @@ def node_strikes(node: Node, now: datetime) -> int:
     withdrawn = {
         int(ref)
         for ref in Event.objects.filter(
-            node=node, kind="node.strike_withdrawn", created_at__gte=window
+            node=node, kind=EventKind.NODE_STRIKE_WITHDRAWN, created_at__gte=window
         ).values_list("data__strike", flat=True)
         if ref is not None
     }
-    strikes = Event.objects.filter(node=node, kind="node.strike", created_at__gte=window)
+    strikes = Event.objects.filter(node=node, kind=EventKind.NODE_STRIKE, created_at__gte=window)
     return strikes.exclude(id__in=withdrawn).count()
 
 
@@ -36,7 +37,7 @@ def strike_node(node: Node, reason: str, *, now: datetime, attempt: Attempt | No
     `attempt`: the attempt whose end is blamed on the node (a strike `_move_strike` can move
     when the cause is revised)."""
     record_event(
-        "node.strike",
+        EventKind.NODE_STRIKE,
         f"strike on {node.name}: {reason}",
         node=node,
         attempt=attempt,
@@ -55,7 +56,7 @@ def strike_node(node: Node, reason: str, *, now: datetime, attempt: Attempt | No
     ):
         node.state, node.state_reason = Node.State.CORDONED, why
         record_event(
-            "node.cordoned",
+            EventKind.NODE_CORDONED,
             f"node {node.name} cordoned automatically: {node.state_reason}",
             node=node,
             data={"strikes": strikes, "automatic": True},
