@@ -234,3 +234,7 @@ Logs in {var / "logs"}. Ctrl-C stops everything.""",
         return 1
     finally:
         sup.stop_all()
+
+
+if __name__ == "__main__":  # `lockstep up` hands over to `python -m portal.up`
+    sys.exit(main())

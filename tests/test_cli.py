@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from portal import client
+from lockstep_cli import client, commands
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ def test_lockstep_config_names_the_file_and_a_missing_one_is_an_error(clean_env,
 
 def _lockstep(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "portal.cli", *args],
+        [sys.executable, "-m", "lockstep_cli.cli", *args],
         cwd=ROOT,
         env={**os.environ, **env},
         capture_output=True,
@@ -93,7 +93,7 @@ def test_a_spec_file_is_overridden_by_flags(tmp_path):
         "name: run1\nteam: nlp\ngpus: 2\ncommand: [python, -m, trainer]\nenv: {A: '1'}\n"
     )
     args = SimpleNamespace(file=str(spec), gpus=4, env=["B=2"], command=[], name=None)
-    body = client.job_body(args)
+    body = commands.job_body(args)
     assert body == {
         "name": "run1",
         "team": "nlp",

@@ -1,6 +1,6 @@
 """The `lockstep` command against a live portal: the real CLI as a subprocess (python -m
-portal.cli, the console script's module) talking to a LiveCluster (daphne, scheduler, rq worker
-and one node agent with 2 CPU "GPUs"). One short training job runs for real (submitted from
+lockstep_cli.cli, the console script's module) talking to a LiveCluster (daphne, scheduler, rq
+worker and one node agent with 2 CPU "GPUs"). One short training job runs for real (submitted from
 flags with --wait); another, from a YAML spec, is cancelled. Bad input exits 2 naming the field
 and creates nothing; a wrong token exits 3; another team's job is "not found" (exit 1)."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from portal import client
+from lockstep_cli import client
 from tests.live import ROOT, Api, LiveCluster, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -62,7 +62,7 @@ def lockstep(cluster, *args: str, token: str | None = None, config: str | None =
         env["LOCKSTEP_URL"] = cluster.url
         env["LOCKSTEP_TOKEN"] = cluster.alice_token if token is None else token
     return subprocess.run(
-        [sys.executable, "-m", "portal.cli", *args],
+        [sys.executable, "-m", "lockstep_cli.cli", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

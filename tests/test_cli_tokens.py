@@ -7,8 +7,8 @@ import json
 import pytest
 from rest_framework.test import APIClient
 
-from portal import client
-from portal.cli import main
+from lockstep_cli import client
+from lockstep_cli.cli import main
 from teams.models import ApiToken
 
 

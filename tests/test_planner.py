@@ -9,7 +9,7 @@ import pytest
 from django.contrib.staticfiles import finders
 from rest_framework.test import APIClient
 
-from portal.cli import main as cli_main
+from lockstep_cli.cli import main as cli_main
 from trainer import planner
 from trainer.planner import ClusterShape, ModelShape, PlanError, evaluate, plan
 

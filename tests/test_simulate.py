@@ -291,7 +291,7 @@ def test_trace_filters_priority_mapping_and_load_scale(tmp_path):
 def test_cli_json_prints_one_object_with_the_required_keys(tmp_path):
     path = write_trace(tmp_path, ["a,0,4,100,t,unknown", "b,1,8,100,t,unknown", "z,2,64,5,t,u"])
     out = subprocess.run(
-        [sys.executable, "-m", "portal.cli", "simulate", "--trace", str(path), "--gpus", "8"]
+        [sys.executable, "-m", "lockstep_cli.cli", "simulate", "--trace", str(path), "--gpus", "8"]
         + ["--policy", "backfill", "--json"],
         cwd=ROOT,
         capture_output=True,
@@ -325,7 +325,7 @@ def test_cli_json_prints_one_object_with_the_required_keys(tmp_path):
 def test_simulator_imports_no_django():
     code = (
         "import sys, jobs.scheduling.simulate, jobs.scheduling.baselines, "
-        "jobs.scheduling.report, jobs.scheduling.policy, portal.cli; "
+        "jobs.scheduling.report, jobs.scheduling.policy, lockstep_cli.cli; "
         "assert not any(m == 'django' or m.startswith('django.') for m in sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)

@@ -1,25 +1,25 @@
 """The `lockstep` commands that talk to a portal over the REST API: submit, jobs, status, wait,
-logs, cancel, checkpoints, models. Where the portal and token come from, the output formats and
-the exit codes are described in the README ("The lockstep command")."""
+logs, cancel, checkpoints, models, tokens. Where the portal and token come from, the output formats
+and the exit codes are described in the README ("The lockstep command")."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-import tomllib
 from pathlib import Path
 
-EXIT_OK = 0
-EXIT_FAILED = 1  # the job failed or was cancelled, or what was asked for does not exist
-EXIT_USAGE = 2  # bad arguments or a bad spec: the server's field errors are printed
-EXIT_AUTH = 3  # no token, a wrong, expired or revoked token, or not allowed
-EXIT_UNREACHABLE = 4  # no answer from the portal (refused, timed out, not a Lockstep portal)
-EXIT_SERVER = 5  # the portal answered 5xx, or throttled the request (429)
+from lockstep_cli.client import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    Portal,
+    resolve,
+)
+from lockstep_cli.output import emit, size, table, when
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 END_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 SPEC_FIELDS = (
     "name",
@@ -38,170 +38,8 @@ SPEC_FIELDS = (
 SPEC_DEFAULTS = {"image": "lockstep/trainer:latest", "dataset": "synthetic://addition"}
 
 
-class CliError(Exception):
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-# --- where the portal and the token come from ----------------------------------------------
-
-
-def config_path() -> Path:
-    explicit = os.environ.get("LOCKSTEP_CONFIG")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
-    return Path(base) / "lockstep" / "config.toml"
-
-
-def load_config() -> dict:
-    """The config file's `url` and `token`; {} when there is none (an explicit LOCKSTEP_CONFIG
-    that does not exist is an error: the user meant a file)."""
-    path = config_path()
-    if not path.exists():
-        if os.environ.get("LOCKSTEP_CONFIG"):
-            raise CliError(EXIT_USAGE, f"LOCKSTEP_CONFIG={path}: no such file")
-        return {}
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise CliError(EXIT_USAGE, f"{path}: {exc}") from exc
-    unknown = sorted(set(data) - {"url", "token"})
-    if unknown:
-        raise CliError(EXIT_USAGE, f"{path}: unknown key(s) {', '.join(unknown)} (url, token)")
-    if "token" in data and path.stat().st_mode & 0o077:
-        print(
-            f"lockstep: warning: {path} holds a token and others may read it (chmod 600 it)",
-            file=sys.stderr,
-        )
-    return data
-
-
-def resolve(args) -> tuple[str, str | None]:
-    """(url, token): each from the command line, else the environment, else the config file;
-    the URL falls back to a local portal."""
-    config = None
-
-    def from_config(key: str):
-        nonlocal config
-        if config is None:
-            config = load_config()
-        return config.get(key)
-
-    url = (
-        getattr(args, "url", None)
-        or os.environ.get("LOCKSTEP_URL")
-        or os.environ.get("LOCKSTEP_PORTAL")  # the older name, still read
-        or from_config("url")
-        or DEFAULT_URL
-    )
-    token = getattr(args, "token", None) or os.environ.get("LOCKSTEP_TOKEN") or from_config("token")
-    return url.rstrip("/"), token
-
-
-# --- the HTTP client -------------------------------------------------------------------------
-
-
-def _field_errors(body) -> str:
-    if not isinstance(body, dict):
-        return f"  {body}"
-    lines = []
-    for field, messages in body.items():
-        if isinstance(messages, dict):  # nested, e.g. env entries
-            messages = [f"{k}: {v}" for k, v in messages.items()]
-        elif not isinstance(messages, list):
-            messages = [messages]
-        for message in messages:
-            lines.append(f"  {field}: {message}")
-    return "\n".join(lines)
-
-
-class Portal:
-    def __init__(self, url: str, token: str | None, *, timeout: float = 30.0):
-        import requests
-
-        if not token:
-            raise CliError(
-                EXIT_AUTH,
-                'no API token: pass --token, set LOCKSTEP_TOKEN, or put token = "lst_..." in '
-                f"{config_path()} (create one on the portal's Tokens page)",
-            )
-        self.url = url
-        self.timeout = timeout
-        self.session = requests.Session()
-        self.session.headers["Authorization"] = f"Bearer {token}"
-        self.session.headers["Accept"] = "application/json"
-
-    def call(self, method: str, path: str, **kwargs):
-        import requests
-
-        try:
-            response = self.session.request(method, self.url + path, timeout=self.timeout, **kwargs)
-        except requests.Timeout as exc:
-            raise CliError(
-                EXIT_UNREACHABLE, f"the portal at {self.url} did not answer in {self.timeout:g} s"
-            ) from exc
-        except requests.RequestException as exc:
-            raise CliError(EXIT_UNREACHABLE, f"cannot reach the portal at {self.url}") from exc
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        code = response.status_code
-        if code == 204:  # done, nothing to say (a revoke)
-            return {}
-        if code < 400:
-            if body is None:
-                raise CliError(EXIT_UNREACHABLE, f"{self.url} is not a Lockstep portal")
-            return body
-        detail = body.get("detail") if isinstance(body, dict) else None
-        if code == 400:
-            raise CliError(EXIT_USAGE, "the portal refused the request:\n" + _field_errors(body))
-        if code == 401:
-            raise CliError(EXIT_AUTH, f"authentication failed: {detail or 'bad token'}")
-        if code == 403:
-            raise CliError(EXIT_AUTH, f"not allowed: {detail or 'forbidden'}")
-        if code == 404:
-            raise CliError(EXIT_FAILED, "not found (or not yours)")
-        if code == 429:
-            wait = response.headers.get("Retry-After")
-            raise CliError(
-                EXIT_SERVER, f"throttled by the portal{f'; retry in {wait} s' if wait else ''}"
-            )
-        if body is None and code >= 500:
-            raise CliError(EXIT_SERVER, f"the portal at {self.url} failed ({code})")
-        raise CliError(EXIT_SERVER, f"the portal answered {code}: {detail or body}")
-
-
 def _portal(args) -> Portal:
     return Portal(*resolve(args))
-
-
-def _emit(args, data) -> None:
-    print(json.dumps(data, indent=1))
-
-
-def _table(rows: list[list], headers: list[str]) -> None:
-    cells = [[str(c) for c in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    for row in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-
-
-def _when(value: str | None) -> str:
-    # "2026-12-01T00:20:20.123456Z" -> "2026-12-01 00:20:20"
-    return value.replace("T", " ")[:19] if value else ""
-
-
-def _size(n: int | None) -> str:
-    if n is None:
-        return ""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 # --- submit ----------------------------------------------------------------------------------
@@ -278,7 +116,7 @@ def cmd_submit(args) -> int:
 
 def _show_job_line(args, job: dict) -> None:
     if args.json:
-        _emit(args, job)
+        emit(job)
     else:
         reason = f": {job['reason']}" if job.get("reason") else ""
         print(f"job {job['id']} {job['name']} {job['state']}{reason}")
@@ -338,9 +176,9 @@ def cmd_jobs(args) -> int:
         params["team"] = args.team
     data = _portal(args).call("GET", "/api/v1/jobs/", params=params)
     if args.json:
-        _emit(args, data["results"])
+        emit(data["results"])
         return EXIT_OK
-    _table(
+    table(
         [
             [
                 j["id"],
@@ -349,7 +187,7 @@ def cmd_jobs(args) -> int:
                 j["state"],
                 j["gpus"],
                 j["priority"],
-                _when(j["submitted_at"]),
+                when(j["submitted_at"]),
                 (j["reason"] or "")[:60],
             ]
             for j in data["results"]
@@ -364,7 +202,7 @@ def cmd_jobs(args) -> int:
 def cmd_status(args) -> int:
     job = _portal(args).call("GET", f"/api/v1/jobs/{args.job}/")
     if args.json:
-        _emit(args, job)
+        emit(job)
         return EXIT_OK
     rows = [
         ("job", f"{job['id']} {job['name']} (team {job['team']}, by {job['owner']})"),
@@ -372,7 +210,7 @@ def cmd_status(args) -> int:
         ("gpus", f"{job['gpus']}, priority {job['priority']}"),
         ("image", job["image"]),
         ("command", " ".join(job["command"])),
-        ("submitted", _when(job["submitted_at"])),
+        ("submitted", when(job["submitted_at"])),
         ("restarts", f"{job['restart_count']} of {job['max_restarts']}"),
     ]
     if job.get("latest_checkpoint"):
@@ -463,17 +301,17 @@ def cmd_cancel(args) -> int:
 def cmd_checkpoints(args) -> int:
     rows = _portal(args).call("GET", f"/api/v1/jobs/{args.job}/checkpoints/")
     if args.json:
-        _emit(args, rows)
+        emit(rows)
         return EXIT_OK
-    _table(
+    table(
         [
             [
                 c["id"],
                 c["step"],
                 c["attempt"],
-                _size(c["bytes"]),
+                size(c["bytes"]),
                 c["save_s"],
-                _when(c["created_at"]),
+                when(c["created_at"]),
                 c["path"],
             ]
             for c in rows
@@ -492,7 +330,7 @@ def cmd_models(args) -> int:
             json={"name": args.name, "checkpoint": args.checkpoint, "notes": args.notes},
         )
         if args.json:
-            _emit(args, version)
+            emit(version)
         else:
             print(
                 f"registered {version['name']} v{version['version']} from job {version['job']} "
@@ -501,9 +339,9 @@ def cmd_models(args) -> int:
         return EXIT_OK
     data = portal.call("GET", "/api/v1/models/", params={"limit": args.limit})
     if args.json:
-        _emit(args, data["results"])
+        emit(data["results"])
         return EXIT_OK
-    _table(
+    table(
         [
             [
                 m["id"],
@@ -512,7 +350,7 @@ def cmd_models(args) -> int:
                 m["job"],
                 m["step"],
                 m["export_state"],
-                _when(m["created_at"]),
+                when(m["created_at"]),
             ]
             for m in data["results"]
         ],
@@ -530,10 +368,10 @@ def cmd_tokens(args) -> int:
             "POST", "/api/v1/tokens/", json={"name": args.name, "expires_in_days": days}
         )
         if args.json:
-            _emit(args, token)
+            emit(token)
         else:
             expiry = (
-                f"expires {_when(token['expires_at'])}" if token["expires_at"] else "never expires"
+                f"expires {when(token['expires_at'])}" if token["expires_at"] else "never expires"
             )
             print(token["token"])
             print(
@@ -549,18 +387,18 @@ def cmd_tokens(args) -> int:
         return EXIT_OK
     data = portal.call("GET", "/api/v1/tokens/", params={"limit": 200})
     if args.json:
-        _emit(args, data["results"])
+        emit(data["results"])
         return EXIT_OK
-    _table(
+    table(
         [
             [
                 t["id"],
                 t["name"],
                 t["prefix"] + "...",
                 t["state"],
-                _when(t["created_at"]),
-                _when(t["expires_at"]) if t["expires_at"] else "never",
-                _when(t["last_used_at"]) if t["last_used_at"] else "never",
+                when(t["created_at"]),
+                when(t["expires_at"]) if t["expires_at"] else "never",
+                when(t["last_used_at"]) if t["last_used_at"] else "never",
             ]
             for t in data["results"]
         ],

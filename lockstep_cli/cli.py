@@ -1,6 +1,7 @@
 """The `lockstep` command: run the platform (`up`, `agent`, `scheduler`), use it (`submit`,
-`jobs`, `status`, `wait`, `logs`, `cancel`, `checkpoints`, `models`: portal/client.py), plan a
-run's memory (`plan`) and replay traces through the scheduler (`simulate`)."""
+`jobs`, `status`, `wait`, `logs`, `cancel`, `checkpoints`, `models`, `tokens`:
+lockstep_cli/commands.py), plan a run's memory (`plan`) and replay traces through the scheduler
+(`simulate`)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ import argparse
 import json
 import os
 import sys
+from typing import NoReturn
 
-from portal import client
-from portal.client import EXIT_USAGE
+from lockstep_cli import commands
+from lockstep_cli.client import EXIT_USAGE
 
 
-def _django_setup() -> None:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-    import django
-
-    django.setup()
+def _hand_over(module: str, args: list[str]) -> NoReturn:
+    """Become `python -m module args` (same process, same exit code and signals): the Django
+    side runs in its own interpreter so this package never imports it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
 
 def _print_simulation(m: dict) -> None:
@@ -268,9 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return agent_main(argv[1:]) or 0
     if argv and argv[0] == "up":
-        from portal.up import main as up_main
-
-        return up_main(argv[1:])
+        _hand_over("portal.up", argv[1:])
 
     parser = argparse.ArgumentParser(
         prog="lockstep",
@@ -288,20 +289,19 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("agent", help="run a node agent (see `lockstep agent --help`)")
     scheduler = sub.add_parser("scheduler", help="run the scheduler loop")
     scheduler.add_argument("--once", action="store_true")
-    handlers = client.add_commands(sub)
+    handlers = commands.add_commands(sub)
     _add_simulate(sub)
     _add_plan(sub)
     args = parser.parse_args(argv)
     if args.cmd == "submit" and args.command[:1] == ["--"]:
         args.command = args.command[1:]
     if args.cmd == "scheduler":
-        _django_setup()
-        from jobs.scheduling.loop import run_forever
-
-        run_forever(once=args.once)
-        return 0
+        # run_scheduler calls the same run_forever; --skip-checks because this command never
+        # ran Django's system checks.
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+        _hand_over("django", ["run_scheduler", "--skip-checks", *(["--once"] if args.once else [])])
     if args.cmd in handlers:
-        return client.run(handlers[args.cmd], args)
+        return commands.run(handlers[args.cmd], args)
     return {"simulate": cmd_simulate, "plan": cmd_plan}[args.cmd](args)
 
 
