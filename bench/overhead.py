@@ -48,7 +48,7 @@ import django  # noqa: E402
 import tests.embedded_services as embedded  # noqa: E402  (REDIS_URL: the embedded redis)
 
 django.setup()
-from jobs.conf import DEFAULTS  # noqa: E402
+from jobs.settings_table import DEFAULTS  # noqa: E402
 from tests.live import Api, LiveCluster, wait_for  # noqa: E402
 
 STEPS = int(os.environ.get("BENCH_STEPS", "160"))

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
+from jobs.settings_table import read_settings
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("LOCKSTEP_VAR_DIR", BASE_DIR / "var")).resolve()
 
@@ -294,61 +296,9 @@ SPECTACULAR_SETTINGS = {
     },
 }
 
-# Lockstep's own settings, read through jobs.conf.lockstep_setting() with these defaults.
-LOCKSTEP = {
-    "AGENT_TOKEN": _secret("LOCKSTEP_AGENT_TOKEN"),
-    # Bearer token Prometheus scrapes /metrics with (staff users' API tokens work too).
-    "METRICS_TOKEN": _secret("LOCKSTEP_METRICS_TOKEN"),
-    "CHECKPOINT_ROOT": os.environ.get("LOCKSTEP_CHECKPOINT_ROOT", str(VAR_DIR / "checkpoints")),
-    "MODEL_ROOT": os.environ.get("LOCKSTEP_MODEL_ROOT", str(VAR_DIR / "models")),
-    "HEARTBEAT_S": float(os.environ.get("LOCKSTEP_HEARTBEAT_S", "1.0")),
-    "HEARTBEAT_TIMEOUT_S": float(os.environ.get("LOCKSTEP_HEARTBEAT_TIMEOUT_S", "30")),
-    # How often a node's GPU readings are kept per rank for the job page's history charts.
-    "GPU_SAMPLE_S": float(os.environ.get("LOCKSTEP_GPU_SAMPLE_S", "10")),
-    "SCHEDULER_TICK_S": float(os.environ.get("LOCKSTEP_SCHEDULER_TICK_S", "5")),
-    "SCHEDULER_LEASE_S": float(os.environ.get("LOCKSTEP_SCHEDULER_LEASE_S", "15")),
-    "RESTART_BACKOFF_S": float(os.environ.get("LOCKSTEP_RESTART_BACKOFF_S", "2")),
-    "RESTART_BACKOFF_MAX_S": float(os.environ.get("LOCKSTEP_RESTART_BACKOFF_MAX_S", "300")),
-    "START_TIMEOUT_S": float(os.environ.get("LOCKSTEP_START_TIMEOUT_S", "300")),
-    "STOP_GRACE_S": float(os.environ.get("LOCKSTEP_STOP_GRACE_S", "60")),
-    # Rendezvous ports are drawn from [BASE, BASE + SPAN). The default range ends below 32768,
-    # where Linux's ephemeral ports begin: a port in that range can be held by any outgoing
-    # connection on the master node (a database client, an HTTP request), and the attempt's
-    # TCPStore then dies with EADDRINUSE before its first step.
-    "MASTER_PORT_BASE": int(os.environ.get("LOCKSTEP_MASTER_PORT_BASE", "29400")),
-    "MASTER_PORT_SPAN": int(os.environ.get("LOCKSTEP_MASTER_PORT_SPAN", "3000")),
-    "ALLOWED_DATASET_SCHEMES": ["synthetic", "file", "s3", "gs", "hf", "nfs"],
-    # Failure detection (DESIGN.md section 8). A job is hung after max(HANG_MIN_S,
-    # HANG_STEP_FACTOR x its p95 step time) without a step.
-    "HANG_MIN_S": float(os.environ.get("LOCKSTEP_HANG_MIN_S", "60")),
-    "HANG_STEP_FACTOR": float(os.environ.get("LOCKSTEP_HANG_STEP_FACTOR", "10")),
-    "STARTUP_PROGRESS_TIMEOUT_S": float(
-        os.environ.get("LOCKSTEP_STARTUP_PROGRESS_TIMEOUT_S", "600")
-    ),
-    "DUMP_WAIT_S": float(os.environ.get("LOCKSTEP_DUMP_WAIT_S", "5")),
-    "STRAGGLER_FACTOR": float(os.environ.get("LOCKSTEP_STRAGGLER_FACTOR", "1.5")),
-    "STRAGGLER_MIN_EXCESS_S": float(os.environ.get("LOCKSTEP_STRAGGLER_MIN_EXCESS_S", "0.01")),
-    "STRAGGLER_WINDOW_STEPS": int(os.environ.get("LOCKSTEP_STRAGGLER_WINDOW_STEPS", "50")),
-    "STRAGGLER_CHECK_S": float(os.environ.get("LOCKSTEP_STRAGGLER_CHECK_S", "30")),
-    "STRIKES_TO_CORDON": int(os.environ.get("LOCKSTEP_STRIKES_TO_CORDON", "3")),
-    "STRIKE_WINDOW_S": float(os.environ.get("LOCKSTEP_STRIKE_WINDOW_S", "86400")),
-    "EARLY_FAILURES_USER_ERROR": int(os.environ.get("LOCKSTEP_EARLY_FAILURES_USER_ERROR", "3")),
-    "KEEP_CHECKPOINTS": int(os.environ.get("LOCKSTEP_KEEP_CHECKPOINTS", "3")),
-    "DEFAULT_MTBF_S": float(os.environ.get("LOCKSTEP_DEFAULT_MTBF_S", "86400")),
-    # Scheduling (DESIGN.md section 6): priority preemptions approve themselves after this
-    # delay unless an admin decides first; a team whose borrowed GPUs were reclaimed waits
-    # this long before borrowing again; fair-share history halves every USAGE_HALF_LIFE_S.
-    "PREEMPTION_APPROVAL_DELAY_S": float(
-        os.environ.get("LOCKSTEP_PREEMPTION_APPROVAL_DELAY_S", "300")
-    ),
-    "RECLAIM_BACKOFF_S": float(os.environ.get("LOCKSTEP_RECLAIM_BACKOFF_S", "300")),
-    # Victims that started less than this long ago are preempted last (a preference, not an
-    # exemption: the reclaim bound still holds).
-    "PREEMPT_EXEMPT_S": float(os.environ.get("LOCKSTEP_PREEMPT_EXEMPT_S", "600")),
-    # A shrunk elastic job grows back to its full size only after this long at the smaller one.
-    "ELASTIC_GROW_AFTER_S": float(os.environ.get("LOCKSTEP_ELASTIC_GROW_AFTER_S", "600")),
-    "USAGE_HALF_LIFE_S": float(os.environ.get("LOCKSTEP_USAGE_HALF_LIFE_S", "86400")),
-}
+# Lockstep's own settings (jobs/settings_table.py: names, defaults, environment variables),
+# read through jobs.conf.lockstep_setting().
+LOCKSTEP = read_settings(os.environ, var_dir=VAR_DIR, secret=_secret)
 
 LOGGING = {
     "version": 1,

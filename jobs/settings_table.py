@@ -1,0 +1,165 @@
+"""Lockstep's own settings, in one table: each name, its default, the environment variable it
+is read from, and why it exists. portal/settings.py builds the LOCKSTEP dict from it,
+jobs.conf.lockstep_setting() falls back to its defaults, and the simulator's estimates start
+from them. No Django here: the pure scheduling modules read the defaults too."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: Any
+    doc: str
+    # Read from LOCKSTEP_<name> (or a file named by LOCKSTEP_<name>_FILE for a secret).
+    env: bool = True
+    secret: bool = False
+    # A path under the var directory unless the environment says otherwise.
+    under_var: bool = False
+
+
+TABLE: tuple[Setting, ...] = (
+    Setting("AGENT_TOKEN", None, "the cluster token agents register with", secret=True),
+    Setting(
+        "METRICS_TOKEN",
+        None,
+        "bearer token Prometheus scrapes /metrics with (staff users' API tokens work too)",
+        secret=True,
+    ),
+    Setting(
+        "CHECKPOINT_ROOT", "checkpoints", "shared storage every node can reach", under_var=True
+    ),
+    Setting("MODEL_ROOT", "models", "where exported model versions are written", under_var=True),
+    Setting("HEARTBEAT_S", 1.0, "how often agents heartbeat"),
+    Setting("HEARTBEAT_TIMEOUT_S", 30.0, "a node silent this long is down, its attempts lost"),
+    Setting(
+        "GPU_SAMPLE_S",
+        10.0,
+        "how often a node's GPU readings are kept per rank for the job page's history charts",
+    ),
+    Setting("SCHEDULER_TICK_S", 5.0, "the scheduler's pass interval when nothing wakes it"),
+    Setting(
+        "SCHEDULER_LEASE_S", 15.0, "a standby scheduler takes over this long after the leader dies"
+    ),
+    Setting("RESTART_BACKOFF_S", 2.0, "first restart delay; it doubles per restart"),
+    Setting("RESTART_BACKOFF_MAX_S", 300.0, "the restart delay's cap"),
+    Setting("START_TIMEOUT_S", 300.0, "an attempt not up after this long fails"),
+    Setting("STOP_GRACE_S", 60.0, "checkpoint-and-stop deadline before SIGKILL"),
+    # The default port range ends below 32768, where Linux's ephemeral ports begin: a port in
+    # that range can be held by any outgoing connection on the master node, and the attempt's
+    # TCPStore then dies with EADDRINUSE before its first step.
+    Setting("MASTER_PORT_BASE", 29400, "rendezvous ports are drawn from [BASE, BASE + SPAN)"),
+    Setting("MASTER_PORT_SPAN", 3000, "see MASTER_PORT_BASE"),
+    Setting(
+        "ALLOWED_DATASET_SCHEMES",
+        ["synthetic", "file", "s3", "gs", "hf", "nfs"],
+        "dataset URI schemes a job may name",
+        env=False,
+    ),
+    # Failure detection (DESIGN.md section 8).
+    Setting(
+        "HANG_MIN_S", 60.0, "hung after max(HANG_MIN_S, HANG_STEP_FACTOR x p95 step) without a step"
+    ),
+    Setting("HANG_STEP_FACTOR", 10.0, "see HANG_MIN_S"),
+    Setting("STARTUP_PROGRESS_TIMEOUT_S", 600.0, "time to the first step after every rank is up"),
+    Setting("DUMP_WAIT_S", 5.0, "time given to ranks to dump their stacks before the kill"),
+    Setting("STRAGGLER_FACTOR", 1.5, "a rank this many times slower than the rest straggles"),
+    Setting("STRAGGLER_MIN_EXCESS_S", 0.01, "and slower by at least this many seconds a step"),
+    Setting("STRAGGLER_WINDOW_STEPS", 50, "steps the straggler medians are taken over"),
+    Setting("STRAGGLER_CHECK_S", 30.0, "how often stragglers are looked for"),
+    Setting("STRIKES_TO_CORDON", 3, "strikes in the window that cordon a node"),
+    Setting("STRIKE_WINDOW_S", 86400.0, "the strike window"),
+    Setting(
+        "EARLY_FAILURES_USER_ERROR",
+        3,
+        "this many attempts in a row failing before their first step end the job as a user error",
+    ),
+    Setting("KEEP_CHECKPOINTS", 3, "checkpoints retention keeps besides protected ones"),
+    Setting("DEFAULT_MTBF_S", 86400.0, "failure rate assumed with no history (Young/Daly)"),
+    # Scheduling (DESIGN.md section 6).
+    Setting(
+        "PREEMPTION_APPROVAL_DELAY_S",
+        300.0,
+        "priority preemptions approve themselves after this unless an admin decides first",
+    ),
+    Setting(
+        "RECLAIM_BACKOFF_S",
+        300.0,
+        "a team whose borrowed GPUs were reclaimed waits this long before borrowing again",
+    ),
+    Setting(
+        "PREEMPT_EXEMPT_S",
+        600.0,
+        "victims that started less than this long ago are preempted last (a preference, not an "
+        "exemption: the reclaim bound still holds)",
+    ),
+    Setting(
+        "ELASTIC_GROW_AFTER_S",
+        600.0,
+        "a shrunk elastic job grows back to its full size only after this long at the smaller one",
+    ),
+    Setting("USAGE_HALF_LIFE_S", 86400.0, "fair-share usage history halves every this long"),
+    Setting(
+        "WHATIF_INLINE_MAX_JOBS",
+        300,
+        "a what-if over at most this many jobs runs in the request; larger ones on the rq worker",
+        env=False,
+    ),
+)
+
+DEFAULTS: dict[str, Any] = {
+    s.name: (str(Path("var") / s.default) if s.under_var else s.default) for s in TABLE
+}
+
+
+def env_name(setting: Setting) -> str:
+    return f"LOCKSTEP_{setting.name}"
+
+
+def read_settings(
+    environ: Mapping[str, str], *, var_dir: Path, secret: Callable[[str], str | None]
+) -> dict[str, Any]:
+    """The LOCKSTEP dict: each setting from its environment variable, parsed as its default's
+    type, else its default. `secret` reads NAME or the file NAME_FILE names."""
+    values: dict[str, Any] = {}
+    for s in TABLE:
+        name = env_name(s)
+        if s.secret:
+            values[s.name] = secret(name)
+        elif s.under_var:
+            values[s.name] = environ.get(name, str(var_dir / s.default))
+        elif s.env and name in environ:
+            values[s.name] = type(s.default)(environ[name])
+        else:
+            values[s.name] = s.default
+    return values
+
+
+def markdown() -> str:
+    """docs/settings.md, made from the table (`python -m jobs.settings_table > docs/settings.md`;
+    a test fails when the page and the table differ)."""
+    rows = [
+        "# Settings",
+        "",
+        "Lockstep's own settings, made from `jobs/settings_table.py` (`python -m",
+        "jobs.settings_table > docs/settings.md`). Each is read once from its environment",
+        "variable into the `LOCKSTEP` dict (portal/settings.py) and through",
+        "`jobs.conf.lockstep_setting()`. Secrets may also come from a file named by `<VAR>_FILE`.",
+        "",
+        "| variable | default | what it is for |",
+        "|---|---|---|",
+    ]
+    for s in TABLE:
+        variable = f"`{env_name(s)}`" if s.env else f"`{s.name}` (settings only)"
+        default = f"`var/{s.default}`" if s.under_var else f"`{s.default!r}`"
+        rows.append(f"| {variable}{' (or `_FILE`)' if s.secret else ''} | {default} | {s.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
