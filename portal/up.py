@@ -20,6 +20,8 @@ from pathlib import Path
 
 import requests
 
+from portal.embedded_redis import start_embedded_redis
+
 ROOT = Path(__file__).resolve().parent.parent
 # About five minutes on a laptop's CPU with four ranks.
 DEMO_COMMAND = ["python", "-m", "trainer", "--steps", "2000", "--checkpoint-every", "100"]
@@ -88,6 +90,99 @@ def _wait_http(url: str, timeout: float, sup: Supervisor) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
 
 
+def _prepare(py: str, env: dict, var: Path, sup: Supervisor) -> dict:
+    """Redis (unless REDIS_URL names one), migrations, the demo team and users: the demo's
+    passwords and token."""
+    if "REDIS_URL" not in os.environ:
+        sup.adopt(
+            "redis",
+            start_embedded_redis(var / "redis.sock", log_path=var / "logs" / "redis.log"),
+        )
+        print(f"  started embedded redis on {var / 'redis.sock'}")
+    subprocess.run(
+        [py, "manage.py", "migrate", "--noinput", "-v", "0"], env=env, cwd=ROOT, check=True
+    )
+    seeded = subprocess.run(
+        [py, "manage.py", "seed_demo"],
+        env=env,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(seeded.stdout.strip().splitlines()[-1])
+
+
+def _start_platform(py: str, env: dict, port: int, sup: Supervisor) -> None:
+    daphne = [py, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "portal.asgi:application"]
+    sup.start("portal", daphne, env)
+    sup.start("rqworker", [py, "manage.py", "rqworker", "default", "--with-scheduler"], env)
+    sup.start("scheduler", [py, "manage.py", "run_scheduler"], env)
+
+
+def _start_agents(py: str, env: dict, url: str, args, var: Path, sup: Supervisor) -> None:
+    for i in range(args.agents):
+        name = f"local-{chr(ord('a') + i)}"
+        sup.start(
+            f"agent-{name}",
+            [
+                py,
+                "-m",
+                "nodeagent",
+                "--portal",
+                url,
+                "--token",
+                env["LOCKSTEP_AGENT_TOKEN"],
+                "--gpus",
+                str(args.gpus_per_agent),
+                "--name",
+                name,
+                "--work-dir",
+                str(var / "agents" / name),
+            ],
+            env,
+        )
+
+
+def _wait_for_agents(api: requests.Session, url: str, total: int, sup: Supervisor) -> None:
+    deadline = time.monotonic() + 60
+    while (
+        sum(
+            n["gpus"]
+            for n in api.get(url + "/api/v1/nodes/", timeout=5).json()["results"]
+            if n["state"] == "up"
+        )
+        < total
+    ):
+        if time.monotonic() > deadline or sup.dead():
+            raise RuntimeError("the agents did not register; see var/logs/agent-*.log")
+        time.sleep(0.5)
+
+
+def _submit_demo_job(api: requests.Session, url: str, total: int) -> None:
+    """Something live to look at, unless a job already runs (a restarted `make up`)."""
+    live = api.get(
+        url + "/api/v1/jobs/",
+        params={"state": "QUEUED,STARTING,RUNNING,RESTARTING"},
+        timeout=5,
+    ).json()
+    if live["count"] == 0:
+        gpus = min(4, total)
+        job = api.post(
+            url + "/api/v1/jobs/",
+            timeout=10,
+            json={
+                "name": "demo-addition",
+                "team": "demo",
+                "image": "lockstep/trainer:latest",
+                "command": DEMO_COMMAND,
+                "dataset": "synthetic://addition",
+                "gpus": gpus,
+            },
+        ).json()
+        print(f"  submitted demo job {job['id']} ({gpus} GPUs across the agents)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lockstep up", description=__doc__)
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
@@ -115,101 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     py = sys.executable
     url = f"http://127.0.0.1:{args.port}"
     try:
-        if "REDIS_URL" not in os.environ:
-            from portal.embedded_redis import start_embedded_redis
-
-            sup.adopt(
-                "redis",
-                start_embedded_redis(var / "redis.sock", log_path=var / "logs" / "redis.log"),
-            )
-            print(f"  started embedded redis on {var / 'redis.sock'}")
-        subprocess.run(
-            [py, "manage.py", "migrate", "--noinput", "-v", "0"], env=env, cwd=ROOT, check=True
-        )
-        seeded = subprocess.run(
-            [py, "manage.py", "seed_demo"],
-            env=env,
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        demo = json.loads(seeded.stdout.strip().splitlines()[-1])
-
-        sup.start(
-            "portal",
-            [
-                py,
-                "-m",
-                "daphne",
-                "-b",
-                "127.0.0.1",
-                "-p",
-                str(args.port),
-                "portal.asgi:application",
-            ],
-            env,
-        )
-        sup.start("rqworker", [py, "manage.py", "rqworker", "default", "--with-scheduler"], env)
-        sup.start("scheduler", [py, "manage.py", "run_scheduler"], env)
+        demo = _prepare(py, env, var, sup)
+        _start_platform(py, env, args.port, sup)
         _wait_http(url + "/login/", 60, sup)
-        for i in range(args.agents):
-            name = f"local-{chr(ord('a') + i)}"
-            sup.start(
-                f"agent-{name}",
-                [
-                    py,
-                    "-m",
-                    "nodeagent",
-                    "--portal",
-                    url,
-                    "--token",
-                    env["LOCKSTEP_AGENT_TOKEN"],
-                    "--gpus",
-                    str(args.gpus_per_agent),
-                    "--name",
-                    name,
-                    "--work-dir",
-                    str(var / "agents" / name),
-                ],
-                env,
-            )
+        _start_agents(py, env, url, args, var, sup)
         api = requests.Session()
         api.headers["Authorization"] = f"Bearer {demo['alice_token']}"
         total = args.agents * args.gpus_per_agent
-        deadline = time.monotonic() + 60
-        while (
-            sum(
-                n["gpus"]
-                for n in api.get(url + "/api/v1/nodes/", timeout=5).json()["results"]
-                if n["state"] == "up"
-            )
-            < total
-        ):
-            if time.monotonic() > deadline or sup.dead():
-                raise RuntimeError("the agents did not register; see var/logs/agent-*.log")
-            time.sleep(0.5)
+        _wait_for_agents(api, url, total, sup)
         if not args.no_demo_job:
-            live = api.get(
-                url + "/api/v1/jobs/",
-                params={"state": "QUEUED,STARTING,RUNNING,RESTARTING"},
-                timeout=5,
-            ).json()
-            if live["count"] == 0:
-                gpus = min(4, total)
-                job = api.post(
-                    url + "/api/v1/jobs/",
-                    timeout=10,
-                    json={
-                        "name": "demo-addition",
-                        "team": "demo",
-                        "image": "lockstep/trainer:latest",
-                        "command": DEMO_COMMAND,
-                        "dataset": "synthetic://addition",
-                        "gpus": gpus,
-                    },
-                ).json()
-                print(f"  submitted demo job {job['id']} ({gpus} GPUs across the agents)")
+            _submit_demo_job(api, url, total)
         print(
             f"""
 Lockstep is up: {url}
