@@ -360,7 +360,7 @@ def bench_reasons(count: int, team, user) -> dict:
 
     from jobs.models import Job
     from jobs.scheduling.apply import ApplyResult, _write_reasons
-    from jobs.scheduling.policy import Plan
+    from jobs.scheduling.vocab import Plan
 
     _queue_jobs(team, user, [10_000] * count, timezone.now())
     ids = list(Job.objects.filter(state=Job.State.QUEUED).values_list("id", flat=True))

@@ -3,7 +3,8 @@
 import dataclasses
 from datetime import timedelta
 
-from jobs.scheduling.policy import plan, shrink_sizes
+from jobs.scheduling.policy import plan
+from jobs.scheduling.vocab import elastic_sizes
 from tests.builders import job, node, running, snapshot, team
 
 
@@ -702,12 +703,12 @@ def elastic(job_id: int, gpus: int, min_gpus: int, **kw):
     return dataclasses.replace(job(job_id, gpus, **kw), min_gpus=min_gpus)
 
 
-def test_shrink_sizes_are_divisors_of_the_gpu_count_down_to_min_gpus():
-    t = team()
-    assert shrink_sizes(elastic(1, 16, 4, team_id=t.id)) == [8, 4]
-    assert shrink_sizes(elastic(1, 12, 3, team_id=t.id)) == [6, 4, 3]
-    assert shrink_sizes(elastic(1, 8, 3, team_id=t.id)) == [4]
-    assert shrink_sizes(job(1, 8, team_id=t.id)) == []
+def test_elastic_sizes_are_the_gpu_count_then_its_divisors_down_to_min_gpus():
+    assert elastic_sizes(16, 4) == (16, 8, 4)
+    assert elastic_sizes(12, 3) == (12, 6, 4, 3)
+    assert elastic_sizes(8, 3) == (8, 4)
+    assert elastic_sizes(8, None) == (8,)
+    assert elastic_sizes(8, 8) == (8,)
 
 
 def test_an_elastic_job_starts_on_fewer_nodes_when_the_cluster_is_short():

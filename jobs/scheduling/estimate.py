@@ -12,8 +12,9 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 
 from jobs.conf import DEFAULTS
-from jobs.scheduling.policy import AUTOMATIC_KINDS, plan
+from jobs.scheduling.policy import plan
 from jobs.scheduling.snapshot import RunningView, Snapshot
+from jobs.scheduling.vocab import AUTOMATIC_KINDS
 
 DEFAULT_RUNTIME_S = 3600.0
 
