@@ -454,6 +454,7 @@ def plan(snapshot: Snapshot) -> Plan:
         unreserved = [n for n in claimable if n.id not in held]
         usable_cache.clear()
         smallest_failed.clear()
+        free_cache.clear()
 
     # Per team, its running jobs in victim order, built once: the in-team priority search
     # runs for every job blocked by its team's cap (it was 56 % of a pass in the simulator).
@@ -468,15 +469,18 @@ def plan(snapshot: Snapshot) -> Plan:
     for run in snapshot.running:
         team_all_runs[run.team_id].append(run)
     team_hold = _team_holds(snapshot, team_all_runs)
-    free_cache: dict[int, int] = {}
-    version = [0]  # bumped on every placement, to cache free counts between them
+    # usable_for's key -> (placements so far, free GPUs on those nodes then): the count holds
+    # until the next placement or reservation. (Keyed by id() of the node list it was, a list
+    # the pass had dropped when reservations changed and a new one at the same address read
+    # the old count.)
+    free_cache: dict[tuple, tuple[int, int]] = {}
+    version = [0]  # bumped on every placement
 
-    def free_in(usable) -> int:
-        key = id(usable)
-        if free_cache.get(("v", key)) != version[0]:
-            free_cache[("v", key)] = version[0]
-            free_cache[key] = sum(len(free[n.id]) for n in usable)
-        return free_cache[key]
+    def free_in(usable_key: tuple, usable: list[NodeView]) -> int:
+        cached = free_cache.get(usable_key)
+        if cached is None or cached[0] != version[0]:
+            cached = free_cache[usable_key] = (version[0], sum(len(free[n.id]) for n in usable))
+        return cached[1]
 
     for job in sorted(snapshot.queued, key=lambda j: job_order_key(j, teams, now)):
         if job.id in settled.jobs:
@@ -572,7 +576,7 @@ def plan(snapshot: Snapshot) -> Plan:
             if choice is None:
                 smallest_failed[key] = min(job.gpus, smallest_failed.get(key, 1 << 30))
         if choice is None:
-            free_now = free_in(usable)
+            free_now = free_in(usable_key, usable)
             # Within its team's quota counting the team's other claims of this pass: each such
             # job may reclaim in the same pass (on nodes no earlier claim reserved), so a
             # team's reclaim takes one stop grace, not one grace per queued job. A priority
