@@ -209,7 +209,7 @@ def bench_apply(args) -> dict:
     from jobs import actions
     from jobs.models import Allocation, Attempt, Job
     from jobs.scheduling import apply as applier
-    from jobs.scheduling.snapshot import take_snapshot
+    from jobs.scheduling.reader import take_snapshot
     from teams.actions import do_create_team
 
     batched = "chunk" in inspect.signature(applier.apply_plan).parameters
@@ -307,7 +307,7 @@ def big_pass(args, modes: dict, team, user, count, queries) -> dict:
     from jobs.scheduling import apply as applier
     from jobs.scheduling.estimate import estimate_starts
     from jobs.scheduling.loop import head_of_queue
-    from jobs.scheduling.snapshot import take_snapshot
+    from jobs.scheduling.reader import take_snapshot
 
     for n in range(Node.objects.count(), 512):
         actions.do_register_node(
@@ -360,7 +360,7 @@ def bench_reasons(count: int, team, user) -> dict:
 
     from jobs.models import Job
     from jobs.scheduling.apply import ApplyResult, _write_reasons
-    from jobs.scheduling.policy import Plan
+    from jobs.scheduling.vocab import Plan
 
     _queue_jobs(team, user, [10_000] * count, timezone.now())
     ids = list(Job.objects.filter(state=Job.State.QUEUED).values_list("id", flat=True))

@@ -8,7 +8,7 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
-from jobs.scheduling.policy import AUTOMATIC_KINDS
+from jobs.scheduling.vocab import AUTOMATIC_KINDS, PreemptionKind
 
 
 class Node(models.Model):
@@ -354,11 +354,11 @@ class PreemptionRequest(models.Model):
     """
 
     class Kind(models.TextChoices):
-        RECLAIM = "reclaim"
-        PRIORITY = "priority"
-        STARVATION = "starvation"  # a job waiting many times its length (scheduling rule 4)
+        RECLAIM = PreemptionKind.RECLAIM.value
+        PRIORITY = PreemptionKind.PRIORITY.value
+        STARVATION = PreemptionKind.STARVATION.value  # waiting many times its length (rule 4)
 
-    # Carried out at once, without an admin (the policy's list, which the simulator follows):
+    # Carried out at once, without an admin (the vocabulary's list, which the simulator follows):
     # reclaims give lent GPUs back to their owner, and a starvation claim takes only its own
     # team's or heavier teams' work beyond their quotas.
     AUTOMATIC = tuple(map(Kind, AUTOMATIC_KINDS))

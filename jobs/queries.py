@@ -1,6 +1,6 @@
 """Reads and builders over the job models that the actions, the scheduler's snapshot reader,
-the agent API and the pages share: run time, the latest checkpoint, the sizes an attempt may
-have, an attempt's launch spec and what should run on a node. Nothing here writes."""
+the agent API and the pages share: run time, the latest checkpoint, an attempt's world size and
+launch spec, what should run on a node and how a stop ends. Nothing here writes."""
 
 from __future__ import annotations
 
@@ -31,13 +31,6 @@ def latest_checkpoint(job_id: int) -> Checkpoint | None:
         .order_by("-step", "-id")
         .first()
     )
-
-
-def allowed_sizes(job: Job) -> set[int]:
-    """GPU counts an attempt of the job may have: all it asked for, or, elastic, a divisor of
-    that down to min_gpus (jobs.scheduling.policy.shrink_sizes)."""
-    low = job.min_gpus or job.gpus
-    return {job.gpus} | {n for n in range(max(low, 1), job.gpus) if job.gpus % n == 0}
 
 
 def world_size(attempt: Attempt) -> int:

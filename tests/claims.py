@@ -7,7 +7,7 @@ from collections import Counter
 from django.db.models import Count, Q
 
 from jobs.models import GPU, Allocation, Attempt, Job
-from jobs.scheduling.policy import Placement, Slot
+from jobs.scheduling.vocab import Placement, Slot
 
 
 def placement_on(job: Job, gpus: list[GPU]) -> Placement:

@@ -17,7 +17,7 @@ from jobs import actions
 from jobs.actions import claim
 from jobs.models import GPU, Allocation, Attempt, Event, Job, Node
 from jobs.scheduling.apply import apply_plan
-from jobs.scheduling.policy import Placement, Plan
+from jobs.scheduling.vocab import Placement, Plan
 from tests.claims import check_claim_invariants, placement_on
 from tests.heartbeats import submit
 

@@ -15,7 +15,7 @@ from django.utils import timezone
 from jobs import actions
 from jobs.models import GPU, Allocation, Attempt
 from jobs.scheduling.apply import apply_plan
-from jobs.scheduling.policy import Plan
+from jobs.scheduling.vocab import Plan
 from tests.claims import check_claim_invariants, placement_on
 
 CLAIMERS = 8

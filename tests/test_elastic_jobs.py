@@ -14,7 +14,7 @@ from rest_framework.test import APIClient
 from jobs import actions
 from jobs.models import Event, Job
 from jobs.scheduling.loop import run_pass
-from jobs.scheduling.policy import Placement, Slot
+from jobs.scheduling.vocab import Placement, Slot
 from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
 
 

@@ -153,7 +153,7 @@ def test_time_limit_stops_the_job_checkpoint_first_and_fails_it(setup):
 @pytest.mark.django_db
 def test_time_limit_counts_run_time_so_time_spent_requeued_is_not_charged(setup):
     from jobs.models import Attempt
-    from jobs.scheduling.snapshot import take_snapshot
+    from jobs.scheduling.reader import take_snapshot
 
     team, user, (a, b), _ = setup
     job = submit(team, user, time_limit_s=60, max_restarts=2)

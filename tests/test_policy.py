@@ -3,7 +3,8 @@
 import dataclasses
 from datetime import timedelta
 
-from jobs.scheduling.policy import plan, shrink_sizes
+from jobs.scheduling.policy import plan
+from jobs.scheduling.vocab import elastic_sizes
 from tests.builders import job, node, running, snapshot, team
 
 
@@ -702,12 +703,12 @@ def elastic(job_id: int, gpus: int, min_gpus: int, **kw):
     return dataclasses.replace(job(job_id, gpus, **kw), min_gpus=min_gpus)
 
 
-def test_shrink_sizes_are_divisors_of_the_gpu_count_down_to_min_gpus():
-    t = team()
-    assert shrink_sizes(elastic(1, 16, 4, team_id=t.id)) == [8, 4]
-    assert shrink_sizes(elastic(1, 12, 3, team_id=t.id)) == [6, 4, 3]
-    assert shrink_sizes(elastic(1, 8, 3, team_id=t.id)) == [4]
-    assert shrink_sizes(job(1, 8, team_id=t.id)) == []
+def test_elastic_sizes_are_the_gpu_count_then_its_divisors_down_to_min_gpus():
+    assert elastic_sizes(16, 4) == (16, 8, 4)
+    assert elastic_sizes(12, 3) == (12, 6, 4, 3)
+    assert elastic_sizes(8, 3) == (8, 4)
+    assert elastic_sizes(8, None) == (8,)
+    assert elastic_sizes(8, 8) == (8,)
 
 
 def test_an_elastic_job_starts_on_fewer_nodes_when_the_cluster_is_short():
@@ -944,3 +945,27 @@ def test_a_claimant_inside_its_team_waits_for_its_victim_instead_of_taking_anoth
     p = plan(snapshot([n1, n2], [claimant], [lab], runs))
     assert p.preemptions == ()
     assert p.reasons[1].startswith("waiting for job 10 to checkpoint and stop")
+
+
+def test_the_free_gpus_a_wait_reason_counts_are_outside_every_reservation():
+    # Job 2 takes n0 for a priority preemption, starving job 1 holds n1 of its own. Job 4
+    # may backfill n1 (it ends before job 1 could start there); job 3, with no estimate, may
+    # use neither. Its count was cached by the id() of a list of nodes the pass had dropped,
+    # and a later list at the same address read that list's count (7).
+    a, b = team("a", quota=8, borrow=32, used=1), team("b", quota=8, borrow=32, used=4)
+    n0, n1 = node("n0", busy=4), node("n1", busy=1)
+    runs = [
+        running(1000, n0, range(4), team_id=b.id, prio=0, ends_in=600),
+        running(1001, n1, [0], team_id=a.id, prio=2, ends_in=7200),
+    ]
+    jobs = [
+        job(1, 8, team_id=a.id, prio=2, submitted=-35725),
+        job(2, 8, team_id=b.id, prio=2, submitted=-41870, estimate=300),
+        job(3, 1, team_id=b.id, prio=1, submitted=-9044),
+        job(4, 8, team_id=b.id, prio=2, submitted=-27240, estimate=7200),
+    ]
+    p = plan(snapshot([n0, n1], jobs, [a, b], runs))
+    assert p.reservation == (2, (n0.id,))
+    assert "of its own on n1" in p.reasons[1]
+    assert "; 7 free outside the reservations held by job 2 and others" in p.reasons[4]
+    assert "; 0 free outside the reservations held by job 2 and others" in p.reasons[3]

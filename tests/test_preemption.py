@@ -12,7 +12,7 @@ from rest_framework.test import APIClient
 from jobs.actions import preemption as preemption_actions
 from jobs.models import Event, Job, PreemptionRequest
 from jobs.scheduling.loop import run_pass
-from jobs.scheduling.snapshot import CLAIM_AFTER_EXIT_S, take_snapshot
+from jobs.scheduling.reader import CLAIM_AFTER_EXIT_S, take_snapshot
 from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from jobs.scheduling.baselines import fifo
-from jobs.scheduling.policy import Plan, Preemption
 from jobs.scheduling.simulate import (
     SimConfig,
     SimulationError,
@@ -20,6 +19,7 @@ from jobs.scheduling.simulate import (
     run,
     simulate,
 )
+from jobs.scheduling.vocab import Plan, Preemption
 
 ROOT = Path(__file__).resolve().parent.parent
 MSFT = Path("/work/shared/data/traces/msft_itp_2021.csv")

@@ -27,9 +27,9 @@ from jobs.models import (
     PreemptionRequest,
 )
 from jobs.queries import (
-    allowed_sizes,
     latest_checkpoint,
 )
+from jobs.scheduling.vocab import elastic_sizes
 from teams.models import Team
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ def _check_gangs(placements) -> tuple[list, dict[int, str], dict[int, Node]]:
             why = f"job {job.id} is placed twice in one plan"
         elif job.state != Job.State.QUEUED:
             why = f"job {job.id} is {job.state}, not QUEUED"
-        elif len(placement.slots) not in allowed_sizes(job):
+        elif len(placement.slots) not in elastic_sizes(job.gpus, job.min_gpus):
             why = f"placement has {len(placement.slots)} GPUs, job needs {job.gpus}" + (
                 f" (or, elastic, a divisor of it down to {job.min_gpus})" if job.min_gpus else ""
             )

@@ -9,7 +9,7 @@ from datetime import datetime
 from django.db import DatabaseError, transaction
 
 from jobs.models import Job
-from jobs.scheduling.policy import Placement, Plan
+from jobs.scheduling.vocab import Placement, Plan
 
 log = logging.getLogger(__name__)
 

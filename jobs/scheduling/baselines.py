@@ -16,8 +16,8 @@ import math
 from collections import defaultdict
 from operator import attrgetter
 
-from jobs.scheduling.policy import Placement, Plan, Slot
 from jobs.scheduling.snapshot import JobView, NodeView, Snapshot
+from jobs.scheduling.vocab import Placement, Plan, Slot
 
 fifo_key = attrgetter("submitted_at", "id")  # C-level: the queue is sorted at every event
 _ids = attrgetter("id")

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import datetime, timedelta
 
-from jobs.scheduling.policy import AUTOMATIC_KINDS, plan
+from jobs.scheduling.policy import plan
 from jobs.scheduling.snapshot import RunningView, Snapshot
+from jobs.scheduling.vocab import AUTOMATIC_KINDS
 from jobs.settings_table import DEFAULTS
 
 DEFAULT_RUNTIME_S = 3600.0

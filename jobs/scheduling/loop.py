@@ -21,7 +21,7 @@ from jobs.scheduling.apply import ApplyResult, apply_plan
 from jobs.scheduling.detect import detect_hangs, detect_stragglers
 from jobs.scheduling.estimate import estimate_starts
 from jobs.scheduling.policy import plan
-from jobs.scheduling.snapshot import take_snapshot
+from jobs.scheduling.reader import take_snapshot
 from jobs.scheduling.wake import subscriber
 
 log = logging.getLogger("lockstep.scheduler")

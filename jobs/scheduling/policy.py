@@ -41,69 +41,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One rank's GPU."""
-
-    node_id: int
-    gpu_id: int
-    index: int
-    rank: int
-    local_rank: int
-    group_rank: int
-
-
-@dataclass(frozen=True)
-class Placement:
-    job_id: int
-    team_id: int
-    slots: tuple[Slot, ...]
-
-    @property
-    def node_ids(self) -> tuple[int, ...]:
-        return tuple(dict.fromkeys(slot.node_id for slot in self.slots))
-
-
-@dataclass(frozen=True)
-class Preemption:
-    """A running job (the victim) to checkpoint-and-stop so a queued one (the claimant) fits.
-
-    kind "reclaim": the claimant's team is under its quota and the victim runs on borrowed
-    GPUs (automatic). kind "priority": a higher-priority claimant (a proposal for admins).
-    kind "starvation": the claimant has waited STARVING_CLAIM_STRETCH times its length and
-    the victim is its own team's work beyond the quota, or borrowed work of a team with at
-    least its team's fair share (automatic, rule 4).
-    """
-
-    victim_job_id: int
-    claimant_job_id: int
-    kind: str
-    reason: str
-
-
-# Preemption kinds carried out at once; the others wait for an admin or their deadline.
-AUTOMATIC_KINDS = ("reclaim", "starvation")
-
-
-@dataclass(frozen=True)
-class Grow:
-    """A shrunk elastic job to checkpoint-and-stop so that it restarts at full size (rule 8)."""
-
-    job_id: int
-    gpus: int  # its full size
-    held: int  # the GPUs it runs on now
-    reason: str
-
-
-@dataclass(frozen=True)
-class Plan:
-    placements: tuple[Placement, ...]
-    reasons: dict[int, str] = field(default_factory=dict)  # queued job id -> why it waits
-    reservation: tuple[int, tuple[int, ...]] | None = None  # (job id, node ids)
-    preemptions: tuple[Preemption, ...] = ()
-    grows: tuple[Grow, ...] = ()
+from jobs.scheduling.vocab import (
+    Grow,
+    Placement,
+    Plan,
+    Preemption,
+    PreemptionKind,
+    Slot,
+    elastic_sizes,
+)
 
 
 def fair_share(team: TeamView) -> float:
@@ -226,16 +172,9 @@ def place(
     return _whole_nodes(job.gpus, free, nodes)
 
 
-def shrink_sizes(job: JobView) -> list[int]:
-    """The smaller GPU counts an elastic job may start on, largest first: divisors of its
-    GPU count, not below its min_gpus."""
-    low = job.min_gpus or job.gpus
-    return [n for n in range(job.gpus - 1, max(low, 1) - 1, -1) if job.gpus % n == 0]
-
-
 def _shrunk(job: JobView, free, usable, largest):
     """(GPU count, placement) of the largest smaller size that fits now, or None."""
-    for size in shrink_sizes(job):
+    for size in elastic_sizes(job.gpus, job.min_gpus)[1:]:
         choice = place(replace(job, gpus=size), free, usable, largest)
         if choice is not None:
             return size, choice
@@ -515,6 +454,7 @@ def plan(snapshot: Snapshot) -> Plan:
         unreserved = [n for n in claimable if n.id not in held]
         usable_cache.clear()
         smallest_failed.clear()
+        free_cache.clear()
 
     # Per team, its running jobs in victim order, built once: the in-team priority search
     # runs for every job blocked by its team's cap (it was 56 % of a pass in the simulator).
@@ -529,15 +469,18 @@ def plan(snapshot: Snapshot) -> Plan:
     for run in snapshot.running:
         team_all_runs[run.team_id].append(run)
     team_hold = _team_holds(snapshot, team_all_runs)
-    free_cache: dict[int, int] = {}
-    version = [0]  # bumped on every placement, to cache free counts between them
+    # usable_for's key -> (placements so far, free GPUs on those nodes then): the count holds
+    # until the next placement or reservation. (Keyed by id() of the node list it was, a list
+    # the pass had dropped when reservations changed and a new one at the same address read
+    # the old count.)
+    free_cache: dict[tuple, tuple[int, int]] = {}
+    version = [0]  # bumped on every placement
 
-    def free_in(usable) -> int:
-        key = id(usable)
-        if free_cache.get(("v", key)) != version[0]:
-            free_cache[("v", key)] = version[0]
-            free_cache[key] = sum(len(free[n.id]) for n in usable)
-        return free_cache[key]
+    def free_in(usable_key: tuple, usable: list[NodeView]) -> int:
+        cached = free_cache.get(usable_key)
+        if cached is None or cached[0] != version[0]:
+            cached = free_cache[usable_key] = (version[0], sum(len(free[n.id]) for n in usable))
+        return cached[1]
 
     for job in sorted(snapshot.queued, key=lambda j: job_order_key(j, teams, now)):
         if job.id in settled.jobs:
@@ -593,7 +536,7 @@ def plan(snapshot: Snapshot) -> Plan:
                     Preemption(
                         v.id,
                         job.id,
-                        "priority",
+                        PreemptionKind.PRIORITY,
                         f"priority over lower-priority work of team {team.name}",
                     )
                     for v in victims
@@ -633,7 +576,7 @@ def plan(snapshot: Snapshot) -> Plan:
             if choice is None:
                 smallest_failed[key] = min(job.gpus, smallest_failed.get(key, 1 << 30))
         if choice is None:
-            free_now = free_in(usable)
+            free_now = free_in(usable_key, usable)
             # Within its team's quota counting the team's other claims of this pass: each such
             # job may reclaim in the same pass (on nodes no earlier claim reserved), so a
             # team's reclaim takes one stop grace, not one grace per queued job. A priority
@@ -670,7 +613,7 @@ def plan(snapshot: Snapshot) -> Plan:
                 if claimed is not None:
                     victims, choice, kind = claimed
                     taken.update(v.id for v in victims)
-                    if kind == "reclaim":
+                    if kind == PreemptionKind.RECLAIM:
                         claiming[team.id] += job.gpus
                     # The victims keep their GPUs (and count against their teams) until they
                     # exit; the claimant is placed by a later pass.
@@ -678,7 +621,7 @@ def plan(snapshot: Snapshot) -> Plan:
                     names_of = ", ".join(f"job {v.id}" for v in victims)
                     why = (
                         "reclaiming its team's quota"
-                        if kind == "reclaim"
+                        if kind == PreemptionKind.RECLAIM
                         else f"priority {job.priority} over lower-priority work"
                     )
                     preemptions.extend(
@@ -801,7 +744,9 @@ def plan(snapshot: Snapshot) -> Plan:
         reserved.update(node.id for node, _ in choice)
         claimable = [n for n in claimable if n.id not in reserved]
         why = f"job {job.id} has waited {stretch(job, now):.0f} times its length"
-        preemptions.extend(Preemption(v.id, job.id, "starvation", why) for v in victims)
+        preemptions.extend(
+            Preemption(v.id, job.id, PreemptionKind.STARVATION, why) for v in victims
+        )
         reasons[job.id] = (
             "waiting for " + ", ".join(f"job {v.id}" for v in victims) + " to checkpoint and "
             f"stop (it has waited {stretch(job, now):.0f} times its length); {job.gpus} GPUs "
@@ -1016,12 +961,12 @@ def _claim(
         if found:
             for victim in found[0]:
                 lent[victim.team_id] = lent.get(victim.team_id, 0) + victim.gpus
-            return (*found, "reclaim")
+            return (*found, PreemptionKind.RECLAIM)
     if not allow_priority:
         return None
     lower = [r for r in running if r.id not in taken and r.priority < job.priority]
     found = _victims(job, lower, free, nodes, lambda victim, chosen: True, order)
-    return (*found, "priority") if found else None
+    return (*found, PreemptionKind.PRIORITY) if found else None
 
 
 def _starvation_claim(

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from jobs.scheduling.policy import AUTOMATIC_KINDS
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
+from jobs.scheduling.vocab import AUTOMATIC_KINDS, PreemptionKind
 
 EPOCH = datetime(2021, 3, 4, tzinfo=UTC)  # t = 0 of the virtual clock (any aware time works)
 INF = math.inf
@@ -721,7 +721,7 @@ class _Engine:
         run = self.running[jid]
         _, kind = self.open_requests[jid]
         self.preemptions["executed"] += 1
-        if kind == "reclaim" and self.cfg.reclaim_backoff_s > 0:
+        if kind == PreemptionKind.RECLAIM and self.cfg.reclaim_backoff_s > 0:
             self.paused_until[run.view.team_id] = t + self.cfg.reclaim_backoff_s
             self._push(t + self.cfg.reclaim_backoff_s, _WAKE, 0, 0)
         stop = t + self.cfg.grace_s

@@ -1,0 +1,212 @@
+"""Reads the database into a Snapshot for the policy (a few queries, no per-row queries): the
+one place where ORM rows become the policy's pure views."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from django.db.models import Count, Max, Q
+
+from jobs.conf import lockstep_setting
+from jobs.models import GPU, PRIORITY_RANK, Allocation, Attempt, Job, Node, PreemptionRequest
+from jobs.queries import run_seconds
+from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
+from teams.models import Team
+
+
+def take_snapshot(now: datetime) -> Snapshot:
+    """Read the database into a Snapshot (a few queries, no per-row queries)."""
+    live = list(
+        Allocation.objects.filter(released_at__isnull=True).values_list(
+            "gpu_id", "attempt_id", "node_id", "gpu__index"
+        )
+    )
+    held = {gpu_id for gpu_id, _, _, _ in live}
+    gpus_by_node: dict[int, list[tuple[int, int]]] = {}
+    for gpu_id, node_id, index in GPU.objects.values_list("id", "node_id", "index"):
+        gpus_by_node.setdefault(node_id, []).append((index, gpu_id))
+    nodes = []
+    for node in Node.objects.order_by("name").only("id", "name", "rack", "state"):
+        pairs = sorted(gpus_by_node.get(node.id, []))
+        nodes.append(
+            NodeView(
+                id=node.id,
+                name=node.name,
+                rack=node.rack,
+                gpu_ids=tuple(gpu_id for _, gpu_id in pairs),
+                free=frozenset(index for index, gpu_id in pairs if gpu_id not in held),
+                schedulable=node.state == Node.State.UP,
+            )
+        )
+    queued_jobs = list(
+        Job.objects.filter(state=Job.State.QUEUED).only(
+            "id",
+            "team_id",
+            "gpus",
+            "priority",
+            "submitted_at",
+            "name",
+            "time_limit_s",
+            "first_started_at",
+            "min_gpus",
+        )
+    )
+    # A requeued job's limit is what is left of it (limits count run time, not wall time).
+    ran = run_seconds([j.id for j in queued_jobs if j.time_limit_s and j.first_started_at], now=now)
+    claim_nodes, claimant_of = _claims(now)
+    queued = tuple(
+        JobView(
+            id=j.id,
+            team_id=j.team_id,
+            gpus=j.gpus,
+            priority=PRIORITY_RANK[j.priority],
+            submitted_at=j.submitted_at,
+            name=j.name,
+            runtime_estimate_s=max(j.time_limit_s - ran.get(j.id, 0.0), 1.0)
+            if j.time_limit_s
+            else None,
+            min_gpus=j.min_gpus,
+            claim_nodes=claim_nodes.get(j.id, ()),
+        )
+        for j in queued_jobs
+    )
+    slots: dict[int, list[tuple[int, int]]] = {}
+    for _, attempt_id, node_id, index in live:
+        slots.setdefault(attempt_id, []).append((node_id, index))
+    last_saves = dict(
+        Job.objects.filter(attempts__ended_at__isnull=True)
+        .annotate(last=Max("checkpoints__created_at"))
+        .values_list("id", "last")
+    )
+    live_attempts = list(Attempt.objects.filter(ended_at__isnull=True).select_related("job"))
+    ran_before = run_seconds(
+        [a.job_id for a in live_attempts if a.job.time_limit_s], now=now, live=False
+    )
+    running = tuple(
+        RunningView(
+            id=a.job_id,
+            team_id=a.job.team_id,
+            gpus=a.job.gpus,
+            priority=PRIORITY_RANK[a.job.priority],
+            slots=tuple(slots.get(a.id, ())),
+            started_at=a.created_at,
+            expected_end=_expected_end(a, ran_before.get(a.job_id, 0.0)),
+            last_checkpoint_at=last_saves.get(a.job_id),
+            stopping=a.state == Attempt.State.STOPPING,
+            claimant_id=claimant_of.get(a.id) if a.state == Attempt.State.STOPPING else None,
+        )
+        for a in live_attempts
+    )
+    return Snapshot(
+        now=now,
+        nodes=tuple(nodes),
+        queued=queued,
+        teams=_teams(now),
+        running=running,
+        preempt_exempt_s=lockstep_setting("PREEMPT_EXEMPT_S"),
+        grow_after_s=lockstep_setting("ELASTIC_GROW_AFTER_S"),
+    )
+
+
+def _teams(now: datetime) -> tuple[TeamView, ...]:
+    """Every team with its GPUs in use, its decayed usage, and whether a reclaim within
+    RECLAIM_BACKOFF_S paused its borrowing."""
+    backoff = now - timedelta(seconds=lockstep_setting("RECLAIM_BACKOFF_S"))
+    paused = set(
+        PreemptionRequest.objects.filter(
+            kind=PreemptionRequest.Kind.RECLAIM, executed_at__gte=backoff
+        ).values_list("victim__team_id", flat=True)
+    )
+    history = _usage_history(now, lockstep_setting("USAGE_HALF_LIFE_S"))
+    return tuple(
+        TeamView(
+            id=t.id,
+            name=t.name,
+            quota=t.quota,
+            borrow_limit=t.borrow_limit,
+            used=t.used,
+            weight=t.weight,
+            usage_history=history.get(t.id, 0.0),
+            borrow_paused=t.id in paused,
+        )
+        for t in Team.objects.annotate(
+            used=Count(
+                "jobs__attempts__allocations",
+                filter=Q(jobs__attempts__allocations__released_at__isnull=True),
+            )
+        )
+    )
+
+
+def _expected_end(attempt, ran_before_s: float) -> datetime | None:
+    """The time limit's remainder, counted from the attempt's start; for an attempt told to
+    stop, no later than its stop deadline (the agent kills it then)."""
+    end = (
+        attempt.created_at + timedelta(seconds=max(attempt.job.time_limit_s - ran_before_s, 0.0))
+        if attempt.job.time_limit_s
+        else None
+    )
+    deadline = attempt.stop_deadline if attempt.state == attempt.State.STOPPING else None
+    if deadline is not None:
+        end = deadline if end is None else min(end, deadline)
+    return end
+
+
+# How long after its last victim has gone a claim still holds (a few scheduler ticks: the
+# pass that runs when the victim's exit is reported places the claimant).
+CLAIM_AFTER_EXIT_S = 15.0
+
+
+def _claims(now: datetime) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
+    """Executed preemptions whose claimant still waits and whose victim is still stopping or
+    left less than CLAIM_AFTER_EXIT_S ago: (claimant job id -> the victims' node ids, victim
+    attempt id -> claimant job id)."""
+    requests = list(
+        PreemptionRequest.objects.filter(
+            state=PreemptionRequest.State.EXECUTED,
+            claimant_started_at__isnull=True,
+            claimant__state=Job.State.QUEUED,
+        ).values_list("claimant_id", "victim_id", "executed_at")
+    )
+    if not requests:
+        return {}, {}
+    recent = now - timedelta(seconds=CLAIM_AFTER_EXIT_S)
+    attempts = Attempt.objects.filter(
+        Q(ended_at__isnull=True) | Q(ended_at__gte=recent),
+        job_id__in={victim for _, victim, _ in requests},
+    ).values_list("id", "job_id", "created_at", "ended_at")
+    # The attempt each preemption stopped: the victim's attempt that was live when it ran.
+    stopped: dict[int, int] = {}  # victim attempt id -> claimant job id
+    by_victim: dict[int, list[tuple[int, datetime]]] = {}
+    for claimant, victim, executed_at in requests:
+        if executed_at is not None:
+            by_victim.setdefault(victim, []).append((claimant, executed_at))
+    for attempt_id, job_id, created_at, ended_at in attempts:
+        for claimant, executed_at in by_victim.get(job_id, ()):
+            if created_at <= executed_at and (ended_at is None or ended_at >= executed_at):
+                stopped[attempt_id] = claimant
+    nodes: dict[int, dict[int, None]] = {}
+    for attempt_id, node_id in Allocation.objects.filter(attempt_id__in=stopped).values_list(
+        "attempt_id", "node_id"
+    ):
+        nodes.setdefault(stopped[attempt_id], {})[node_id] = None
+    return {claimant: tuple(ids) for claimant, ids in nodes.items()}, stopped
+
+
+def _usage_history(now: datetime, half_life_s: float) -> dict[int, float]:
+    """Per team, GPU-seconds held over the last four half-lives, each second weighted by
+    0.5 ** (age / half-life) (approximated at each allocation's midpoint)."""
+    since = now - timedelta(seconds=4 * half_life_s)
+    usage: dict[int, float] = {}
+    for team_id, claimed, released in (
+        Allocation.objects.filter(claimed_at__lt=now)
+        .exclude(released_at__lt=since)
+        .values_list("attempt__job__team_id", "claimed_at", "released_at")
+    ):
+        start, end = max(claimed, since), min(released or now, now)
+        seconds = (end - start).total_seconds()
+        if seconds <= 0:
+            continue
+        age = (now - (start + (end - start) / 2)).total_seconds()
+        usage[team_id] = usage.get(team_id, 0.0) + seconds * 0.5 ** (age / half_life_s)
+    return usage
