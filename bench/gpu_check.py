@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from nodeagent.supervisor import WorkerSupervisor  # noqa: E402
 from nodeagent.telemetry import Telemetry  # noqa: E402
-from trainer.checkpoint import latest_committed  # noqa: E402
+from trainer.checkpoint_layout import latest_committed  # noqa: E402
 
 
 def launch_doc(job: int, attempt: int, command: list[str], ckpt: Path, resume: str = "") -> dict:

@@ -5,10 +5,10 @@ launch spec, what should run on a node and how a stop ends. Nothing here writes.
 from __future__ import annotations
 
 from datetime import datetime
-from pathlib import Path
 
 from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Checkpoint, Job, Node
+from trainer.checkpoint_layout import attempt_dir
 
 
 def run_seconds(job_ids, *, now: datetime, live: bool = True) -> dict[int, float]:
@@ -44,11 +44,7 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
     group_ranks = {a.group_rank for a in attempt.allocations.all()}
     # One directory per attempt: a zombie worker of an earlier attempt (on a node declared lost
     # but still running) can never write into, or mix files with, the live attempt's saves.
-    checkpoint_dir = (
-        Path(lockstep_setting("CHECKPOINT_ROOT")).resolve()
-        / f"job-{job.id}"
-        / f"attempt-{attempt.number}"
-    )
+    checkpoint_dir = attempt_dir(lockstep_setting("CHECKPOINT_ROOT"), job.id, attempt.number)
     return {
         "job_id": job.id,
         "attempt": attempt.number,

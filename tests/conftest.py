@@ -7,6 +7,44 @@ from django.utils import timezone
 from jobs import actions
 from teams.actions import do_add_member, do_create_team, do_issue_token
 
+# Test files that check nothing specific to a database or a channel layer, and why: `make test`
+# (SQLite, embedded Redis) runs them, and .ci/run's PostgreSQL leg deselects them with
+# `-m "not one_leg"` instead of running them twice. What depends on the database (claims,
+# heartbeats, locks, bulk SQL, page and API queries, the whole platform end to end) runs in both.
+ONE_LEG = {
+    "test_trainer.py": "torch processes over gloo; no database",
+    "test_trainer_parallel.py": "torch processes over gloo; no database",
+    "test_trainer_elastic.py": "torch processes over gloo; no database",
+    "test_trainer_async.py": "torch processes over gloo; no database",
+    "test_trainer_api.py": "the helper API in torch processes; no database",
+    "test_trainer_export.py": "a checkpoint converted by a command; no database",
+    "test_ring.py": "a ring all-reduce over gloo; no database",
+    "test_flops.py": "FLOP counts and the MFU benchmark; no database",
+    "test_zygote.py": "the agent's fork server; no database",
+    "test_nodeagent.py": "the agent against a stub portal; no database",
+    "test_planner.py": "the memory planner's arithmetic and its read-only endpoint",
+    "test_policy.py": "the pure policy",
+    "test_policy_properties.py": "the pure policy",
+    "test_simulate.py": "the pure simulator",
+    "test_layers.py": "the code's own imports",
+    "test_cli_layers.py": "the CLI package's imports",
+    "test_cli.py": "the CLI's parsing and output",
+    "test_cli_live.py": "the CLI as a client: its requests and output, not the database's",
+    "test_settings_table.py": "settings parsing",
+    "test_production_settings.py": "settings parsing",
+    "test_api_docs.py": "the OpenAPI schema and its offline docs page",
+    "test_browser.py": "pages in Chromium; their queries run on PostgreSQL in test_portal_pages",
+    "test_browser_console.py": "pages in Chromium; their queries run on PostgreSQL in test_console",
+    "test_browser_research.py": "pages in Chromium; their queries run on PostgreSQL in "
+    "test_portal_pages",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in ONE_LEG:
+            item.add_marker(pytest.mark.one_leg)
+
 
 @pytest.fixture(autouse=True)
 def fresh_heartbeat_intake(monkeypatch):

@@ -24,14 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.checkpoint import (
-    MARKER,
-    dir_bytes,
-    is_committed,
-    latest_committed,
-    read_marker,
-    resolve_resume,
-)
+from trainer.checkpoint import resolve_resume
+from trainer.checkpoint_layout import MARKER, dir_bytes, is_committed, latest_committed, read_marker
 from trainer.data import AdditionDataset, BatchPlan, GlobalSampler, build_dataset
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,14 +18,8 @@ from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests import test_trainer as base
-from trainer.checkpoint import (
-    CheckpointManager,
-    TrainState,
-    dir_bytes,
-    is_committed,
-    latest_committed,
-    read_marker,
-)
+from trainer.checkpoint import CheckpointManager, TrainState
+from trainer.checkpoint_layout import dir_bytes, is_committed, latest_committed, read_marker
 from trainer.distributed import DistInfo
 from trainer.metrics import MetricsWriter
 from trainer.model import GPT, GPTConfig

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests import test_trainer as base
-from trainer.checkpoint import TrainState, latest_committed, read_marker
+from trainer.checkpoint import TrainState
+from trainer.checkpoint_layout import latest_committed, read_marker
 from trainer.config import parse_args
 from trainer.train import lr_scale_at, resolve_batch
 

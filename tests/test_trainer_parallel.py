@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.test_trainer_elastic import gang, global_losses
-from trainer.checkpoint import read_marker
+from trainer.checkpoint_layout import read_marker
 from trainer.config import ParallelArgs, parse_args
 from trainer.parallel import ParallelDims, compute_dtype
 

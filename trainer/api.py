@@ -26,7 +26,6 @@ asks, SIGTERM terminates as usual: a stop that nobody polls for must not be swal
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -36,6 +35,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from trainer.checkpoint_layout import dir_bytes, latest_committed, step_dir_name, write_marker
 
 # Fields of every record (trainer.metrics.MetricsWriter): a metric by one of these names
 # would overwrite them and turn the record into something else.
@@ -148,8 +149,6 @@ def resume_from() -> Path | None:
         return Path(chosen)
     if "LOCKSTEP_JOB_ID" in os.environ:  # under Lockstep: an empty value means start fresh
         return None
-    from trainer.checkpoint import latest_committed
-
     return latest_committed(checkpoint_dir())
 
 
@@ -163,7 +162,7 @@ def save_checkpoint(step: int) -> Iterator[Path]:
     committed and never resumed from."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, not {step!r}")
-    path = checkpoint_dir() / f"step-{step:06d}"
+    path = checkpoint_dir() / step_dir_name(step)
     path.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     yield path
@@ -183,11 +182,7 @@ def save_checkpoint(step: int) -> Iterator[Path]:
 
 
 def _commit(path: Path, step: int, world_size: int, began: float) -> None:
-    from trainer.checkpoint import MARKER, dir_bytes
-
-    partial = path / (MARKER + ".tmp")
-    partial.write_text(json.dumps({"step": step, "world_size": world_size}), encoding="utf-8")
-    os.replace(partial, path / MARKER)  # the marker appears whole or not at all
+    write_marker(path, {"step": step, "world_size": world_size})
     writer = _metrics()
     if writer is not None:
         writer.write(

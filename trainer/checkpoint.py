@@ -1,8 +1,8 @@
 """The one owner of saved state: model, optimizer and train state, saved with
 torch.distributed.checkpoint (DCP) under constant keys, with a commit marker.
 
-Layout: ``<checkpoint_dir>/step-000050/`` holds DCP's files (``.metadata`` and one
-``__<rank>_0.distcp`` per writing rank) plus ``COMMITTED``, a JSON marker
+Layout (trainer/checkpoint_layout.py): ``<checkpoint_dir>/step-000050/`` holds DCP's files
+(``.metadata`` and one ``__<rank>_0.distcp`` per writing rank) plus ``COMMITTED``, a JSON marker
 (``{"step", "world_size", "time", "train_state", ...}``) written last. Step S means S optimizer
 steps are done; a run resumed from it starts with step S + 1 and with the sample at the saved
 data position (``TrainState.sample_position``).
@@ -43,9 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
-import re
 import shutil
 import sys
 import time
@@ -61,12 +58,21 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from trainer.checkpoint_layout import (
+    MARKER,
+    STEP_DIR,
+    dir_bytes,
+    fsync_dir,
+    is_committed,
+    latest_committed,
+    read_marker,
+    step_dir_name,
+    write_marker,
+)
 from trainer.distributed import DistInfo
 from trainer.metrics import MetricsWriter
 
-MARKER = "COMMITTED"
 STAGING_MODES = ("fresh", "reuse", "overlap")
-STEP_DIR = re.compile(r"^step-(\d+)$")
 
 # Constant top-level keys of the saved state.
 MODEL_KEY = "model"
@@ -125,43 +131,6 @@ class _SlowWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def read_marker(step_dir: str | Path) -> dict[str, Any] | None:
-    """The parsed COMMITTED marker of step_dir, or None if it is absent or unreadable."""
-    try:
-        marker = json.loads((Path(step_dir) / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) and isinstance(marker.get("step"), int) else None
-
-
-def is_committed(step_dir: str | Path) -> bool:
-    return read_marker(step_dir) is not None
-
-
-def latest_committed(checkpoint_dir: str | Path) -> Path | None:
-    """The committed step directory with the highest step under checkpoint_dir, or None."""
-    root = Path(checkpoint_dir)
-    if not root.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for child in root.iterdir():
-        match = STEP_DIR.match(child.name)
-        if match and child.is_dir() and is_committed(child):
-            step = int(match.group(1))
-            if best is None or step > best[0]:
-                best = (step, child)
-    return best[1] if best else None
-
-
-def dir_bytes(path: str | Path) -> int:
-    """Total size of the regular files under path."""
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
-
 def resolve_resume(resume_from: str | Path | None) -> Path | None:
     """The committed step directory to resume from, or None for a fresh start.
 
@@ -198,24 +167,6 @@ def _single_process_ok() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_marker(step_dir: Path, marker: Mapping[str, Any]) -> None:
-    tmp = step_dir / f".{MARKER}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(marker, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, step_dir / MARKER)
-    _fsync_dir(step_dir)
 
 
 class CheckpointManager:
@@ -289,7 +240,6 @@ class CheckpointManager:
         # FQN keys and full (unsharded-looking) shapes in every mode, so the saved layout is the
         # same for 1 or N ranks and any parallelism. On a fresh optimizer this also creates the
         # (zero) state, which dcp.load then fills in place.
-        # Imported here: the portal imports this module for read_marker and needs no FSDP.
         from trainer.parallel import load_templates, state_dicts
 
         dicts = load_templates if for_load else state_dicts
@@ -307,7 +257,7 @@ class CheckpointManager:
                 # resuming from an older checkpoint). Drop the marker first so that a crash
                 # while overwriting can never leave a marked but mixed directory.
                 (path / MARKER).unlink(missing_ok=True)
-                _fsync_dir(path)
+                fsync_dir(path)
                 shutil.rmtree(path)
         self.dist.barrier()
 
@@ -444,7 +394,7 @@ class CheckpointManager:
                 "train_state": dataclasses.asdict(train_state),
                 **self.marker_extra,
             }
-            _write_marker(path, marker)
+            write_marker(path, marker)
             size = dir_bytes(path)
             stall.write_wait_s += time.perf_counter() - blocked_since
             # Fields beyond MetricsWriter.checkpoint's (save_stall_s, ...): written directly.

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import random
 from datetime import datetime
-from pathlib import Path
 
 from django.db import transaction
 from django.db.models import Count, Max
@@ -31,6 +30,7 @@ from jobs.queries import (
 )
 from jobs.scheduling.vocab import elastic_sizes
 from teams.models import Team
+from trainer.checkpoint_layout import attempt_dir, dir_bytes, read_marker, step_dirs
 
 log = logging.getLogger(__name__)
 
@@ -61,24 +61,22 @@ def adopt_unreported_checkpoints(job: Job, *, now: datetime) -> list[Checkpoint]
     """Committed saves of ended attempts that the portal never heard of (rank 0's node was lost
     before its agent reported them): the COMMITTED marker is the proof, so record them and
     resume from the newest instead of redoing their steps."""
-    from trainer.checkpoint import read_marker  # TODO(issue 16): the torch-free layout module
-
     latest = latest_checkpoint(job.id)
     known = set(Checkpoint.objects.filter(job=job).values_list("path", flat=True))
-    root = Path(lockstep_setting("CHECKPOINT_ROOT")).resolve() / f"job-{job.id}"
+    root = lockstep_setting("CHECKPOINT_ROOT")
     adopted = []
     for attempt in job.attempts.filter(ended_at__isnull=False).order_by("number"):
-        directory = root / f"attempt-{attempt.number}"
+        directory = attempt_dir(root, job.id, attempt.number)
         if not directory.is_dir():
             continue
-        for step_dir in sorted(directory.glob("step-*")):
+        for step_dir in step_dirs(directory):
             marker = read_marker(step_dir)
             if marker is None or str(step_dir) in known:
                 continue
             step = int(marker.get("step", 0))
             if latest is not None and step <= latest.step:
                 continue
-            size = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
+            size = dir_bytes(step_dir)
             checkpoint = Checkpoint.objects.create(
                 job=job,
                 attempt=attempt,

@@ -22,6 +22,7 @@ from jobs.models import (
     MetricPoint,
 )
 from jobs.notify import on_commit_send
+from trainer.checkpoint_layout import MARKER, job_dir
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +35,11 @@ MAX_COUNTER = 2**31 - 1
 
 def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Checkpoint | None:
     path = str(record.get("path", ""))
-    root = Path(lockstep_setting("CHECKPOINT_ROOT")).resolve()
-    job_dir = root / f"job-{attempt.job_id}"
+    own = job_dir(lockstep_setting("CHECKPOINT_ROOT"), attempt.job_id)
     resolved = Path(path).resolve()
     # Only paths inside the job's own checkpoint directory, and only committed saves.
-    if not resolved.is_relative_to(job_dir) or not (resolved / "COMMITTED").exists():
-        log.warning("ignoring checkpoint record outside %s or uncommitted: %s", job_dir, path)
+    if not resolved.is_relative_to(own) or not (resolved / MARKER).exists():
+        log.warning("ignoring checkpoint record outside %s or uncommitted: %s", own, path)
         return None
     if not 0 <= int(record["step"]) <= MAX_COUNTER or not 0 <= int(record.get("bytes", 0)) < 2**63:
         raise ValueError(f"checkpoint step or size out of range: {record}")
