@@ -97,7 +97,7 @@ def test_report_takes_a_one_element_tensor_as_a_number(tmp_path, monkeypatch):
 
 def test_only_should_stop_takes_over_sigterm(tmp_path, monkeypatch):
     # A script that reports but never asks must still die on SIGTERM, not ignore it.
-    monkeypatch.setattr(api, "_installed", False)
+    monkeypatch.setattr(api, "_stop", api.StopFlag((signal.SIGTERM,)))
     monkeypatch.setenv("LOCKSTEP_CHECKPOINT_DIR", str(tmp_path))
     before = signal.getsignal(signal.SIGTERM)
     try:

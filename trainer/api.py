@@ -37,38 +37,21 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint_layout import dir_bytes, latest_committed, step_dir_name, write_marker
+from trainer.stop import StopFlag
 
 # Fields of every record (trainer.metrics.MetricsWriter): a metric by one of these names
 # would overwrite them and turn the record into something else.
 RESERVED = frozenset({"kind", "rank", "step", "time"})
 
-_stop_requested = False
-_installed = False
+# The first SIGTERM (the agent's checkpoint-and-stop) becomes should_stop(); installed by the
+# first should_stop() call only.
+_stop = StopFlag((signal.SIGTERM,))
 _writer = None
 _lock = threading.Lock()
 
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
-
-
-def _install() -> None:
-    """Turn the first SIGTERM (the agent's checkpoint-and-stop) into should_stop(); a second
-    one terminates as usual. Only the main thread may set signal handlers."""
-    global _installed
-    if _installed or threading.current_thread() is not threading.main_thread():
-        return
-    _installed = True
-
-    def handle(signum, frame):
-        global _stop_requested
-        if _stop_requested:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        _stop_requested = True
-
-    signal.signal(signal.SIGTERM, handle)
 
 
 def _metrics():
@@ -116,8 +99,8 @@ def should_stop() -> bool:
     cancel, a time limit). With a process group up it is a collective, true on every rank
     as soon as any rank was asked, so that all ranks save and stop after the same step:
     call it at the same point of every step on every rank."""
-    _install()
-    local = _stop_requested
+    _stop.install()
+    local = _stop.requested
     try:
         import torch.distributed as dist
     except ImportError:

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from types import FrameType
 from typing import TextIO
 
 import numpy as np
@@ -40,24 +39,7 @@ from trainer.distributed import DistInfo, close_distributed, init_distributed
 from trainer.metrics import MetricsWriter
 from trainer.model import GPT, GPTConfig
 from trainer.parallel import Parallelized, clip_grad_norm
-
-
-class StopFlag:
-    """Set by the first SIGTERM/SIGINT; a second one gets the default action (terminate)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.requested = True
+from trainer.stop import StopFlag
 
 
 def install_stack_dump_handler() -> None:
@@ -296,7 +278,7 @@ def train(cfg: JobConfig) -> int:
     info = init_distributed()
     # After the rendezvous: a stop requested while ranks are still gathering has nothing to
     # checkpoint, so the default action (terminate) is right until then.
-    stop = StopFlag()
+    stop = StopFlag((signal.SIGTERM, signal.SIGINT))
     stop.install()
     configure_threads(info)
     tag = f"[rank {info.rank}] " if info.distributed else ""
