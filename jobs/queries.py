@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from django.db.models import Count, Q
+
 from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Checkpoint, Job, Node
 from trainer.checkpoint_layout import attempt_dir
@@ -105,3 +107,13 @@ def desired_for_node(node: Node, now: datetime) -> list[dict]:
 def stopped_state(job: Job) -> str:
     """How a checkpoint-and-stop ends: the job was ended (cancel, time limit) or preempted."""
     return Attempt.State.CANCELLED if job.is_terminal else Attempt.State.PREEMPTED
+
+
+def teams_with_usage(teams):
+    """The teams, each annotated with `used`: the GPUs its live allocations hold."""
+    return teams.annotate(
+        used=Count(
+            "jobs__attempts__allocations",
+            filter=Q(jobs__attempts__allocations__released_at__isnull=True),
+        )
+    )

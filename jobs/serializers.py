@@ -189,7 +189,7 @@ class JobDetailSerializer(JobSerializer):
         return checkpoint_advice(job)
 
     def get_goodput(self, job) -> dict:
-        from jobs.goodput import job_goodput
+        from jobs.reports.goodput import job_goodput
 
         return job_goodput(job)
 

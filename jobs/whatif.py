@@ -19,7 +19,7 @@ from jobs import queue
 from jobs.conf import lockstep_setting
 from jobs.event_kinds import EventKind
 from jobs.models import PRIORITY_RANK, Attempt, Event, Job, Node, WhatIfRun
-from jobs.reclaim import reclaim_bound_s
+from jobs.reports.reclaim import reclaim_bound_s
 from jobs.scheduling.report import binned
 from jobs.scheduling.simulate import SIZE_CLASSES, SimConfig, SimResult, TeamQuota, TraceJob, run
 from teams.models import Team

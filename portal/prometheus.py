@@ -135,7 +135,7 @@ class LockstepCollector:
         )
 
     def _goodput(self, now) -> Iterator[Metric]:
-        from jobs.goodput import team_goodput
+        from jobs.reports.goodput import team_goodput
 
         ratio = GaugeMetricFamily(
             "lockstep_team_goodput_ratio",

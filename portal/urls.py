@@ -9,8 +9,8 @@ from jobs.api import JobViewSet, ModelVersionViewSet, NodeViewSet
 from jobs.plan_api import PlanView
 from jobs.preemption_api import PreemptionViewSet
 from jobs.whatif_api import WhatIfViewSet
-from portal import console as console_views
 from portal import openapi, prometheus, tokens, views  # noqa: F401  (openapi: schema corrections)
+from portal.console import events, nodes, preemptions, queue, reports, teams, whatif
 from portal.static_views import plotly_js
 from teams.api import TeamViewSet
 from teams.tokens_api import TokenViewSet
@@ -38,14 +38,14 @@ urlpatterns = [
     path("cluster/", views.cluster, name="cluster"),
     path("tokens/", tokens.tokens, name="tokens"),
     path("tokens/<int:token_id>/revoke/", tokens.revoke_token, name="revoke_token"),
-    path("console/teams/", views.team_quotas, name="team_quotas"),
-    path("console/preemptions/", views.preemptions, name="preemptions"),
-    path("console/queue/", console_views.queue, name="console_queue"),
-    path("console/nodes/", console_views.nodes, name="console_nodes"),
-    path("console/reports/", console_views.reports, name="console_reports"),
-    path("console/events/", console_views.events, name="console_events"),
-    path("console/whatif/", views.whatif_form, name="whatif"),
-    path("console/whatif/<int:run_id>/", views.whatif_result, name="whatif_result"),
+    path("console/teams/", teams.team_quotas, name="team_quotas"),
+    path("console/preemptions/", preemptions.preemptions, name="preemptions"),
+    path("console/queue/", queue.queue, name="console_queue"),
+    path("console/nodes/", nodes.nodes, name="console_nodes"),
+    path("console/reports/", reports.reports, name="console_reports"),
+    path("console/events/", events.events, name="console_events"),
+    path("console/whatif/", whatif.whatif_form, name="whatif"),
+    path("console/whatif/<int:run_id>/", whatif.whatif_result, name="whatif_result"),
     path("vendor/plotly.min.js", plotly_js, name="plotly_js"),
     path("api/v1/agent/register/", AgentRegisterView.as_view(), name="agent-register"),
     path("api/v1/agent/heartbeat/", AgentHeartbeatView.as_view(), name="agent-heartbeat"),

@@ -1,22 +1,19 @@
 """Server-rendered portal pages. State changes go through jobs.actions / teams.actions."""
 
-from datetime import timedelta
-from functools import wraps
 from pathlib import Path
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.contrib.auth.views import redirect_to_login
-from django.db.models import Count, Prefetch, Q
-from django.http import FileResponse, Http404, HttpResponseBadRequest, JsonResponse
-from django.shortcuts import get_object_or_404, redirect, render
+from django.db.models import Count, Prefetch
+from django.http import FileResponse, Http404, JsonResponse
+from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from jobs import actions, whatif
+from jobs import actions
 from jobs.checkpoint_policy import checkpoint_advice
-from jobs.goodput import job_goodput
+from jobs.event_kinds import EventKind
 from jobs.models import (
     PRIORITY_RANK,
     Allocation,
@@ -25,37 +22,18 @@ from jobs.models import (
     Job,
     ModelVersion,
     Node,
-    PreemptionRequest,
-    WhatIfRun,
 )
-from jobs.reclaim import KINDS, reclaim_bound_s, reclaim_summary
+from jobs.queries import teams_with_usage
+from jobs.reports.goodput import job_goodput
+from portal.formatting import duration
 from portal.forms import (
     JobForm,
     JobSpecForm,
     RegisterModelForm,
-    TeamQuotaForm,
-    WhatIfForm,
     job_spec,
     spec_as_form_data,
 )
-from teams import actions as team_actions
-from teams.access import is_cluster_admin, visible_jobs, visible_teams
-from teams.models import Team
-
-
-def console_staff_required(view):
-    """Cluster admins only. Anonymous users are sent to log in; anyone else gets the 404 a
-    missing page gets (a denial that leaks nothing, DESIGN.md section 10)."""
-
-    @wraps(view)
-    def wrapped(request, *args, **kwargs):
-        if not request.user.is_authenticated:
-            return redirect_to_login(request.get_full_path())
-        if not is_cluster_admin(request.user):
-            raise Http404("No such page.")
-        return view(request, *args, **kwargs)
-
-    return wrapped
+from teams.access import visible_jobs, visible_teams
 
 
 def _job_or_404(user, job_id: int) -> Job:
@@ -63,15 +41,6 @@ def _job_or_404(user, job_id: int) -> Job:
     if job is None:
         raise Http404("No such job.")
     return job
-
-
-def _team_usage(teams):
-    return teams.annotate(
-        used=Count(
-            "jobs__attempts__allocations",
-            filter=Q(jobs__attempts__allocations__released_at__isnull=True),
-        )
-    )
 
 
 def _queue_positions() -> dict[int, int]:
@@ -119,12 +88,12 @@ def home(request):
             {
                 "job": job,
                 "position": positions.get(job.id),
-                "runtime": _seconds(_runtime_s(job, now)) if job.first_started_at else "—",
+                "runtime": duration(_runtime_s(job, now)) if job.first_started_at else "—",
                 "goodput": goodput["effective"] if goodput else None,
             }
         )
     teams = []
-    for team in _team_usage(visible_teams(request.user)).order_by("name"):
+    for team in teams_with_usage(visible_teams(request.user)).order_by("name"):
         scale = max(team.gpu_cap, team.used, 1)
         teams.append(
             {
@@ -207,29 +176,37 @@ def job_spec_download(request, job_id: int):
 # Event kinds on the job page's timeline, by what they mean to the person watching the job.
 TIMELINE_KINDS = {
     "start": (
-        "job.submitted",
-        "attempt.started",
-        "attempt.running",
-        "attempt.trainer_started",
-        "job.succeeded",
+        EventKind.JOB_SUBMITTED,
+        EventKind.ATTEMPT_STARTED,
+        EventKind.ATTEMPT_RUNNING,
+        EventKind.ATTEMPT_TRAINER_STARTED,
+        EventKind.JOB_SUCCEEDED,
     ),
     "failure": (
-        "attempt.failed",
-        "attempt.lost",
-        "attempt.hang_detected",
-        "attempt.straggler",
-        "job.failed",
-        "job.time_limit",
+        EventKind.ATTEMPT_FAILED,
+        EventKind.ATTEMPT_LOST,
+        EventKind.ATTEMPT_HANG_DETECTED,
+        EventKind.ATTEMPT_STRAGGLER,
+        EventKind.JOB_FAILED,
+        EventKind.JOB_TIME_LIMIT,
     ),
     "restart": (
-        "job.restarting",
-        "job.requeued",
-        "checkpoint.recovered",
-        "attempt.shrunk",  # elastic: restarted smaller
-        "job.growing",  # elastic: stopped to restart at full size
+        EventKind.JOB_RESTARTING,
+        EventKind.JOB_REQUEUED,
+        EventKind.CHECKPOINT_RECOVERED,
+        EventKind.ATTEMPT_SHRUNK,  # elastic: restarted smaller
+        EventKind.JOB_GROWING,  # elastic: stopped to restart at full size
     ),
-    "preemption": ("job.preempting", "attempt.preempted", "attempt.stopping"),
-    "checkpoint": ("checkpoint.committed", "model.registered", "model.exported"),
+    "preemption": (
+        EventKind.JOB_PREEMPTING,
+        EventKind.ATTEMPT_PREEMPTED,
+        EventKind.ATTEMPT_STOPPING,
+    ),
+    "checkpoint": (
+        EventKind.CHECKPOINT_COMMITTED,
+        EventKind.MODEL_REGISTERED,
+        EventKind.MODEL_EXPORTED,
+    ),
 }
 
 
@@ -445,200 +422,3 @@ def cluster(request):
         "cluster.html",
         {"rows": rows, "legend": sorted(legend.items()), "counts": counts},
     )
-
-
-@console_staff_required
-def team_quotas(request):
-    if request.method == "POST":
-        team_id = request.POST.get("team_id", "")
-        team = Team.objects.filter(pk=int(team_id)).first() if team_id.isdigit() else None
-        if team is None:
-            raise Http404("No such team.")
-        form = TeamQuotaForm(request.POST, instance=Team.objects.get(pk=team.pk))
-        if form.is_valid():
-            team_actions.do_set_team_quota(
-                team,
-                quota=form.cleaned_data["quota"],
-                borrow_limit=form.cleaned_data["borrow_limit"],
-                weight=form.cleaned_data["weight"],
-                actor=request.user,
-            )
-            messages.success(request, f"Team {team.name}: quota {form.cleaned_data['quota']}.")
-            return redirect("team_quotas")
-        errors = {team.pk: form}
-    else:
-        errors = {}
-    teams = _team_usage(Team.objects.all())
-    rows = [{"team": t, "form": errors.get(t.pk) or TeamQuotaForm(instance=t)} for t in teams]
-    return render(request, "team_quotas.html", {"rows": rows})
-
-
-@console_staff_required
-def preemptions(request):
-    if request.method == "POST":
-        request_id = request.POST.get("request_id", "")
-        preemption = (
-            PreemptionRequest.objects.filter(pk=int(request_id)).first()
-            if request_id.isdigit()
-            else None
-        )
-        if preemption is None:
-            raise Http404("No such preemption.")
-        decision = request.POST.get("decision")
-        if decision not in ("approve", "reject"):
-            # Only an explicit choice decides: a missing or mistyped one must not reject.
-            return HttpResponseBadRequest("decision must be 'approve' or 'reject'")
-        preemption = actions.do_decide_preemption(
-            preemption, approve=decision == "approve", actor=request.user, now=timezone.now()
-        )
-        messages.success(request, f"Preemption {preemption.id}: {preemption.state}.")
-        return redirect("preemptions")
-    requests = PreemptionRequest.objects.select_related(
-        "victim__team", "claimant__team", "decided_by"
-    ).order_by("-id")[:200]
-    days = request.GET.get("days", "")
-    days = int(days) if days.isdigit() and 1 <= int(days) <= 365 else REPORT_DAYS
-    now = timezone.now()
-    reclaim = reclaim_summary(since=now - timedelta(days=days), now=now)
-    return render(
-        request,
-        "preemptions.html",
-        {
-            "requests": requests,
-            "reclaim": [
-                {
-                    **row,
-                    "median": _seconds(row["median_s"]),
-                    "max": _seconds(row["max_s"]),
-                    "oldest": _seconds(row["oldest_waiting_s"]),
-                }
-                for row in sorted(reclaim.values(), key=lambda r: r["team"])
-            ],
-            "reclaim_days": days,
-            "bounds": [(kind, _seconds(reclaim_bound_s(kind))) for kind in KINDS],
-        },
-    )
-
-
-REPORT_DAYS = 7  # console reports look back this far unless ?days= says otherwise
-
-
-def _seconds(value) -> str:
-    """A duration for people: 42 s, 12.5 min, 3.2 h, 2.1 d."""
-    if value is None:
-        return "—"
-    value = float(value)
-    if value < 120:
-        return f"{value:.0f} s"
-    if value < 2 * 3600:
-        return f"{value / 60:.1f} min"
-    if value < 2 * 86400:
-        return f"{value / 3600:.1f} h"
-    return f"{value / 86400:.1f} d"
-
-
-def _format(value, unit: str) -> str:
-    if value is None:
-        return "—"
-    if unit == "s":
-        return _seconds(value)
-    if unit == "%":
-        return f"{100 * value:.1f}%"
-    if unit == "h":
-        return f"{value:,.1f} GPU-h"
-    if unit == "x":
-        return f"{value:.2f}x"
-    return f"{value:,}"
-
-
-@console_staff_required
-def whatif_form(request):
-    teams = Team.objects.order_by("name")
-    cluster = whatif.current_cluster()
-    now = timezone.now()
-    if request.method == "POST":
-        form = WhatIfForm(request.POST, teams=teams, cluster=cluster, now=now)
-        if form.is_valid():
-            data = form.cleaned_data
-            run = whatif.do_request_whatif(
-                actor=request.user,
-                since=data["since"],
-                until=data["until"],
-                gpus=data["gpus"],
-                teams=form.overrides(),
-                now=now,
-            )
-            return redirect("whatif_result", run_id=run.id)
-        status = 400
-    else:
-        form = WhatIfForm(teams=teams, cluster=cluster, now=now)
-        status = 200
-    runs = WhatIfRun.objects.select_related("created_by").order_by("-id")[:20]
-    return render(
-        request,
-        "whatif.html",
-        {
-            "form": form,
-            "cluster": cluster,
-            "runs": runs,
-            "inline_max": whatif.inline_limit(),
-            "max_days": whatif.MAX_WINDOW_DAYS,
-        },
-        status=status,
-    )
-
-
-@console_staff_required
-def whatif_result(request, run_id: int):
-    run = get_object_or_404(WhatIfRun.objects.select_related("created_by"), pk=run_id)
-    context = {
-        "run": run,
-        "pending": run.state in (WhatIfRun.State.QUEUED, WhatIfRun.State.RUNNING),
-    }
-    result = run.result or {}
-    if run.state == WhatIfRun.State.DONE and result:
-        context.update(
-            trace=result["trace"],
-            inputs=result["inputs"],
-            changes=whatif.describe_changes(result["inputs"]),
-            summary=[
-                {
-                    **row,
-                    "current_text": _format(row["current"], row["unit"]),
-                    "changed_text": _format(row["changed"], row["unit"]),
-                }
-                for row in result["summary"]
-            ],
-            teams=[
-                {
-                    **row,
-                    "cells": [
-                        (
-                            _format(row["current"][key], unit),
-                            _format(row["changed"][key], unit),
-                            row["current"][key] != row["changed"][key],
-                        )
-                        for key, _, unit in TEAM_COLUMNS
-                    ],
-                }
-                for row in result["teams"]
-            ],
-            team_columns=[label for _, label, _ in TEAM_COLUMNS],
-            figures=result["figures"],
-            never_started={
-                side: result["metrics"][side]["never_started"] for side in ("current", "changed")
-            },
-        )
-    return render(request, "whatif_result.html", context)
-
-
-TEAM_COLUMNS = (  # key in the result's per-team figures, heading, unit
-    ("jobs", "Jobs", "n"),
-    ("completed", "Finished", "n"),
-    ("wait_mean_s", "Mean wait", "s"),
-    ("wait_p99_s", "p99 wait", "s"),
-    ("wait_max_s", "Longest wait", "s"),
-    ("reclaims", "Reclaims", "n"),
-    ("reclaim_median_s", "Median reclaim", "s"),
-    ("reclaim_max_s", "Longest reclaim", "s"),
-)

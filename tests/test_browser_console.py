@@ -38,7 +38,7 @@ from django.db import transaction
 from django.utils import timezone
 from jobs import actions
 from jobs.models import GPU, Allocation, Attempt, Checkpoint, Job, Node
-from portal.console import week_starts
+from jobs.reports.usage import week_starts
 from teams.actions import do_create_team
 
 now = timezone.now()

@@ -12,8 +12,8 @@ from django.utils import timezone
 
 from jobs import actions
 from jobs.models import GPU, Allocation, Attempt, Checkpoint, Event, Job, Node
+from jobs.reports.usage import week_starts
 from jobs.scheduling.loop import run_pass
-from portal.console import week_starts
 from tests.heartbeats import submit
 
 CONSOLE = ("/console/queue/", "/console/nodes/", "/console/reports/", "/console/events/")
@@ -506,7 +506,7 @@ def test_bad_event_filters_are_400s_with_the_error_next_to_the_field(shared):
 
 
 def test_reservations_are_read_from_the_reasons_the_scheduler_writes():
-    from portal.console import reservation_from_reason
+    from portal.console.queue import reservation_from_reason
 
     assert (
         reservation_from_reason(

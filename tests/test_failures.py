@@ -11,9 +11,9 @@ from rest_framework.test import APIClient
 
 from jobs import actions, queries
 from jobs.checkpoint_policy import checkpoint_advice
-from jobs.goodput import job_goodput
 from jobs.health import find_stragglers, progress_timeout, young_daly_interval
 from jobs.models import Attempt, Checkpoint, Event, Job, LogChunk, Node
+from jobs.reports.goodput import job_goodput
 from jobs.scheduling.loop import run_pass
 from jobs.tasks import prune_checkpoints
 from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit

@@ -364,7 +364,7 @@ def test_a_revised_cause_moves_the_nodes_strike_to_the_culprits_node(
     assert node_strikes(a, t0) == 1 and a.state == "up" and a.state_reason == ""
     assert Event.objects.filter(kind="node.uncordoned", node=a, data__automatic=True).exists()
     assert node_strikes(b, t0) == 2 and b.state == "cordoned"
-    from portal.console import node_rows
+    from portal.console.nodes import node_rows
 
     health = {row["node"].id: row["health"] for row in node_rows(t0 + timedelta(seconds=2))}
     assert health[a.id] == "1 strike(s) in the window"  # what admins see on the nodes page

@@ -10,7 +10,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from jobs.models import Job, PreemptionRequest
-from jobs.reclaim import reclaim_bound_s, reclaim_summary
+from jobs.reports.reclaim import reclaim_bound_s, reclaim_summary
 from tests.heartbeats import submit
 
 GRACE, TICK, APPROVAL = 60.0, 5.0, 300.0

@@ -3,8 +3,8 @@ shows the console: admins, leads) and `{% quota_split used quota as split %}`.""
 
 from django import template
 
-from portal.console import is_console_user
-from portal.console import quota_split as _quota_split
+from portal.console.access import is_console_user
+from portal.console.teams import quota_split as _quota_split
 
 register = template.Library()
 

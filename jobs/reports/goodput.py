@@ -3,11 +3,20 @@ failure cost (time to detect, time to recover, steps recomputed)."""
 
 from __future__ import annotations
 
+from django.db.models import Prefetch, Q
 from django.utils import timezone
 
 from jobs.models import Attempt
 
 FAILURES = (Attempt.State.FAILED, Attempt.State.LOST)
+
+
+def effective_share(productive_s: float, wall_s: float) -> float | None:
+    """Goodput, the one definition: the share of wall (or GPU) time that went into work that
+    counts, within [0, 1]; None without any time. Reports round it to 4 places."""
+    if not wall_s:
+        return None
+    return min(max(productive_s, 0.0) / wall_s, 1.0)
 
 
 def _step_seconds(attempt: Attempt) -> float | None:
@@ -63,7 +72,7 @@ def job_goodput(job, now=None) -> dict:
     result.update(
         wall_s=round(wall, 1),
         productive_s=round(productive, 1),
-        effective=round(min(productive / wall, 1.0), 4) if wall > 0 else None,
+        effective=round(effective_share(productive, wall), 4) if wall > 0 else None,
     )
     return result
 
@@ -76,8 +85,6 @@ def _seconds(start, end) -> float | None:
 
 def team_goodput(team, *, since, now=None) -> dict:
     """Goodput summed over the team's jobs that ran since `since`."""
-    from django.db.models import Prefetch, Q
-
     now = now or timezone.now()
     jobs = (
         team.jobs.filter(first_started_at__isnull=False)
@@ -91,11 +98,12 @@ def team_goodput(team, *, since, now=None) -> dict:
         wall += figures["wall_s"]
         productive += figures["productive_s"]
         incidents += len(figures["incidents"])
+    share = effective_share(productive, wall)
     return {
         "since": since,
         "jobs": len(jobs),
         "wall_s": round(wall, 1),
         "productive_s": round(productive, 1),
-        "effective": round(productive / wall, 4) if wall else None,
+        "effective": None if share is None else round(share, 4),
         "incidents": incidents,
     }

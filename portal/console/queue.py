@@ -1,0 +1,133 @@
+"""The console's queue: every live job in start order, with what it waits for and holds, and
+priority changes for leads and admins."""
+
+from __future__ import annotations
+
+import re
+
+from django import forms
+from django.contrib import messages
+from django.shortcuts import redirect, render
+from django.utils import timezone
+
+from jobs import actions, queries
+from jobs.models import (
+    PRIORITY_RANK,
+    Job,
+    Priority,
+)
+from portal.console.access import console_view
+from portal.formatting import duration
+
+QUEUE_STATES = (
+    Job.State.QUEUED,
+    Job.State.RESTARTING,
+    Job.State.STARTING,
+    Job.State.RUNNING,
+    Job.State.PREEMPTING,
+)
+_HOLDS = re.compile(r"holds a reservation on ([^;]+)")
+_WAITS_FOR_VICTIMS = re.compile(
+    r"waiting for (job \d+(?:, job \d+)*)(?: \([^)]*\))? to checkpoint and stop"
+)
+
+
+def reservation_from_reason(reason: str) -> str | None:
+    """What a queued job holds, as the scheduler wrote it in the job's reason. The policy's
+    reservation lives only for one pass (jobs.scheduling.policy.Plan.reservation); the reason
+    text is the only place it is recorded."""
+    if match := _HOLDS.search(reason or ""):
+        return "nodes " + match.group(1).strip()
+    if match := _WAITS_FOR_VICTIMS.search(reason or ""):
+        return f"the GPUs of {match.group(1)}, once preempted (checkpoint, then stop)"
+    return None
+
+
+class PriorityForm(forms.Form):
+    job = forms.IntegerField(widget=forms.HiddenInput)
+    priority = forms.ChoiceField(choices=Priority.choices)
+
+    def __init__(self, *args, jobs, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.jobs = jobs
+
+    def clean_job(self):
+        job = self.jobs.filter(pk=self.cleaned_data["job"]).first()
+        if job is None:  # not there, or not a team this user leads: the same answer
+            raise forms.ValidationError("No such job in your teams.")
+        if job.state not in QUEUE_STATES:
+            raise forms.ValidationError(f"Job {job.id} has ended ({job.state}).")
+        return job
+
+    def clean(self):
+        data = super().clean()
+        job, priority = data.get("job"), data.get("priority")
+        if job and priority and job.priority == priority:
+            self.add_error("priority", f"Job {job.id} already has priority {priority}.")
+        return data
+
+
+@console_view()
+def queue(request, scope):
+    jobs = scope.jobs().filter(state__in=QUEUE_STATES)
+    failed = None
+    status = 200
+    if request.method == "POST":
+        form = PriorityForm(request.POST, jobs=scope.jobs())
+        if form.is_valid():
+            job = form.cleaned_data["job"]
+            before = job.priority
+            actions.do_set_job_priority(
+                job, priority=form.cleaned_data["priority"], actor=request.user
+            )
+            messages.success(request, f"Job {job.id}: priority {before} -> {job.priority}.")
+            return redirect("console_queue")
+        failed, status = form, 400
+    now = timezone.now()
+    rows = list(jobs.select_related("team", "owner"))
+    rows.sort(
+        key=lambda j: (
+            j.state == Job.State.QUEUED or j.state == Job.State.RESTARTING,
+            -PRIORITY_RANK[j.priority],
+            j.submitted_at,
+            j.id,
+        )
+    )
+    held = queries.run_seconds([j.id for j in rows], now=now)
+    posted = failed.data.get("job") if failed is not None else None
+    table, reservations = [], []
+    for job in rows:
+        is_failed = posted is not None and str(job.id) == str(posted)
+        form = (
+            failed
+            if is_failed
+            else PriorityForm(initial={"job": job.id, "priority": job.priority}, jobs=jobs)
+        )
+        waiting = job.state in (Job.State.QUEUED, Job.State.RESTARTING)
+        reserved = reservation_from_reason(job.reason) if waiting else None
+        if reserved:
+            reservations.append({"job": job, "holds": reserved})
+        table.append(
+            {
+                "job": job,
+                "form": form,
+                "waiting": waiting,
+                "wait": duration((now - job.submitted_at).total_seconds()) if waiting else "",
+                "runtime": duration(held.get(job.id)) if job.id in held else "—",
+            }
+        )
+    # A refused row that is no longer listed (unknown job) still shows its error.
+    orphan = failed if failed is not None and not any(r["form"] is failed for r in table) else None
+    return render(
+        request,
+        "console_queue.html",
+        {
+            "rows": table,
+            "reservations": reservations,
+            "orphan": orphan,
+            "scope": scope,
+            "running": sum(1 for r in table if not r["waiting"]),
+            "queued": sum(1 for r in table if r["waiting"]),
+        },
+        status=status,
+    )
