@@ -8,8 +8,8 @@ from rest_framework import mixins, serializers, viewsets
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 
-from jobs.goodput import team_goodput
-from jobs.reclaim import reclaim_summary
+from jobs.reports.goodput import team_goodput
+from jobs.reports.reclaim import reclaim_summary
 from teams.access import is_cluster_admin, visible_teams
 from teams.actions import do_set_team_quota
 from teams.models import Team
@@ -22,7 +22,7 @@ class TeamSerializer(serializers.ModelSerializer):
     goodput = serializers.SerializerMethodField()
     reclaim = serializers.SerializerMethodField(
         help_text="Reclaim times of the team's claims over the last 7 days against their bound "
-        "(jobs.reclaim.reclaim_summary)"
+        "(jobs.reports.reclaim.reclaim_summary)"
     )
 
     class Meta:

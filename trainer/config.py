@@ -187,7 +187,11 @@ def _env(name: str, default: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
-    """Build the JobConfig from flags; paths and the dataset default to the LOCKSTEP_* env."""
+    """Build the JobConfig from flags; paths and the dataset default to the LOCKSTEP_* env.
+
+    Long because it is the flag table itself: one add_argument per config field, in the order
+    of the dataclasses, so `--help` and the config read the same; splitting it would only
+    scatter the table."""
     m, o, t = ModelArgs(), OptimArgs(), TrainArgs()
     p = argparse.ArgumentParser(
         prog="python -m trainer",

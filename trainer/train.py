@@ -267,7 +267,11 @@ def resolve_batch(cfg: JobConfig, dp: int, resumed: TrainState | None, tag: str 
 
 
 def train(cfg: JobConfig) -> int:
-    """Run the job described by cfg; returns the process exit code."""
+    """Run the job described by cfg; returns the process exit code.
+
+    Long on purpose, as torchtitan's train(): the whole life of a run (build, resume, the
+    step loop with its checkpoint, stop and metric boundaries, the final save) reads top to
+    bottom in the order it happens; each step's work is in train_step and the apply_* steps."""
     if cfg.train.deterministic:
         # cuBLAS is only deterministic with a fixed workspace, which must be chosen before
         # its first use; torch raises without it once deterministic algorithms are on.
