@@ -182,13 +182,17 @@ def main() -> int:
             previous[result["scenario"]] = result
             met = {k: v["met"] for k, v in result["goals"].items()}
             print(f"{result['scenario']}: {result['wall_s']} s, goals {met}", flush=True)
-    policy_file = ROOT / "jobs" / "scheduling" / "policy.py"
+    # The policy and the pure modules it is made of (the snapshot and vocabulary included).
+    policy_files = [
+        ROOT / "jobs" / "scheduling" / f"{name}.py"
+        for name in ("policy", "order", "placement", "victims", "reservations", "snapshot", "vocab")
+    ]
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     document = {
         "commit": commit,
-        "policy_md5": hashlib.md5(policy_file.read_bytes()).hexdigest()[:8],
+        "policy_md5": hashlib.md5(b"".join(f.read_bytes() for f in policy_files)).hexdigest()[:8],
         "scenarios": {n: previous[n] for n in SCENARIOS if n in previous},
     }
     out.write_text(json.dumps(document, indent=1) + "\n")

@@ -9,7 +9,8 @@ from datetime import timedelta
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs.scheduling.policy import fair_share, plan
+from jobs.scheduling.order import fair_share
+from jobs.scheduling.policy import plan
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 from tests.builders import T0
 

@@ -20,6 +20,7 @@ from jobs.models import Attempt, Job, Node, PreemptionRequest
 from jobs.scheduling.apply import ApplyResult, apply_plan
 from jobs.scheduling.detect import detect_hangs, detect_stragglers
 from jobs.scheduling.estimate import estimate_starts
+from jobs.scheduling.order import job_order_key
 from jobs.scheduling.policy import plan
 from jobs.scheduling.reader import take_snapshot
 from jobs.scheduling.wake import subscriber
@@ -129,8 +130,6 @@ def head_of_queue(snapshot):
     """The snapshot with only the first ESTIMATE_HEAD queued jobs: estimates replay plan()
     many times, so they are kept to the jobs people are waiting on first."""
     from dataclasses import replace
-
-    from jobs.scheduling.policy import job_order_key
 
     teams = {t.id: t for t in snapshot.teams}
     ordered = sorted(snapshot.queued, key=lambda j: job_order_key(j, teams, snapshot.now))
