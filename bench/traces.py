@@ -51,7 +51,8 @@ SCENARIOS = {
 
 def run_scenario(name: str) -> dict:
     from jobs.scheduling.report import write_report
-    from jobs.scheduling.simulate import SimConfig, load_trace, run
+    from jobs.scheduling.simulate import SimConfig, run
+    from jobs.scheduling.trace import load_trace
 
     trace_file, options = SCENARIOS[name]
     options = dict(options)

@@ -21,7 +21,8 @@ from jobs.event_kinds import EventKind
 from jobs.models import PRIORITY_RANK, Attempt, Event, Job, Node, WhatIfRun
 from jobs.reports.reclaim import reclaim_bound_s
 from jobs.scheduling.report import binned
-from jobs.scheduling.simulate import SIZE_CLASSES, SimConfig, SimResult, TeamQuota, TraceJob, run
+from jobs.scheduling.simulate import SimConfig, SimResult, run
+from jobs.scheduling.trace import SIZE_CLASSES, TeamQuota, TraceJob
 from teams.models import Team
 
 log = logging.getLogger(__name__)

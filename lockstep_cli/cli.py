@@ -80,7 +80,8 @@ def _print_simulation(m: dict) -> None:
 
 def cmd_simulate(args) -> int:
     """Replay a trace through a planner on a virtual clock; needs no database or settings."""
-    from jobs.scheduling.simulate import POLICIES, SimConfig, load_quotas, load_trace, run
+    from jobs.scheduling.simulate import POLICIES, SimConfig, run
+    from jobs.scheduling.trace import load_quotas, load_trace
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     if args.policy == "all":

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lockstep_cli"
 FORBIDDEN = ("django", "rest_framework", "channels", "portal", "teams", "jobs")
 # The pure scheduling modules `lockstep simulate` runs; the rest of jobs/ is the Django domain.
-PURE_JOBS = ("jobs.scheduling.simulate", "jobs.scheduling.report")
+PURE_JOBS = ("jobs.scheduling.simulate", "jobs.scheduling.trace", "jobs.scheduling.report")
 
 
 def _imported_modules() -> set[str]:

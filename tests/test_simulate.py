@@ -9,16 +9,8 @@ from pathlib import Path
 import pytest
 
 from jobs.scheduling.baselines import fifo
-from jobs.scheduling.simulate import (
-    SimConfig,
-    SimulationError,
-    TeamQuota,
-    TraceJob,
-    load_quotas,
-    load_trace,
-    run,
-    simulate,
-)
+from jobs.scheduling.simulate import SimConfig, SimulationError, run, simulate
+from jobs.scheduling.trace import TeamQuota, TraceJob, load_quotas, load_trace
 from jobs.scheduling.vocab import Plan, Preemption
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ from rest_framework.test import APIClient
 
 from jobs import whatif
 from jobs.models import Event, Node, WhatIfRun
-from jobs.scheduling.simulate import TraceJob
+from jobs.scheduling.trace import TraceJob
 from teams.models import Team
 
 HOUR = 3600.0

@@ -10,7 +10,8 @@ import html
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from jobs.scheduling.simulate import SIZE_CLASSES, SimResult, pct_sorted
+from jobs.scheduling.simulate import SimResult, pct_sorted
+from jobs.scheduling.trace import SIZE_CLASSES
 
 BINS = 600
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")

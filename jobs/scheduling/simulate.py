@@ -4,12 +4,15 @@ virtual clock (no processes, no database) and measures what users and admins wou
 The engine calls the planner only at event times (arrivals, completions and preemption stops,
 batched per timestamp) and only while jobs are queued; the planner sees only queued jobs. Metric
 definitions are in docs/simulator.md and on `metrics()`.
+
+Over 600 lines because the engine is one state machine: its event handlers (start, preempt,
+approve, stop, complete) and its measurements share the virtual cluster's state, and split
+across modules they would pass that state back and forth. Its inputs are in trace.py.
 """
 
 from __future__ import annotations
 
 import bisect
-import csv
 import heapq
 import math
 import random
@@ -17,173 +20,34 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
+from jobs.scheduling.baselines import backfill, fifo
+from jobs.scheduling.policy import plan
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
+from jobs.scheduling.trace import (
+    SIZE_CLASSES,
+    TeamQuota,
+    TraceJob,
+    equal_quotas,
+    size_class,
+)
 from jobs.scheduling.vocab import AUTOMATIC_KINDS, PreemptionKind
 
 EPOCH = datetime(2021, 3, 4, tzinfo=UTC)  # t = 0 of the virtual clock (any aware time works)
 INF = math.inf
 
-# Trace priority strings -> the policy's ranks (jobs.models.PRIORITY_RANK: low..urgent = 0..3).
-# Alibaba QoS classes map by how much the class is promised: best effort lowest, latency
-# sensitive high.
-PRIORITY_NAMES = {
-    "low": 0,
-    "normal": 1,
-    "high": 2,
-    "urgent": 3,
-    "be": 0,
-    "besteffort": 0,
-    "best-effort": 0,
-    "burstable": 1,
-    "ls": 2,
-    "guaranteed": 2,
-}
-DEFAULT_PRIORITY = 1
-SIZE_CLASSES = ("1", "2-8", "16-64", ">64")
 POLICIES = ("fifo", "backfill", "lockstep")
 PlanFn = Callable[[Snapshot], object]
-
-
-def size_class(gpus: int) -> str:
-    """1 GPU; 2-8 (one node); 9-64 (labelled "16-64": traces hold powers of two); >64."""
-    if gpus <= 1:
-        return "1"
-    if gpus <= 8:
-        return "2-8"
-    if gpus <= 64:
-        return "16-64"
-    return ">64"
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs: trace, quotas, policies
-
-
-@dataclass(frozen=True)
-class TraceJob:
-    job_id: str
-    submit_s: float
-    gpus: int
-    duration_s: float
-    team: str = "unknown"
-    priority: int = DEFAULT_PRIORITY
-
-
-@dataclass(frozen=True)
-class TeamQuota:
-    quota: int
-    borrow_limit: int
-    weight: float = 1.0
-
-
-def _priority_mapper(raw: list[str]) -> Callable[[str], int]:
-    """Strings by name; integers as-is when all lie in 0..3, else by rank into four bands."""
-    ints = sorted({int(v) for v in raw if v.strip().lstrip("-").isdigit()})
-    if ints and (ints[0] < 0 or ints[-1] > 3):
-        bands = {v: min(3, 4 * i // len(ints)) for i, v in enumerate(ints)}
-    else:
-        bands = {v: v for v in ints}
-
-    def rank(value: str) -> int:
-        value = value.strip()
-        if not value:
-            return DEFAULT_PRIORITY
-        if value.lstrip("-").isdigit():
-            return bands[int(value)]
-        if value.lower() not in PRIORITY_NAMES:
-            raise ValueError(f"unknown priority {value!r} (use {', '.join(PRIORITY_NAMES)})")
-        return PRIORITY_NAMES[value.lower()]
-
-    return rank
-
-
-def load_trace(
-    path: str | Path,
-    *,
-    team: str | None = None,
-    start_s: float | None = None,
-    end_s: float | None = None,
-    limit: int | None = None,
-    load_scale: float = 1.0,
-) -> list[TraceJob]:
-    """Read a trace CSV (job_id,submit_s,gpus,duration_s,team,status[,extra]).
-
-    Filters apply in this order: `team`, the submit window [start_s, end_s), the first `limit`
-    jobs. `load_scale` X divides inter-arrival times by X (X = 2: the same jobs arrive twice as
-    fast). Priority comes from a `priority` column, else from a `qos` column, else normal.
-    """
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    prio_col = next((c for c in ("priority", "qos") if rows and c in rows[0]), None)
-    rank = _priority_mapper([r[prio_col] for r in rows]) if prio_col else None
-    jobs: list[TraceJob] = []
-    for r in rows:
-        if team is not None and r.get("team", "unknown") != team:
-            continue
-        submit = float(r["submit_s"])
-        if start_s is not None and submit < start_s:
-            continue
-        if end_s is not None and submit >= end_s:
-            continue
-        jobs.append(
-            TraceJob(
-                job_id=r["job_id"],
-                submit_s=submit,
-                gpus=int(r["gpus"]),
-                duration_s=max(0.0, float(r["duration_s"])),
-                team=r.get("team") or "unknown",
-                priority=rank(r[prio_col]) if rank else DEFAULT_PRIORITY,
-            )
-        )
-        if limit is not None and len(jobs) >= limit:
-            break
-    if load_scale != 1.0 and jobs:
-        if load_scale <= 0:
-            raise ValueError("load_scale must be positive")
-        first = min(j.submit_s for j in jobs)
-        jobs = [replace(j, submit_s=first + (j.submit_s - first) / load_scale) for j in jobs]
-    return jobs
-
-
-def load_quotas(path: str | Path) -> dict[str, TeamQuota]:
-    """team,quota,borrow_limit,weight (borrow_limit and weight optional)."""
-    quotas = {}
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            quotas[r["team"]] = TeamQuota(
-                quota=int(r["quota"]),
-                borrow_limit=int(r.get("borrow_limit") or 0),
-                weight=float(r.get("weight") or 1.0),
-            )
-    return quotas
-
-
-def equal_quotas(teams: Iterable[str], gpus: int) -> dict[str, TeamQuota]:
-    """An equal share per team (the remainder to the first teams); borrow up to the rest."""
-    names = sorted(set(teams))
-    out = {}
-    for i, name in enumerate(names):
-        quota = gpus // len(names) + (1 if i < gpus % len(names) else 0)
-        out[name] = TeamQuota(quota=quota, borrow_limit=gpus - quota, weight=1.0)
-    return out
 
 
 def resolve_policy(policy: str | PlanFn) -> tuple[str, PlanFn]:
     if callable(policy):
         return getattr(policy, "__name__", "custom"), policy
     if policy == "fifo":
-        from jobs.scheduling.baselines import fifo
-
         return policy, fifo
     if policy == "backfill":
-        from jobs.scheduling.baselines import backfill
-
         return policy, backfill
     if policy == "lockstep":
-        from jobs.scheduling.policy import plan
-
         return policy, plan
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
 
@@ -832,25 +696,7 @@ class _Engine:
             by_class[size_class(job.gpus)][0].append(wait)
             by_class[size_class(job.gpus)][1].append(jct)
         all_reclaims = [r for rs in reclaims.values() for r in rs]
-        teams = {}
-        for tid, q in self.quota.items():
-            team_jobs = sum(1 for x in self.job_team if x == tid)
-            if not team_jobs:
-                continue
-            teams[self.team_names[tid - 1]] = {
-                "jobs": team_jobs,
-                "quota": q.quota,
-                "completed": len(team_waits[tid]),
-                "wait_mean_s": _r(_mean(team_waits[tid])),
-                "wait_median_s": _r(_pct(team_waits[tid], 50)),
-                "wait_p99_s": _r(_pct(team_waits[tid], 99)),
-                "wait_max_s": _r(max(team_waits[tid], default=0.0)),
-                "ftf_max": _r(max(by_team[tid], default=0.0)),
-                "reclaim_max_s": _r(max(reclaims[tid], default=0.0)),
-                "reclaim_median_s": _r(_pct(reclaims[tid], 50)),
-                "reclaim_p99_s": _r(_pct(reclaims[tid], 99)),
-                "reclaims": len(reclaims[tid]),
-            }
+        teams = self._team_metrics(team_waits, by_team, reclaims)
         gpus = cfg.gpus
         return {
             "policy": self.name,
@@ -915,18 +761,45 @@ class _Engine:
             "plan_max_s": _r(self.plan_max, 4),
             "plan_max_queue": self.plan_max_queue,
             "wall_s": _r(wall, 2),
-            "config": {
-                "gpus_per_node": cfg.gpus_per_node,
-                "checkpoint_interval_s": cfg.checkpoint_interval_s,
-                "grace_s": cfg.grace_s,
-                "checkpoint_on_stop": cfg.checkpoint_on_stop,
-                "approval_delay_s": cfg.approval_delay_s,
-                "reclaim_backoff_s": cfg.reclaim_backoff_s,
-                "estimate_noise": cfg.estimate_noise,
-                "starve_factor": cfg.starve_factor,
-                "usage_half_life_s": cfg.usage_half_life_s,
-            },
+            "config": self._config_metrics(),
         }
+
+    def _config_metrics(self) -> dict:
+        cfg = self.cfg
+        return {
+            "gpus_per_node": cfg.gpus_per_node,
+            "checkpoint_interval_s": cfg.checkpoint_interval_s,
+            "grace_s": cfg.grace_s,
+            "checkpoint_on_stop": cfg.checkpoint_on_stop,
+            "approval_delay_s": cfg.approval_delay_s,
+            "reclaim_backoff_s": cfg.reclaim_backoff_s,
+            "estimate_noise": cfg.estimate_noise,
+            "starve_factor": cfg.starve_factor,
+            "usage_half_life_s": cfg.usage_half_life_s,
+        }
+
+    def _team_metrics(self, team_waits, by_team, reclaims) -> dict[str, dict]:
+        """Per team: its jobs, waits, finish-time fairness and reclaim times."""
+        teams = {}
+        for tid, q in self.quota.items():
+            team_jobs = sum(1 for x in self.job_team if x == tid)
+            if not team_jobs:
+                continue
+            teams[self.team_names[tid - 1]] = {
+                "jobs": team_jobs,
+                "quota": q.quota,
+                "completed": len(team_waits[tid]),
+                "wait_mean_s": _r(_mean(team_waits[tid])),
+                "wait_median_s": _r(_pct(team_waits[tid], 50)),
+                "wait_p99_s": _r(_pct(team_waits[tid], 99)),
+                "wait_max_s": _r(max(team_waits[tid], default=0.0)),
+                "ftf_max": _r(max(by_team[tid], default=0.0)),
+                "reclaim_max_s": _r(max(reclaims[tid], default=0.0)),
+                "reclaim_median_s": _r(_pct(reclaims[tid], 50)),
+                "reclaim_p99_s": _r(_pct(reclaims[tid], 99)),
+                "reclaims": len(reclaims[tid]),
+            }
+        return teams
 
 
 def _r(x: float, digits: int = 1) -> float:
