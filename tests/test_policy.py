@@ -4,7 +4,7 @@ import dataclasses
 from datetime import timedelta
 
 from jobs.scheduling.policy import plan
-from jobs.scheduling.vocab import elastic_sizes
+from jobs.scheduling.vocab import WaitReason, elastic_sizes
 from tests.builders import job, node, running, snapshot, team
 
 
@@ -969,3 +969,35 @@ def test_the_free_gpus_a_wait_reason_counts_are_outside_every_reservation():
     assert "of its own on n1" in p.reasons[1]
     assert "; 7 free outside the reservations held by job 2 and others" in p.reasons[4]
     assert "; 0 free outside the reservations held by job 2 and others" in p.reasons[3]
+
+
+def test_wait_reasons_are_data_whose_text_is_the_reason():
+    # The reservation's nodes and a claim's victims are in the data: pages need not parse
+    # the sentence.
+    t = team()
+    nodes = [node("a", 8, busy=2), node("b", 8, busy=8), node("c", 8)]
+    jobs = [job(1, 16, team_id=t.id), job(2, 4, team_id=t.id, submitted=1)]
+    p = plan(snapshot(nodes, jobs, [t]))
+    assert p.waits[1] == WaitReason(
+        "reserved", {"gpus": 16, "free": 14, "nodes": ("a", "c"), "ahead": 0}
+    )
+    assert p.waits[1].reserved_nodes == ("a", "c")
+    assert p.waits[2] == WaitReason(
+        "behind_reservation", {"gpus": 4, "free": 0, "job": 1, "others": False, "ahead": 1}
+    )
+    assert {i: w.text() for i, w in p.waits.items()} == p.reasons
+
+    owner, guest = team("owner", quota=8), team("guest", quota=0, borrow=16, used=8)
+    n = node("n1", 8, busy=8)
+    runs = [running(10, n, range(8), team_id=guest.id)]
+    p = plan(snapshot([n], [job(1, 4, team_id=owner.id)], [owner, guest], runs))
+    assert p.waits[1].code == "preempting"
+    assert (p.waits[1].data["kind"], p.waits[1].victims) == ("reclaim", (10,))
+    assert (
+        p.reasons[1]
+        == p.waits[1].text()
+        == (
+            "waiting for job 10 to checkpoint and stop (reclaiming its team's quota); "
+            "4 GPUs reserved"
+        )
+    )

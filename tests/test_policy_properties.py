@@ -1,7 +1,8 @@
 """Property-based tests: random clusters, queues and running jobs never make plan() break
 invariants 1 (a GPU in one allocation), 2 (whole gangs) and 6 (guaranteed GPUs are never
-reclaimed for another team's borrowing), nor a team's cap."""
+reclaimed for another team's borrowing), nor a team's cap; every waiting job gets a reason."""
 
+import json
 from collections import Counter
 from dataclasses import replace
 from datetime import timedelta
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from jobs.scheduling.order import fair_share
 from jobs.scheduling.policy import plan
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
+from jobs.scheduling.vocab import WaitReason
 from tests.builders import T0
 
 
@@ -202,6 +204,10 @@ def test_plans_never_break_the_invariants(snap):
     for team_id, team in teams.items():
         if claiming[team_id]:
             assert team.used + claiming[team_id] <= team.quota
-    # Every job left queued has a reason.
+    # Every job left queued has a reason, as data whose text is the reason.
     placed = {p.job_id for p in result.placements}
     assert set(result.reasons) == set(jobs) - placed
+    assert {job_id: wait.text() for job_id, wait in result.waits.items()} == result.reasons
+    for wait in result.waits.values():  # stored as JSON, it reads back the same sentence
+        again = WaitReason.from_json(json.loads(json.dumps(wait.to_json())))
+        assert again.text() == wait.text()

@@ -26,7 +26,8 @@ Rules (DESIGN.md section 6):
    their GPU count not below min_gpus (so the global batch splits evenly over the ranks; the
    trainer keeps it by gradient accumulation and resumes by resharding). A job within its
    team's quota reclaims for its full size instead.
-7. Every job left queued gets a reason a person can read.
+7. Every job left queued gets a reason a person can read, and the same as data (a
+   WaitReason: a code and its numbers).
 8. Growing back: when every queued job has been placed and idle GPUs remain, a shrunk elastic
    job that has run `grow_after_s` at its smaller size, and whose full size fits on its own
    GPUs plus idle ones under its team's cap, is checkpointed and stopped; requeued, it starts
@@ -51,7 +52,7 @@ from jobs.scheduling.placement import (
 from jobs.scheduling.reservations import Reservations, team_holds
 from jobs.scheduling.snapshot import JobView, RunningView, Snapshot, TeamView
 from jobs.scheduling.victims import Victims
-from jobs.scheduling.vocab import Grow, Placement, Plan, Preemption, PreemptionKind
+from jobs.scheduling.vocab import Grow, Placement, Plan, Preemption, PreemptionKind, WaitReason
 
 # A job that has waited this many times its length may also stop running work for its
 # GPUs (rule 4, a "starvation" claim): work of its own team beyond the team's quota, or
@@ -67,6 +68,7 @@ MAX_STARVATION_SEARCHES = 8
 
 
 def plan(snapshot: Snapshot) -> Plan:
+    """The policy: the rules above applied to one snapshot (pure, deterministic)."""
     return SchedulingPass(snapshot).run()
 
 
@@ -88,7 +90,8 @@ class SchedulingPass:
         self.used = {t.id: t.used for t in snapshot.teams}  # team id -> GPUs, with placements
         self.placements: list[Placement] = []
         self.preemptions: list[Preemption] = []
-        self.reasons: dict[int, str] = {}
+        self.reasons: dict[int, str] = {}  # queued job id -> why it waits: its wait's text
+        self.waits: dict[int, WaitReason] = {}
         self.ahead = 0  # queued jobs ordered before this one that are still waiting
         self.taken: set[int] = set()  # running jobs already chosen as victims this pass
         # team id -> GPUs its reclaims of this pass free
@@ -141,15 +144,21 @@ class SchedulingPass:
         return Plan(
             placements=tuple(self.placements),
             reasons=self.reasons,
+            waits=self.waits,
             reservation=self.reservations.holder,
             preemptions=tuple(self.preemptions),
             grows=tuple(self.grow_back()) if everyone_placed else (),
         )
 
-    def wait(self, job: JobView, reason: str) -> None:
+    def wait(self, job: JobView, code: str, /, **data) -> None:
         """`job` stays queued for this reason; the jobs after it have one more ahead."""
-        self.reasons[job.id] = reason
+        self.note(job, code, **data)
         self.ahead += 1
+
+    def note(self, job: JobView, code: str, /, **data) -> None:
+        """Why `job` waits (`WaitReason`), as data and as text."""
+        reason = self.waits[job.id] = WaitReason(code, data)
+        self.reasons[job.id] = reason.text()
 
     def honour_claims(self) -> set[int]:
         """Rule 5 carried through: a claimant gets the GPUs its victims free. Returns the node
@@ -211,11 +220,12 @@ class SchedulingPass:
             self.settled.add(job.id)
             if self.used[team.id] + self.claiming[team.id] + job.gpus <= team.quota:
                 self.claiming[team.id] += job.gpus
-            self.reasons[job.id] = (
-                "waiting for "
-                + ", ".join(f"job {v.id}" for v in sorted(victims, key=lambda v: v.id))
-                + f" to checkpoint and stop (preempted for it); {job.gpus} GPUs held on "
-                + ", ".join(sorted(self.names[i] for i in hold))
+            self.note(
+                job,
+                "stopping",
+                victims=tuple(sorted(v.id for v in victims)),
+                gpus=job.gpus,
+                nodes=tuple(sorted(self.names[i] for i in hold)),
             )
         return held
 
@@ -245,7 +255,7 @@ class SchedulingPass:
         """One queued job in order: start it (perhaps smaller), or claim, reserve or wait."""
         team = self.teams.get(job.team_id)
         if team is None:
-            self.wait(job, "team not found")
+            self.wait(job, "no_team")
             return
         if self._behind_team_hold(job, team):
             return
@@ -254,9 +264,7 @@ class SchedulingPass:
             return
         # An elastic job may still start smaller on what is left (nodes down or cordoned).
         if min(job.min_gpus or job.gpus, job.gpus) > self.capacity:
-            self.wait(
-                job, f"needs {job.gpus} GPUs but only {self.capacity} GPUs are on schedulable nodes"
-            )
+            self.wait(job, "too_large", gpus=job.gpus, capacity=self.capacity)
             return
         # EASY backfill: a job may use reserved nodes only if it is done before they free up.
         key, usable = self.reservations.usable_for(job)
@@ -282,12 +290,7 @@ class SchedulingPass:
             and self.now.timestamp() + job.runtime_estimate_s <= team_shadow
         ):
             return False
-        self.wait(
-            job,
-            f"behind job {held_by} of team {team.name}, which waits for the team's "
-            f"GPUs to free up under its limit ({team.cap} GPUs)"
-            + ("" if team_shadow is None else "; only jobs that end before then may pass"),
-        )
+        self.wait(job, "team_queue", job=held_by, team=team.name, cap=team.cap, until=team_shadow)
         return True
 
     def _over_cap(self, job: JobView, team: TeamView) -> None:
@@ -311,12 +314,16 @@ class SchedulingPass:
             else None
         )
         if found is None:
-            paused = " (borrowing paused after a reclaim)" if team.borrow_paused else ""
             self.wait(
                 job,
-                f"team {team.name} at its limit: {self.used[team.id]}/{team.cap} GPUs in use "
-                f"(quota {team.quota} + borrow limit {team.borrow_limit}{paused}); "
-                f"needs {job.gpus}",
+                "team_limit",
+                team=team.name,
+                used=self.used[team.id],
+                cap=team.cap,
+                quota=team.quota,
+                borrow_limit=team.borrow_limit,
+                paused=team.borrow_paused,
+                gpus=job.gpus,
             )
             return
         victims, choice = found
@@ -333,9 +340,11 @@ class SchedulingPass:
         )
         self.wait(
             job,
-            "waiting for "
-            + ", ".join(f"job {v.id}" for v in victims)
-            + f" (lower priority, same team) to checkpoint and stop; {job.gpus} GPUs reserved",
+            "preempting",
+            victims=tuple(v.id for v in victims),
+            gpus=job.gpus,
+            kind=PreemptionKind.PRIORITY,
+            same_team=True,
         )
 
     def _blocked(self, job: JobView, team: TeamView, key: tuple, usable):
@@ -403,22 +412,26 @@ class SchedulingPass:
         )
         self.wait(
             job,
-            f"waiting for {', '.join(f'job {v.id}' for v in victims)} to checkpoint and stop "
-            f"({why}); {job.gpus} GPUs reserved",
+            "preempting",
+            victims=tuple(v.id for v in victims),
+            gpus=job.gpus,
+            kind=kind,
+            same_team=False,
+            priority=job.priority,
         )
         self.reservations.reserve(job.id, (node.id for node, _ in choice))
 
     def _reserve(self, job: JobView, free_now: int) -> None:
         """The first blocked job holds the reservation."""
         self.reservations.reserve_head(job)
-        reserved = self.reservations.reserved
-        held = ", ".join(self.names[i] for i in sorted(reserved, key=self.names.get))
-        shape = "on one node" if len(reserved) <= 1 else "on whole nodes"
+        reserved = sorted(self.reservations.reserved, key=self.names.get)
         self.wait(
             job,
-            f"waiting for {job.gpus} GPUs {shape}; {free_now} free now; "
-            f"holds a reservation on {held}"
-            + (f"; {self.ahead} job(s) ahead" if self.ahead else ""),
+            "reserved",
+            gpus=job.gpus,
+            free=free_now,
+            nodes=tuple(self.names[i] for i in reserved),
+            ahead=self.ahead,
         )
 
     def _hold_or_wait(self, job: JobView, free_now: int) -> None:
@@ -426,24 +439,24 @@ class SchedulingPass:
         holder = self.reservations.holder
         hold = self.reservations.hold_for_starving(job)
         if hold is not None:
-            held = ", ".join(self.names[i] for i in sorted(hold, key=self.names.get))
             self.wait(
                 job,
-                f"waiting for {job.gpus} GPUs; it has waited "
-                f"{stretch(job, self.now):.0f} times its length, so it holds a "
-                f"reservation of its own on {held} (beside job {holder[0]}'s); "
-                f"{self.ahead} job(s) ahead",
+                "reserved_starving",
+                gpus=job.gpus,
+                stretch=stretch(job, self.now),
+                nodes=tuple(self.names[i] for i in sorted(hold, key=self.names.get)),
+                beside=holder[0],
+                ahead=self.ahead,
             )
             return
-        held_by = (
-            f"reservations held by job {holder[0]} and others"
-            if self.reservations.starving
-            else f"reservation held by job {holder[0]}"
-        )
         self.wait(
             job,
-            f"waiting for {job.gpus} GPUs; {free_now} free outside the {held_by}; "
-            f"{self.ahead} job(s) ahead",
+            "behind_reservation",
+            gpus=job.gpus,
+            free=free_now,
+            job=holder[0],
+            others=bool(self.reservations.starving),
+            ahead=self.ahead,
         )
 
     def starvation_claims(self) -> None:
@@ -489,10 +502,13 @@ class SchedulingPass:
                 )
                 for v in victims
             )
-            self.reasons[job.id] = (
-                "waiting for "
-                + ", ".join(f"job {v.id}" for v in victims)
-                + f" to checkpoint and stop (it has waited {waited}); {job.gpus} GPUs reserved"
+            self.note(
+                job,
+                "preempting",
+                victims=tuple(v.id for v in victims),
+                gpus=job.gpus,
+                kind=PreemptionKind.STARVATION,
+                stretch=stretch(job, self.now),
             )
 
     def grow_back(self) -> list[Grow]:

@@ -1,10 +1,11 @@
 """The scheduler's pure vocabulary: what a plan is made of (slots, placements, preemptions,
-grows) and the elastic size rule, shared by the policy, the models and the
-simulator. Imports no Django.
+grows, wait reasons) and the elastic size rule, shared by the policy, the models, the applier
+and the simulator. Imports no Django.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -77,6 +78,150 @@ def elastic_sizes(gpus: int, min_gpus: int | None) -> tuple[int, ...]:
     return (gpus, *(n for n in range(gpus - 1, low - 1, -1) if gpus % n == 0))
 
 
+def _victims(data: Mapping) -> str:
+    return ", ".join(f"job {v}" for v in data["victims"])
+
+
+def _stopping(data: Mapping) -> str:
+    return (
+        f"waiting for {_victims(data)} to checkpoint and stop (preempted for it); "
+        f"{data['gpus']} GPUs held on {', '.join(data['nodes'])}"
+    )
+
+
+def _team_queue(data: Mapping) -> str:
+    return (
+        f"behind job {data['job']} of team {data['team']}, which waits for the team's GPUs "
+        f"to free up under its limit ({data['cap']} GPUs)"
+        + ("" if data["until"] is None else "; only jobs that end before then may pass")
+    )
+
+
+def _team_limit(data: Mapping) -> str:
+    paused = " (borrowing paused after a reclaim)" if data["paused"] else ""
+    return (
+        f"team {data['team']} at its limit: {data['used']}/{data['cap']} GPUs in use "
+        f"(quota {data['quota']} + borrow limit {data['borrow_limit']}{paused}); "
+        f"needs {data['gpus']}"
+    )
+
+
+def _preempting(data: Mapping) -> str:
+    kind = data["kind"]
+    if kind == PreemptionKind.STARVATION:
+        why = f"it has waited {data['stretch']:.0f} times its length"
+    elif kind == PreemptionKind.RECLAIM:
+        why = "reclaiming its team's quota"
+    elif data["same_team"]:
+        return (
+            f"waiting for {_victims(data)} (lower priority, same team) to checkpoint and stop; "
+            f"{data['gpus']} GPUs reserved"
+        )
+    else:
+        why = f"priority {data['priority']} over lower-priority work"
+    return (
+        f"waiting for {_victims(data)} to checkpoint and stop ({why}); {data['gpus']} GPUs reserved"
+    )
+
+
+def _ahead(data: Mapping) -> str:
+    return f"; {data['ahead']} job(s) ahead"
+
+
+def _reserved(data: Mapping) -> str:
+    shape = "on one node" if len(data["nodes"]) <= 1 else "on whole nodes"
+    return (
+        f"waiting for {data['gpus']} GPUs {shape}; {data['free']} free now; "
+        f"holds a reservation on {', '.join(data['nodes'])}"
+        + (_ahead(data) if data["ahead"] else "")
+    )
+
+
+def _reserved_starving(data: Mapping) -> str:
+    return (
+        f"waiting for {data['gpus']} GPUs; it has waited {data['stretch']:.0f} times its "
+        f"length, so it holds a reservation of its own on {', '.join(data['nodes'])} "
+        f"(beside job {data['beside']}'s)" + _ahead(data)
+    )
+
+
+def _behind_reservation(data: Mapping) -> str:
+    held_by = (
+        f"reservations held by job {data['job']} and others"
+        if data["others"]
+        else f"reservation held by job {data['job']}"
+    )
+    return f"waiting for {data['gpus']} GPUs; {data['free']} free outside the {held_by}" + _ahead(
+        data
+    )
+
+
+# code -> its text; the data each needs is listed on WaitReason.
+_TEXTS = {
+    "no_team": lambda data: "team not found",
+    "stopping": _stopping,
+    "team_queue": _team_queue,
+    "team_limit": _team_limit,
+    "too_large": lambda data: (
+        f"needs {data['gpus']} GPUs but only {data['capacity']} GPUs are on schedulable nodes"
+    ),
+    "preempting": _preempting,
+    "reserved": _reserved,
+    "reserved_starving": _reserved_starving,
+    "behind_reservation": _behind_reservation,
+    "rejected": lambda data: f"placement rejected ({data['why']}); retrying next pass",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WaitReason:
+    """Why a queued job waits, as data: a code and its numbers, from which `text()` writes the
+    sentence people read (pages can show the numbers without parsing the sentence).
+
+    Codes and their data (job ids, GPU counts, node names; JSON-ready):
+    - no_team: {}
+    - stopping: its claim's victims were told to stop and its GPUs are held:
+      {victims: job ids, gpus, nodes: names held}
+    - team_queue: behind its team's first job blocked by the team's cap:
+      {job, team: name, cap, until: epoch seconds the team's GPUs free up, or None}
+    - team_limit: {team: name, used, cap, quota, borrow_limit, paused: bool, gpus}
+    - too_large: more GPUs than the schedulable nodes have: {gpus, capacity}
+    - preempting: victims chosen this pass: {victims: job ids, gpus, kind: a PreemptionKind,
+      same_team: bool (priority), priority (priority), stretch (starvation)}
+    - reserved: it holds the reservation: {gpus, free: GPUs free now, nodes: names, ahead}
+    - reserved_starving: a starving job's own reservation:
+      {gpus, stretch, nodes: names, beside: the reservation holder's job id, ahead}
+    - behind_reservation: {gpus, free: GPUs free outside the reservations, job: the
+      reservation holder, others: bool (starving jobs hold more), ahead}
+    - rejected: the applier refused its placement: {why}
+    """
+
+    code: str
+    data: Mapping = field(default_factory=dict)
+
+    def text(self) -> str:
+        return _TEXTS[self.code](self.data)
+
+    def to_json(self) -> dict:
+        return {"code": self.code, "data": dict(self.data)}
+
+    @classmethod
+    def from_json(cls, value: Mapping) -> WaitReason:
+        return cls(value["code"], value.get("data") or {})
+
+    @property
+    def reserved_nodes(self) -> tuple[str, ...]:
+        """Names of the nodes it holds, if any."""
+        if self.code in ("stopping", "reserved", "reserved_starving"):
+            return tuple(self.data["nodes"])
+        return ()
+
+    @property
+    def victims(self) -> tuple[int, ...]:
+        """Job ids of the running jobs stopping (or to stop) for it, if any."""
+        return tuple(self.data.get("victims", ()))
+
+
 @dataclass(frozen=True)
 class Plan:
     placements: tuple[Placement, ...]
@@ -84,3 +229,6 @@ class Plan:
     reservation: tuple[int, tuple[int, ...]] | None = None  # (job id, node ids)
     preemptions: tuple[Preemption, ...] = ()
     grows: tuple[Grow, ...] = ()
+    # queued job id -> why it waits, as data (reasons[id] == waits[id].text()); the policy
+    # fills it, the baselines do not.
+    waits: dict[int, WaitReason] = field(default_factory=dict)
