@@ -97,8 +97,8 @@ class Job(models.Model):
 
     state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
     reason = models.CharField(max_length=500, blank=True, help_text="Why it waits / how it ended")
-    # The scheduler's wait reason as data beside its text: {"code": ..., and its numbers}
-    # (jobs.scheduling.vocab.WaitReason); pages render from it instead of parsing the text.
+    # The scheduler's wait reason as data beside its text: {"code": ..., "data": its numbers}
+    # (jobs.scheduling.vocab.WaitReason.to_json); pages render from it, never parse the text.
     # Empty when the reason is not a scheduler's wait (running, ended, just submitted).
     wait = models.JSONField(default=dict, blank=True)
     estimated_start_at = models.DateTimeField(

@@ -331,15 +331,15 @@ def test_reasons_are_written_only_when_changed_and_never_onto_a_job_that_left_qu
     Job.objects.filter(pk=b.pk).update(state=Job.State.CANCELLED, reason="cancelled by ru")
     # One that leaves QUEUED between the read and the write (another transaction commits in
     # between): the UPDATE's own condition keeps its reason.
-    from jobs import bulk
+    from jobs.scheduling import apply
 
-    real_bulk_set = bulk.bulk_set
+    real_bulk_set = apply.bulk_set
 
     def racing_bulk_set(model, fields, rows, **kwargs):
         Job.objects.filter(pk=c.pk).update(state=Job.State.STARTING, reason="attempt 1 starting")
         return real_bulk_set(model, fields, rows, **kwargs)
 
-    monkeypatch.setattr(bulk, "bulk_set", racing_bulk_set)
+    monkeypatch.setattr(apply, "bulk_set", racing_bulk_set)
     moved = Plan(
         placements=(), reasons={a.id: "waits for 1 GPU", b.id: "new", c.id: "new", 10**9: "gone"}
     )

@@ -110,6 +110,8 @@ def test_the_queue_shows_every_live_and_waiting_job_and_the_reservation(shared):
     assert _rows(queue, "data-job") == {str(i) for i in expected}
     big = jobs["big"]
     assert big.state == "QUEUED" and "holds a reservation on node-0, node-1" in big.reason
+    # The pass stored the same reason as data, and the page renders from that.
+    assert big.wait["code"] == "reserved" and big.wait["data"]["nodes"] == ["node-0", "node-1"]
     reservations = html.split('id="reservations"')[1].split("</table>")[0]
     assert _rows(reservations, "data-job") == {str(big.id)}
     assert "nodes node-0, node-1" in reservations
@@ -505,38 +507,33 @@ def test_bad_event_filters_are_400s_with_the_error_next_to_the_field(shared):
         assert "No events match." in html
 
 
-def test_reservations_are_read_from_the_reasons_the_scheduler_writes():
-    from portal.console.queue import reservation_from_reason
-
-    assert (
-        reservation_from_reason(
-            "waiting for 16 GPUs on whole nodes; 3 free now; holds a reservation on n1, n2; "
-            "2 job(s) ahead"
-        )
-        == "nodes n1, n2"
-    )
-    assert reservation_from_reason(
-        "waiting for job 4, job 9 to checkpoint and stop (reclaiming its team's quota); "
-        "8 GPUs reserved"
-    ).startswith("the GPUs of job 4, job 9")
-    assert reservation_from_reason("team vision at quota 64/64; 3 jobs ahead") is None
-    assert reservation_from_reason("") is None
-    # The reasons the policy writes today, for a priority claim inside a team and for a
-    # claimant waiting on its victims.
+def test_reservations_are_read_from_the_wait_data_the_scheduler_writes():
+    """The queue page renders what a job holds from Job.wait (the plan's WaitReason as data),
+    not by parsing the sentence."""
     import dataclasses
 
     from jobs.scheduling.policy import plan
+    from jobs.scheduling.vocab import WaitReason
+    from portal.console.queue import reservation_of
     from tests.builders import job, node, running, snapshot, team
 
+    held = WaitReason("reserved", {"gpus": 16, "free": 3, "nodes": ["n1", "n2"], "ahead": 2})
+    assert reservation_of(held.to_json()) == "nodes n1, n2"
+    assert "holds a reservation on n1, n2" in held.text()  # the sentence says the same
+    assert reservation_of({}) is None
+    assert reservation_of(WaitReason("too_large", {"gpus": 64, "capacity": 16}).to_json()) is None
+    # The waits the policy writes today, for a priority claim inside a team and for a
+    # claimant waiting on its victims.
     lab = team("lab", quota=8, used=8)
     n1 = node("n1", 8, busy=8)
     low = running(10, n1, range(8), team_id=lab.id, prio=0)
-    reason = plan(snapshot([n1], [job(1, 8, team_id=lab.id, prio=2)], [lab], [low])).reasons[1]
-    assert reservation_from_reason(reason).startswith("the GPUs of job 10"), reason
+    decided = plan(snapshot([n1], [job(1, 8, team_id=lab.id, prio=2)], [lab], [low]))
+    assert decided.waits[1].text() == decided.reasons[1]
+    assert reservation_of(decided.waits[1].to_json()).startswith("the GPUs of job 10")
     claimant = dataclasses.replace(job(2, 8, team_id=lab.id), claim_nodes=(n1.id,))
     stopping = dataclasses.replace(low, stopping=True, claimant_id=2)
-    reason = plan(snapshot([n1], [claimant], [lab], [stopping])).reasons[2]
-    assert reservation_from_reason(reason).startswith("the GPUs of job 10"), reason
+    wait = plan(snapshot([n1], [claimant], [lab], [stopping])).waits[2]
+    assert reservation_of(wait.to_json()).startswith("the GPUs of job 10"), wait
 
 
 # --- preemptions -----------------------------------------------------------------------------

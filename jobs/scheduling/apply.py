@@ -8,8 +8,10 @@ from datetime import datetime
 
 from django.db import DatabaseError, transaction
 
+from jobs.actions import ClaimConflict, do_grow_job, do_propose_preemption, do_start_attempts
+from jobs.bulk import bulk_set
 from jobs.models import Job
-from jobs.scheduling.vocab import Placement, Plan
+from jobs.scheduling.vocab import Placement, Plan, WaitReason
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,6 @@ def apply_plan(
         result.reasons_written = _write_reasons(plan, result, estimates or {})
     # Outside the placement transaction: each proposal is its own small transaction, so a
     # victim that just ended is simply skipped.
-    from jobs.actions import do_propose_preemption
-
     for preemption in plan.preemptions:
         try:
             request = do_propose_preemption(
@@ -68,8 +68,6 @@ def apply_plan(
             continue
         if request is not None:
             result.preemptions.append(request.id)
-    from jobs.actions import do_grow_job
-
     for grow in plan.grows:
         try:
             if do_grow_job(job_id=grow.job_id, gpus=grow.gpus, reason=grow.reason, now=now):
@@ -82,8 +80,6 @@ def apply_plan(
 
 
 def _apply_batch(placements: list[Placement], now: datetime, result: ApplyResult) -> None:
-    from jobs.actions import ClaimConflict, do_start_attempts
-
     try:
         with transaction.atomic():
             started, rejected = do_start_attempts(placements, now=now)
@@ -106,14 +102,15 @@ def _apply_batch(placements: list[Placement], now: datetime, result: ApplyResult
 
 
 def _write_reasons(plan: Plan, result: ApplyResult, estimates: dict) -> int:
-    """Each queued job's wait reason and start estimate; only those that changed are written,
-    in bulk, and only onto jobs still QUEUED (the condition is in the UPDATE itself, so a job
-    that moved on meanwhile keeps its own reason). Returns how many rows were written."""
-    from jobs.bulk import bulk_set
-
+    """Each queued job's wait reason (its text, and as data in Job.wait) and start estimate;
+    only those that changed are written, in bulk, and only onto jobs still QUEUED (the
+    condition is in the UPDATE itself, so a job that moved on meanwhile keeps its own reason).
+    Returns how many rows were written."""
     reasons = dict(plan.reasons)
+    waits = {job_id: wait.to_json() for job_id, wait in plan.waits.items()}
     for job_id, why in result.rejected.items():
-        reasons[job_id] = f"placement rejected ({why}); retrying next pass"
+        rejected = WaitReason("rejected", {"why": why})
+        reasons[job_id], waits[job_id] = rejected.text(), rejected.to_json()
     if not reasons:
         return 0
     wanted = {}
@@ -121,15 +118,15 @@ def _write_reasons(plan: Plan, result: ApplyResult, estimates: dict) -> int:
         start = estimates.get(job_id)
         if start is not None:
             why = f"{why}; est. start {start:%Y-%m-%d %H:%M} UTC"
-        wanted[job_id] = (why[:500], start)
+        wanted[job_id] = (why[:500], start, waits.get(job_id, {}))
     ids = list(wanted)
     changed = []
     for offset in range(0, len(ids), REASON_READ_BATCH):
-        for job_id, reason, start in Job.objects.filter(
+        for job_id, *stored in Job.objects.filter(
             id__in=ids[offset : offset + REASON_READ_BATCH], state=Job.State.QUEUED
-        ).values_list("id", "reason", "estimated_start_at"):
-            if wanted[job_id] != (reason, start):
+        ).values_list("id", "reason", "estimated_start_at", "wait"):
+            if wanted[job_id] != tuple(stored):
                 changed.append((job_id, *wanted[job_id]))
     return bulk_set(
-        Job, ["reason", "estimated_start_at"], changed, where={"state": Job.State.QUEUED}
+        Job, ["reason", "estimated_start_at", "wait"], changed, where={"state": Job.State.QUEUED}
     )

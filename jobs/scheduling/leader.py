@@ -23,6 +23,7 @@ import socket
 import uuid
 
 import redis
+from django.db import connection
 
 from jobs.scheduling.wake import redis_client
 
@@ -49,8 +50,6 @@ def lease_key(database: dict | None = None) -> str:
     """One lease per database (`database`: a DATABASES entry, the default connection's if
     None): two deployments, or a test cluster beside `make up`, that share a Redis server must
     not stand each other by."""
-    from django.db import connection
-
     where = database or connection.settings_dict
     name = f"{where.get('HOST') or ''}:{where.get('PORT') or ''}/{where['NAME']}"
     return f"{LEADER_KEY}:{hashlib.sha256(name.encode()).hexdigest()[:16]}"

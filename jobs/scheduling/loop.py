@@ -6,10 +6,11 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 import redis
+from django.core.cache import cache
 from django.db import close_old_connections
 from django.db.models import Max, Min, Q
 from django.utils import timezone
@@ -20,6 +21,7 @@ from jobs.models import Attempt, Job, Node, PreemptionRequest
 from jobs.scheduling.apply import ApplyResult, apply_plan
 from jobs.scheduling.detect import detect_hangs, detect_stragglers
 from jobs.scheduling.estimate import estimate_starts
+from jobs.scheduling.leader import LeaderLease
 from jobs.scheduling.order import job_order_key
 from jobs.scheduling.policy import plan
 from jobs.scheduling.reader import take_snapshot
@@ -129,8 +131,6 @@ ESTIMATE_HEAD = 300  # queued jobs given a start estimate each pass (in policy o
 def head_of_queue(snapshot):
     """The snapshot with only the first ESTIMATE_HEAD queued jobs: estimates replay plan()
     many times, so they are kept to the jobs people are waiting on first."""
-    from dataclasses import replace
-
     teams = {t.id: t for t in snapshot.teams}
     ordered = sorted(snapshot.queued, key=lambda j: job_order_key(j, teams, snapshot.now))
     return replace(snapshot, queued=tuple(ordered[:ESTIMATE_HEAD]))
@@ -165,8 +165,6 @@ LAST_PASS_KEY = "lockstep:scheduler:last_pass"
 def record_pass(report: PassReport, now: datetime) -> None:
     """Leave the pass's duration in the shared cache (Redis) for the portal's /metrics: the
     scheduler is another process, and a table for one row a second would be overkill."""
-    from django.core.cache import cache
-
     try:
         cache.set(
             LAST_PASS_KEY,
@@ -178,8 +176,6 @@ def record_pass(report: PassReport, now: datetime) -> None:
 
 
 def run_forever(*, tick_s: float | None = None, once: bool = False) -> None:
-    from jobs.scheduling.leader import LeaderLease
-
     tick_s = tick_s or lockstep_setting("SCHEDULER_TICK_S")
     pubsub = None
     # Long enough that a busy pass and the tick never let it lapse while the leader lives.

@@ -3,8 +3,6 @@ priority changes for leads and admins."""
 
 from __future__ import annotations
 
-import re
-
 from django import forms
 from django.contrib import messages
 from django.shortcuts import redirect, render
@@ -16,6 +14,7 @@ from jobs.models import (
     Job,
     Priority,
 )
+from jobs.scheduling.vocab import WaitReason
 from portal.console.access import console_view
 from portal.formatting import duration
 
@@ -26,20 +25,19 @@ QUEUE_STATES = (
     Job.State.RUNNING,
     Job.State.PREEMPTING,
 )
-_HOLDS = re.compile(r"holds a reservation on ([^;]+)")
-_WAITS_FOR_VICTIMS = re.compile(
-    r"waiting for (job \d+(?:, job \d+)*)(?: \([^)]*\))? to checkpoint and stop"
-)
 
 
-def reservation_from_reason(reason: str) -> str | None:
-    """What a queued job holds, as the scheduler wrote it in the job's reason. The policy's
-    reservation lives only for one pass (jobs.scheduling.policy.Plan.reservation); the reason
-    text is the only place it is recorded."""
-    if match := _HOLDS.search(reason or ""):
-        return "nodes " + match.group(1).strip()
-    if match := _WAITS_FOR_VICTIMS.search(reason or ""):
-        return f"the GPUs of {match.group(1)}, once preempted (checkpoint, then stop)"
+def reservation_of(wait: dict) -> str | None:
+    """What a queued job holds, from the scheduler's wait reason as data (Job.wait): the nodes
+    of its reservation, or the GPUs of the jobs stopping for it."""
+    if not wait:
+        return None
+    reason = WaitReason.from_json(wait)
+    if reason.code in ("reserved", "reserved_starving"):
+        return "nodes " + ", ".join(reason.reserved_nodes)
+    if reason.victims:
+        victims = ", ".join(f"job {victim}" for victim in reason.victims)
+        return f"the GPUs of {victims}, once preempted (checkpoint, then stop)"
     return None
 
 
@@ -104,7 +102,7 @@ def queue(request, scope):
             else PriorityForm(initial={"job": job.id, "priority": job.priority}, jobs=jobs)
         )
         waiting = job.state in (Job.State.QUEUED, Job.State.RESTARTING)
-        reserved = reservation_from_reason(job.reason) if waiting else None
+        reserved = reservation_of(job.wait) if waiting else None
         if reserved:
             reservations.append({"job": job, "holds": reserved})
         table.append(
