@@ -30,6 +30,7 @@ from django.db.models import Count, F, IntegerField, Max, Min, Q, Sum
 from django.db.models.expressions import ExpressionWrapper
 
 from jobs.bulk_sql import insert_rows
+from jobs.models import MetricPoint, MetricRollup
 
 LEVELS = (16, 256, 4096, 65536, 1048576)  # each 16 x the one before
 HEADER = 0  # the width of a series' header row
@@ -37,8 +38,6 @@ FIELDS = ("first_step", "last_step", "low", "high", "count")
 
 
 def _models():
-    from jobs.models import MetricPoint, MetricRollup
-
     return MetricPoint, MetricRollup
 
 

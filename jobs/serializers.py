@@ -4,8 +4,10 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
 from jobs import validation
+from jobs.checkpoint_policy import checkpoint_advice
 from jobs.models import Attempt, Checkpoint, Event, Job, ModelVersion, Node, Priority
-from teams.access import visible_teams
+from jobs.reports.goodput import job_goodput
+from teams.access import visible_jobs, visible_teams
 
 
 def _django(fn):
@@ -184,13 +186,9 @@ class JobDetailSerializer(JobSerializer):
         return CheckpointSerializer(checkpoint).data if checkpoint else None
 
     def get_checkpoint_policy(self, job) -> dict:
-        from jobs.checkpoint_policy import checkpoint_advice
-
         return checkpoint_advice(job)
 
     def get_goodput(self, job) -> dict:
-        from jobs.reports.goodput import job_goodput
-
         return job_goodput(job)
 
 
@@ -255,8 +253,6 @@ class ModelVersionCreateSerializer(serializers.Serializer):
     notes = serializers.CharField(required=False, allow_blank=True, default="", max_length=5000)
 
     def validate_checkpoint(self, value: int):
-        from teams.access import visible_jobs
-
         checkpoint = Checkpoint.objects.filter(
             pk=value, job__in=visible_jobs(self.context["request"].user), deleted_at__isnull=True
         ).first()

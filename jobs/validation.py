@@ -6,6 +6,7 @@ from urllib.parse import urlparse
 from django.core.exceptions import ValidationError
 
 from jobs.conf import lockstep_setting
+from jobs.models import GPU
 
 # A container reference: [registry[:port]/]path[:tag][@sha256:digest], lower-case path parts.
 IMAGE_RE = re.compile(
@@ -94,8 +95,6 @@ def validate_env(value) -> dict[str, str]:
 
 
 def cluster_gpu_count() -> int:
-    from jobs.models import GPU
-
     return GPU.objects.count()
 
 

@@ -20,6 +20,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jobs.conf import lockstep_setting
 from jobs.models import GPU, Allocation, Job, Node, PreemptionRequest
+from jobs.reports.goodput import team_goodput
+from jobs.scheduling.loop import LAST_PASS_KEY
 from teams.access import is_cluster_admin
 from teams.auth import user_for_token
 from teams.models import Team
@@ -115,8 +117,6 @@ class LockstepCollector:
     def _scheduler(self, now) -> Iterator[Metric]:
         from django.core.cache import cache
 
-        from jobs.scheduling.loop import LAST_PASS_KEY
-
         try:
             last = cache.get(LAST_PASS_KEY)
         except Exception:  # a cache outage leaves the pass metrics out, not the whole scrape
@@ -135,8 +135,6 @@ class LockstepCollector:
         )
 
     def _goodput(self, now) -> Iterator[Metric]:
-        from jobs.reports.goodput import team_goodput
-
         ratio = GaugeMetricFamily(
             "lockstep_team_goodput_ratio",
             "Productive step time / wall time of each team's jobs that ran in the last 7 days",

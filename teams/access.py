@@ -5,6 +5,7 @@ exactly like lookups of things that do not exist."""
 from django.db.models import QuerySet
 from rest_framework.permissions import BasePermission
 
+from jobs.models import Job
 from teams.models import Membership, Team
 
 
@@ -21,8 +22,6 @@ def visible_teams(user) -> QuerySet[Team]:
 
 
 def visible_jobs(user):
-    from jobs.models import Job
-
     if is_cluster_admin(user):
         return Job.objects.all()
     if not user or not user.is_authenticated:

@@ -8,6 +8,7 @@ from django.db import transaction
 
 from jobs.event_kinds import EventKind
 from jobs.models import Event
+from jobs.scheduling.wake import wake_scheduler
 from teams.models import ApiToken, Membership, Team, token_digest
 
 User = get_user_model()
@@ -53,8 +54,6 @@ def do_set_team_quota(
         ),
         data={"before": list(before), "after": [team.quota, team.borrow_limit, team.weight]},
     )
-    from jobs.scheduling.wake import wake_scheduler
-
     transaction.on_commit(lambda: wake_scheduler("quota changed"))
     return team
 

@@ -1,5 +1,6 @@
 from django.contrib import admin
 
+from teams.actions import do_set_team_quota
 from teams.models import ApiToken, Membership, Team
 
 
@@ -16,8 +17,6 @@ class TeamAdmin(admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         # Quota changes go through the action so they are audited and wake the scheduler.
         if change and {"quota", "borrow_limit", "weight"} & set(form.changed_data):
-            from teams.actions import do_set_team_quota
-
             do_set_team_quota(
                 obj,
                 quota=obj.quota,
