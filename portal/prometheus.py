@@ -20,13 +20,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jobs.conf import lockstep_setting
 from jobs.models import GPU, Allocation, Job, Node, PreemptionRequest
+from jobs.reports import REPORT_DAYS
 from jobs.reports.goodput import team_goodput
 from jobs.scheduling.loop import LAST_PASS_KEY
 from teams.access import is_cluster_admin
 from teams.auth import user_for_token
 from teams.models import Team
 
-GOODPUT_WINDOW = timedelta(days=7)  # the same window as the teams API's goodput
+GOODPUT_WINDOW = timedelta(days=REPORT_DAYS)  # the same window as the teams API's goodput
 
 
 class LockstepCollector:

@@ -2,19 +2,18 @@
 
 from datetime import timedelta
 
-from django.db.models import Count, Q
 from django.utils import timezone
 from rest_framework import mixins, serializers, viewsets
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 
+from jobs.queries import teams_with_usage
+from jobs.reports import REPORT_DAYS
 from jobs.reports.goodput import team_goodput
 from jobs.reports.reclaim import reclaim_summary
 from teams.access import is_cluster_admin, visible_teams
 from teams.actions import do_set_team_quota
 from teams.models import Team
-
-REPORT_DAYS = 7  # goodput and reclaim times cover this many days back
 
 
 class TeamSerializer(serializers.ModelSerializer):
@@ -59,16 +58,7 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
     serializer_class = TeamSerializer
 
     def get_queryset(self):
-        return (
-            visible_teams(self.request.user)
-            .annotate(
-                used=Count(
-                    "jobs__attempts__allocations",
-                    filter=Q(jobs__attempts__allocations__released_at__isnull=True),
-                )
-            )
-            .order_by("name")
-        )
+        return teams_with_usage(visible_teams(self.request.user)).order_by("name")
 
     def get_serializer_context(self):
         # One query for every team on the page rather than one per team.

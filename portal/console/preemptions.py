@@ -14,11 +14,10 @@ from jobs import actions
 from jobs.models import (
     PreemptionRequest,
 )
+from jobs.reports import REPORT_DAYS
 from jobs.reports.reclaim import KINDS, reclaim_bound_s, reclaim_summary
 from portal.console.access import console_view
 from portal.formatting import duration
-
-REPORT_DAYS = 7  # console reports look back this far unless ?days= says otherwise
 
 
 @console_view(admin_only=True)
