@@ -3,7 +3,6 @@ runs these; the domain queues them by name through jobs.queue, so nothing import
 but the worker (and tests)."""
 
 import logging
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Checkpoint, ModelVersion
 from jobs.queue import prune_mark
 from jobs.whatif import execute_whatif
+from trainer.checkpoint_layout import remove_step_dir
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ def prune_checkpoints(job_id: int) -> list[int]:
             or checkpoint.versions.exists()
         ):
             continue
-        shutil.rmtree(checkpoint.path, ignore_errors=True)
+        # The marker goes first: a prune cut short never leaves a marked, partial save.
+        remove_step_dir(checkpoint.path, ignore_errors=True)
         checkpoint.deleted_at = timezone.now()
         checkpoint.save(update_fields=["deleted_at"])
         pruned.append(checkpoint.step)

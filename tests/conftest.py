@@ -18,6 +18,7 @@ ONE_LEG = {
     "test_trainer_async.py": "torch processes over gloo; no database",
     "test_trainer_api.py": "the helper API in torch processes; no database",
     "test_trainer_export.py": "a checkpoint converted by a command; no database",
+    "test_checkpoint_layout.py": "checkpoint directories and markers on disk; no database",
     "test_ring.py": "a ring all-reduce over gloo; no database",
     "test_flops.py": "FLOP counts and the MFU benchmark; no database",
     "test_zygote.py": "the agent's fork server; no database",

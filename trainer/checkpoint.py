@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
 import sys
 import time
 import warnings
@@ -62,10 +61,10 @@ from trainer.checkpoint_layout import (
     MARKER,
     STEP_DIR,
     dir_bytes,
-    fsync_dir,
     is_committed,
     latest_committed,
     read_marker,
+    remove_step_dir,
     step_dir_name,
     write_marker,
 )
@@ -254,11 +253,9 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             if path.exists():
                 # Left by an earlier attempt (a half-written save, or a step redone after
-                # resuming from an older checkpoint). Drop the marker first so that a crash
-                # while overwriting can never leave a marked but mixed directory.
-                (path / MARKER).unlink(missing_ok=True)
-                fsync_dir(path)
-                shutil.rmtree(path)
+                # resuming from an older checkpoint): its marker goes first, so a crash while
+                # overwriting can never leave a marked but mixed directory.
+                remove_step_dir(path)
         self.dist.barrier()
 
     def save(self, train_state: TrainState) -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -84,3 +85,16 @@ def write_marker(step_dir: Path, marker: Mapping[str, Any]) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, step_dir / MARKER)
     fsync_dir(step_dir)
+
+
+def remove_step_dir(path: str | Path, *, ignore_errors: bool = False) -> None:
+    """Delete a save: the marker first (and durably), so that a removal or an overwrite cut
+    short never leaves a marked but partial directory that would be resumed from."""
+    path = Path(path)
+    try:
+        (path / MARKER).unlink(missing_ok=True)
+        fsync_dir(path)
+    except OSError:
+        if not ignore_errors:
+            raise
+    shutil.rmtree(path, ignore_errors=ignore_errors)
