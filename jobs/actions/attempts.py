@@ -3,7 +3,6 @@ after a stop, or failure (no restarts left, or a user error)."""
 
 from __future__ import annotations
 
-import logging
 from datetime import datetime, timedelta
 
 from django.db import transaction
@@ -22,8 +21,6 @@ from jobs.queries import (
     latest_checkpoint,
     world_size,
 )
-
-log = logging.getLogger(__name__)
 
 # The stop reason of a grow-back (preemption.do_grow_job); its requeue says "requeued: ...".
 GROW_REASON = "growing back to"

@@ -3,7 +3,6 @@ sends on commit, and the locks and checkpoint-and-stop that every stop begins wi
 
 from __future__ import annotations
 
-import logging
 import signal
 from datetime import datetime, timedelta
 
@@ -18,8 +17,6 @@ from jobs.models import (
 )
 from jobs.notify import on_commit_send
 from jobs.scheduling.wake import wake_scheduler
-
-log = logging.getLogger(__name__)
 
 
 def record_event(kind: EventKind, message: str, **refs) -> Event:
@@ -48,9 +45,6 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit code {code}"
-
-
-# --- jobs ----------------------------------------------------------------------------------
 
 
 def lock_job_for_stop(job_id: int) -> tuple[Job, Attempt | None]:

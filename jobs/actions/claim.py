@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import random
 from datetime import datetime
 
@@ -31,8 +30,6 @@ from jobs.queries import (
 from jobs.scheduling.vocab import elastic_sizes
 from teams.models import Team
 from trainer.checkpoint_layout import attempt_dir, dir_bytes, read_marker, step_dirs
-
-log = logging.getLogger(__name__)
 
 
 class ClaimRejected(Exception):

@@ -3,7 +3,6 @@ by later reports, hangs (stacks first, then the end) and stragglers."""
 
 from __future__ import annotations
 
-import logging
 from datetime import datetime
 
 from django.db import transaction
@@ -22,9 +21,6 @@ from jobs.models import (
     Node,
 )
 from jobs.queries import stopped_state, world_size
-
-log = logging.getLogger(__name__)
-
 
 # Exits this close together are one event seen at slightly different moments (agents poll their
 # workers every 0.25 s and report on their own heartbeats).
@@ -201,9 +197,6 @@ def record_exits(
         do_end_attempt(attempt, state=Attempt.State.SUCCEEDED, reason="all ranks exited 0", now=now)
 
 
-# --- checkpoints, metrics, logs ------------------------------------------------------------
-
-
 def agent_time(value, now: datetime) -> datetime:
     """An agent's wall-clock timestamp, trusted only if plausible (clocks drift)."""
     # Compared as numbers first: fromtimestamp() raises on values out of the platform's range.
@@ -299,6 +292,3 @@ def do_flag_straggler(
         data={"rank": rank, "compute_s": seconds, "gang_compute_s": gang_seconds},
     )
     strike_node(node, f"job {attempt.job_id}: {message}", now=now)
-
-
-# --- preemption ---------------------------------------------------------------------------

@@ -3,7 +3,6 @@ samples; the answer lists what should run on the node."""
 
 from __future__ import annotations
 
-import logging
 from datetime import datetime
 
 from django.db import transaction
@@ -25,8 +24,6 @@ from jobs.notify import on_commit_send
 from jobs.queries import (
     desired_for_node,
 )
-
-log = logging.getLogger(__name__)
 
 
 def _report_order(report) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from datetime import datetime
 
 from django.db import transaction
@@ -16,8 +15,6 @@ from jobs.queries import (
     run_seconds,
 )
 from teams.models import Team
-
-log = logging.getLogger(__name__)
 
 
 @transaction.atomic

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import secrets
 from datetime import datetime
 
@@ -17,8 +16,6 @@ from jobs.models import (
     Node,
 )
 from teams.models import token_digest
-
-log = logging.getLogger(__name__)
 
 
 @transaction.atomic

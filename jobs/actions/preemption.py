@@ -3,7 +3,6 @@ back, and withdrawing proposals whose claimant no longer waits."""
 
 from __future__ import annotations
 
-import logging
 from datetime import datetime, timedelta
 
 from django.db import transaction
@@ -21,8 +20,6 @@ from jobs.queries import (
     latest_checkpoint,
     world_size,
 )
-
-log = logging.getLogger(__name__)
 
 
 def do_propose_preemption(
@@ -181,6 +178,3 @@ def do_withdraw_stale_preemptions(*, now: datetime) -> None:
             f"job {request.claimant_id} no longer waits",
             job_id=request.victim_id,
         )
-
-
-# --- model registry ------------------------------------------------------------------------

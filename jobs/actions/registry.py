@@ -3,7 +3,6 @@ its export on the queue worker."""
 
 from __future__ import annotations
 
-import logging
 from datetime import datetime
 
 from django.db import transaction
@@ -17,8 +16,6 @@ from jobs.models import (
     MetricPoint,
     ModelVersion,
 )
-
-log = logging.getLogger(__name__)
 
 
 @transaction.atomic

@@ -3,7 +3,6 @@ The lowest layer of the actions that blame a node; it imports only the shared ba
 
 from __future__ import annotations
 
-import logging
 from datetime import datetime, timedelta
 
 from jobs.actions.base import record_event
@@ -14,8 +13,6 @@ from jobs.models import (
     Event,
     Node,
 )
-
-log = logging.getLogger(__name__)
 
 
 def node_strikes(node: Node, now: datetime) -> int:

@@ -69,10 +69,11 @@ def job_goodput(job, now=None) -> dict:
                     "lost_s": round(lost_steps * per_step, 1) if per_step and lost_steps else None,
                 }
             )
+    share = effective_share(productive, wall)
     result.update(
         wall_s=round(wall, 1),
         productive_s=round(productive, 1),
-        effective=round(effective_share(productive, wall), 4) if wall > 0 else None,
+        effective=None if share is None else round(share, 4),
     )
     return result
 

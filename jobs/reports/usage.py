@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 from django.db.models import Count, F, Max, Q
 
 from jobs.models import GPU, Allocation, Attempt
-from jobs.reports.goodput import effective_share
+from jobs.reports.goodput import FAILURES, effective_share
 
-LOST_FAILURE = (Attempt.State.FAILED, Attempt.State.LOST)
+LOST_FAILURE = FAILURES  # the attempt ends that count as failures, as goodput counts them
 LOST_PREEMPTION = (Attempt.State.PREEMPTED,)
 
 
