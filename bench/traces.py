@@ -28,7 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TRACES = ROOT.parent / "shared" / "data" / "traces"
+from jobs.scheduling.trace import traces_dir  # noqa: E402 (after the path insert)
+
+TRACES = traces_dir()
 RESULTS = ROOT / "bench" / "results"
 FIGURES = ROOT / "docs" / "figures"
 REPORTS = ROOT / "var" / "bench" / "traces"

@@ -55,6 +55,8 @@ class EventKind(StrEnum):
     PREEMPTION_REJECTED = "preemption.rejected"
     PREEMPTION_WITHDRAWN = "preemption.withdrawn"
     PREEMPTION_CLAIMANT_STARTED = "preemption.claimant_started"
+    # The safety stop refused a preemption: an admin alert (the policy would loop)
+    PREEMPTION_SAFETY_STOP = "preemption.safety_stop"
     # Teams, tokens, admins' questions
     TEAM_CREATED = "team.created"
     TEAM_QUOTA_CHANGED = "team.quota_changed"

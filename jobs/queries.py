@@ -4,12 +4,13 @@ launch spec, what should run on a node and how a stop ends. Nothing here writes.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from django.db.models import Count, Q
+from django.db.models import Count, Max, Q
 
 from jobs.conf import lockstep_setting
-from jobs.models import Attempt, Checkpoint, Job, Node
+from jobs.models import Attempt, Checkpoint, Job, Node, PreemptionRequest
+from jobs.scheduling.protection import min_run_s
 from trainer.checkpoint_layout import attempt_dir
 
 
@@ -117,3 +118,80 @@ def teams_with_usage(teams):
             filter=Q(jobs__attempts__allocations__released_at__isnull=True),
         )
     )
+
+
+# -- preemption protection (jobs.scheduling.protection's inputs) --------------------------------
+
+SAFETY_WINDOW = timedelta(days=1)
+
+
+def restart_costs(job_ids) -> dict[int, float]:
+    """Each job's measured start-up cost: its latest attempt that reached a first step, from
+    the attempt's creation to that step (image, rendezvous, restore). RESTART_COST_S where
+    none did."""
+    default = float(lockstep_setting("RESTART_COST_S"))
+    costs = dict.fromkeys(job_ids, default)
+    rows = (
+        Attempt.objects.filter(job_id__in=job_ids, first_step_at__isnull=False)
+        .order_by("job_id", "number")
+        .values_list("job_id", "created_at", "first_step_at")
+    )
+    for job_id, created, first_step in rows:  # the latest attempt of each job wins
+        costs[job_id] = max(0.0, (first_step - created).total_seconds())
+    return costs
+
+
+def recent_preemptions(job_ids, *, now: datetime) -> dict[int, int]:
+    """How many preemptions stopped each job within the safety window (a day)."""
+    rows = (
+        PreemptionRequest.objects.filter(
+            victim_id__in=job_ids,
+            state=PreemptionRequest.State.EXECUTED,
+            executed_at__gte=now - SAFETY_WINDOW,
+        )
+        .values("victim_id")
+        .annotate(n=Count("id"))
+        .values_list("victim_id", "n")
+    )
+    return dict(rows)
+
+
+def last_reclaims(job_ids) -> dict[int, datetime]:
+    """When a reclaim last stopped each job (protection rule 2)."""
+    rows = (
+        PreemptionRequest.objects.filter(
+            victim_id__in=job_ids,
+            state=PreemptionRequest.State.EXECUTED,
+            kind=PreemptionRequest.Kind.RECLAIM,
+        )
+        .values("victim_id")
+        .annotate(last=Max("executed_at"))
+        .values_list("victim_id", "last")
+    )
+    return dict(rows)
+
+
+def attempt_protected_until(attempt: Attempt, restart_s: float) -> datetime:
+    """The end of a live attempt's minimum run: start-up plus one checkpoint interval (the
+    attempt's, else its job's), never below PREEMPT_EXEMPT_S."""
+    interval = attempt.checkpoint_interval_s or attempt.job.checkpoint_interval_s
+    protect = min_run_s(interval, restart_s, float(lockstep_setting("PREEMPT_EXEMPT_S")))
+    return attempt.created_at + timedelta(seconds=protect)
+
+
+def protection(job: Job, *, now: datetime) -> dict | None:
+    """For the job's pages: until when its live attempt is protected from preemption and why,
+    None when it runs none."""
+    attempt = job.attempts.filter(ended_at__isnull=True).select_related("job").first()
+    if attempt is None:
+        return None
+    restart_s = restart_costs([job.id])[job.id]
+    until = attempt_protected_until(attempt, restart_s)
+    return {
+        "protected_until": until,
+        "protected": now < until,
+        "restart_s": round(restart_s, 1),
+        "checkpoint_interval_s": attempt.checkpoint_interval_s or job.checkpoint_interval_s,
+        "preemptions_today": recent_preemptions([job.id], now=now).get(job.id, 0),
+        "safety_stop": int(lockstep_setting("PREEMPT_MAX_PER_DAY")),
+    }

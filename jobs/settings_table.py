@@ -95,8 +95,27 @@ TABLE: tuple[Setting, ...] = (
     Setting(
         "PREEMPT_EXEMPT_S",
         600.0,
-        "victims that started less than this long ago are preempted last (a preference, not an "
-        "exemption: the reclaim bound still holds)",
+        "the least minimum run: a started job is protected for its start-up cost plus one "
+        "checkpoint interval, never less than this; no priority or starvation claim takes a "
+        "protected job, reclaims only when no other victim will do (the reclaim bound holds)",
+    ),
+    Setting(
+        "RESTART_COST_S",
+        120.0,
+        "start-up cost assumed for a job that has not started before (then measured: attempt "
+        "created to its first step); weighed against the gain of a preemption",
+    ),
+    Setting(
+        "PREEMPT_MAX_PER_DAY",
+        5,
+        "safety stop: a job preempted this many times within a day is not preempted again, and "
+        "admins get an alert (the policy would be in a preemption loop); 0 turns it off",
+    ),
+    Setting(
+        "RECLAIM_HOLD_S",
+        3600.0,
+        "a job a reclaim stopped does not borrow again within this while another team's "
+        "guaranteed job waits (that team would take the GPUs back at once)",
     ),
     Setting(
         "ELASTIC_GROW_AFTER_S",

@@ -14,7 +14,7 @@ from jobs import actions
 from jobs.models import GPU, Allocation, Attempt, Checkpoint, Event, Job, Node
 from jobs.reports.usage import week_starts
 from jobs.scheduling.loop import run_pass
-from tests.heartbeats import submit
+from tests.heartbeats import past_protection, submit
 
 CONSOLE = ("/console/queue/", "/console/nodes/", "/console/reports/", "/console/events/")
 
@@ -548,6 +548,10 @@ def test_a_priority_raised_in_the_queue_becomes_a_preemption_an_admin_approves(s
     root = shared["users"]["root"]
     client = _client(root)
     big = shared["jobs"]["big"]
+    past_protection()  # the running jobs are past their minimum run
+    # Within lab's quota: a borrowing claimant may not stop nlp's job, which is within nlp's
+    # quota (DESIGN: guaranteed work is never preempted for another team's borrowing).
+    big.team.__class__.objects.filter(pk=big.team_id).update(quota=8)
     assert client.post("/console/queue/", {"job": big.id, "priority": "urgent"}).status_code == 302
     run_pass()
     requests = list(PreemptionRequest.objects.filter(claimant=big, state="proposed"))

@@ -13,7 +13,7 @@ from jobs.actions import preemption as preemption_actions
 from jobs.models import Event, Job, PreemptionRequest
 from jobs.scheduling.loop import run_pass
 from jobs.scheduling.reader import CLAIM_AFTER_EXIT_S, take_snapshot
-from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
+from tests.heartbeats import beat, commit_checkpoint, live_attempt, past_protection, submit
 
 
 @pytest.fixture
@@ -186,6 +186,8 @@ def test_priority_preemption_waits_for_an_admin_who_may_reject_it(two_teams, mak
     (owner, olga), (guest, gus), node, root = two_teams
     low = submit(owner, olga, gpus=2, priority="low")
     run_pass()
+    beat(node, live_attempt(low), {0: None, 1: None})
+    past_protection()
     urgent = submit(owner, olga, gpus=2, priority="urgent")
     Job.objects.filter(pk=urgent.pk).update(submitted_at=timezone.now())
     owner.quota = 4
@@ -213,6 +215,8 @@ def test_priority_preemption_approves_itself_at_its_deadline(two_teams):
     owner.save()
     low = submit(owner, olga, gpus=2, priority="low")
     run_pass()
+    beat(node, live_attempt(low), {0: None, 1: None})
+    past_protection()
     submit(owner, olga, gpus=2, priority="high")
     run_pass()
     (request,) = PreemptionRequest.objects.all()
@@ -242,9 +246,10 @@ def test_a_starving_job_stops_its_own_teams_long_job_at_once_and_runs(two_teams)
     long_job = submit(guest, gus, gpus=2, time_limit_s=7200)
     run_pass()
     attempt = live_attempt(long_job)
-    beat(node, attempt, {0: None, 1: None})
+    # Saved a moment ago: stopping it costs little, so the claim pays (protection.pays).
+    beat(node, attempt, {0: None, 1: None}, records=[commit_checkpoint(root, long_job, 10)])
     now = timezone.now()
-    attempt.created_at = now - timedelta(seconds=3600)  # past its exempt time
+    attempt.created_at = now - timedelta(seconds=3600)  # past its minimum run
     attempt.save(update_fields=["created_at"])
     short = submit(guest, gus, gpus=2, time_limit_s=120)
     Job.objects.filter(pk=short.pk).update(submitted_at=now - timedelta(seconds=3000))
@@ -272,4 +277,5 @@ def test_a_starving_job_stops_its_own_teams_long_job_at_once_and_runs(two_teams)
     assert live_attempt(short).allocations.count() == 2
     long_job.refresh_from_db()
     assert long_job.state == "QUEUED" and "borrowing paused" not in long_job.reason
-    assert long_job.checkpoints.get().preemption is True
+    # The periodic save, then the one its stop made (kept by retention).
+    assert [c.preemption for c in long_job.checkpoints.order_by("step")] == [False, True]

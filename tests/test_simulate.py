@@ -10,11 +10,11 @@ import pytest
 
 from jobs.scheduling.baselines import fifo
 from jobs.scheduling.simulate import SimConfig, SimulationError, run, simulate
-from jobs.scheduling.trace import TeamQuota, TraceJob, load_quotas, load_trace
+from jobs.scheduling.trace import TeamQuota, TraceJob, load_quotas, load_trace, traces_dir
 from jobs.scheduling.vocab import Plan, Preemption
 
 ROOT = Path(__file__).resolve().parent.parent
-MSFT = Path("/work/shared/data/traces/msft_itp_2021.csv")
+MSFT = traces_dir() / "msft_itp_2021.csv"
 HEADER = "job_id,submit_s,gpus,duration_s,team,status"
 
 
@@ -164,18 +164,31 @@ def test_preempted_job_loses_work_since_its_last_checkpoint_and_is_requeued():
     assert m["preemptions"]["executed"] == 1 and m["preemptions"]["stopped"] == 1
     by_id = {r[0]: r for r in result.records}
     assert by_id["claim"][3] == 4060  # started when the victim's GPUs came back
-    # The victim resumes after the claimant (100 s) with 10000 - 3600 s left.
-    assert by_id["long"][3] == 0 and by_id["long"][4] == 4160 + 6400
+    # The victim resumes after the claimant (100 s) with 10000 - 3600 s left, after its
+    # restart cost (120 s).
+    assert by_id["long"][3] == 0 and by_id["long"][4] == 4160 + 120 + 6400
     assert by_id["long"][5] == 1
     # b's job was within b's quota from t=4000: the reclaim took the grace period.
     assert m["teams"]["b"]["reclaim_max_s"] == 60
-    assert m["utilization"] == round((4060 + 100 + 6400) * 8 / (8 * 10_560), 4)
+    assert m["utilization"] == round((4060 + 100 + 120 + 6400) * 8 / (8 * 10_680), 4)
+    assert m["preemptions_per_job"] == {
+        "max": 1,
+        "p99": 0.99,
+        "jobs_preempted": 1,
+        "mean_of_preempted": 1.0,
+    }
 
 
 def test_checkpoint_on_stop_loses_nothing():
     config = SimConfig(gpus=8, grace_s=60, checkpoint_on_stop=True)
     result = run(PREEMPT, reclaim_for(1, 2), config)
     assert result.metrics["preempted_gpu_hours"] == 0
+    assert {r[0]: r[4] for r in result.records}["long"] == 4160 + 120 + 10_000 - 4060
+
+
+def test_a_restart_costs_the_victim_its_restart_time_and_nothing_more():
+    config = SimConfig(gpus=8, grace_s=60, checkpoint_on_stop=True, restart_s=0)
+    result = run(PREEMPT, reclaim_for(1, 2), config)
     assert {r[0]: r[4] for r in result.records}["long"] == 4160 + 10_000 - 4060
 
 
@@ -189,7 +202,24 @@ def test_a_policy_that_preempts_in_a_loop_is_stopped_with_an_error():
         return plan
 
     with pytest.raises(SimulationError, match="preempted 100 times"):
-        run(PREEMPT, ping_pong, SimConfig(gpus=8, grace_s=0))
+        run(PREEMPT, ping_pong, SimConfig(gpus=8, grace_s=0, safety_stop=0))
+
+
+def test_the_safety_stop_refuses_a_looping_policy_and_counts_the_alert():
+    def ping_pong(snapshot):
+        plan = fifo(snapshot)
+        victims = [r for r in snapshot.running if not r.stopping]
+        if snapshot.queued and victims:
+            stop = Preemption(victims[0].id, snapshot.queued[0].id, "reclaim", "loop")
+            return Plan(plan.placements, plan.reasons, None, (stop,))
+        return plan
+
+    m = run(PREEMPT, ping_pong, SimConfig(gpus=8, grace_s=0, safety_stop=3)).metrics
+    assert m["completed"] == 2
+    # Stopped three times within a day, then refused: the live action refuses the same way.
+    assert m["preemptions_per_job"]["max"] == 3
+    assert m["safety_stops"] == 1
+    assert m["preemptions"]["refused"] >= 1
 
 
 def test_lockstep_reclaims_borrowed_gpus_within_the_grace_period(tmp_path):
@@ -248,7 +278,9 @@ def test_simulate_runs_several_policies_side_by_side():
         assert result.metrics["plans_missing_reasons"] == 0
 
 
-@pytest.mark.skipif(not MSFT.exists(), reason="shared traces not present")
+@pytest.mark.skipif(
+    not MSFT.exists(), reason=f"the real traces are not at {MSFT.parent} (LOCKSTEP_TRACES)"
+)
 def test_lockstep_plans_on_a_real_trace_slice_are_always_applicable():
     trace = load_trace(MSFT, team="cluster03", limit=600)
     for policy in ("backfill", "lockstep"):

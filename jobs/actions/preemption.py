@@ -13,11 +13,14 @@ from jobs.conf import lockstep_setting
 from jobs.event_kinds import EventKind
 from jobs.models import (
     Attempt,
+    Event,
     Job,
     PreemptionRequest,
 )
 from jobs.queries import (
+    SAFETY_WINDOW,
     latest_checkpoint,
+    recent_preemptions,
     world_size,
 )
 
@@ -35,6 +38,8 @@ def do_propose_preemption(
         if PreemptionRequest.objects.filter(
             victim=victim, state__in=PreemptionRequest.OPEN
         ).exists():
+            return None
+        if _at_safety_stop(victim, now):
             return None
         since = (
             latest_checkpoint(victim.id).created_at
@@ -68,6 +73,31 @@ def do_propose_preemption(
             # it again.
             do_decide_preemption(request, approve=True, actor=None, now=now)
     return request
+
+
+def _at_safety_stop(victim: Job, now: datetime) -> bool:
+    """The live scheduler's safety stop (jobs.scheduling.protection, rule 4), here as well as
+    in the policy so that no planner, however wrong, can loop: a job preempted
+    PREEMPT_MAX_PER_DAY times within a day is not preempted again. The first refusal of a day
+    raises an admin alert (an Event the console shows), not one per pass."""
+    limit = int(lockstep_setting("PREEMPT_MAX_PER_DAY"))
+    count = recent_preemptions([victim.id], now=now).get(victim.id, 0)
+    if limit <= 0 or count < limit:
+        return False
+    alerted = Event.objects.filter(
+        kind=EventKind.PREEMPTION_SAFETY_STOP, job=victim, created_at__gte=now - SAFETY_WINDOW
+    ).exists()
+    if not alerted:
+        record_event(
+            EventKind.PREEMPTION_SAFETY_STOP,
+            f"job {victim.id} was preempted {count} times within a day; the scheduler will not "
+            "preempt it again for now. The policy would be in a preemption loop: look at what "
+            "claims it (Preemptions page) and at the teams' quotas.",
+            job=victim,
+            team_id=victim.team_id,
+            data={"preemptions": count, "limit": limit},
+        )
+    return True
 
 
 def do_decide_preemption(

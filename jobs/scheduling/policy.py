@@ -49,6 +49,7 @@ from jobs.scheduling.placement import (
     to_slots,
     whole_nodes,
 )
+from jobs.scheduling.protection import pays
 from jobs.scheduling.reservations import Reservations, team_holds
 from jobs.scheduling.snapshot import JobView, RunningView, Snapshot, TeamView
 from jobs.scheduling.victims import Victims
@@ -117,6 +118,7 @@ class SchedulingPass:
             lent=lent,
             now=self.now,
             exempt_s=snapshot.preempt_exempt_s,
+            max_preemptions=snapshot.max_preemptions,
         )
         # Per team, its running jobs in victim order, built once: the in-team priority search
         # runs for every job blocked by its team's cap (it was 56 % of a pass in the simulator).
@@ -124,6 +126,14 @@ class SchedulingPass:
         for run in self.victims.running:
             self.team_runs[run.team_id].append(run)
         self.team_hold = team_holds(snapshot)
+        # Teams with a queued job within their quota: a reclaim of theirs may come (protection
+        # rule 2: a just-reclaimed job does not borrow again in front of them).
+        self.guaranteed_teams = {
+            j.team_id
+            for j in snapshot.queued
+            if j.team_id in self.teams
+            and self.teams[j.team_id].used + j.gpus <= self.teams[j.team_id].quota
+        }
         # Built once the claims already carried out hold their nodes (`run`).
         self.reservations: Reservations
 
@@ -262,6 +272,8 @@ class SchedulingPass:
         if self.used[team.id] + job.gpus > team.cap:
             self._over_cap(job, team)
             return
+        if self._would_be_reclaimed(job, team):
+            return
         # An elastic job may still start smaller on what is left (nodes down or cordoned).
         if min(job.min_gpus or job.gpus, job.gpus) > self.capacity:
             self.wait(job, "too_large", gpus=job.gpus, capacity=self.capacity)
@@ -293,13 +305,32 @@ class SchedulingPass:
         self.wait(job, "team_queue", job=held_by, team=team.name, cap=team.cap, until=team_shadow)
         return True
 
+    def _would_be_reclaimed(self, job: JobView, team: TeamView) -> bool:
+        """Protection rule 2: a job a reclaim stopped less than `reclaim_hold_s` ago does not
+        borrow again while a guaranteed job of another team waits: that team's reclaim would
+        take it back at once (on a 1,024-GPU trace such restarts were what made a 256-GPU
+        job start and stop every few minutes)."""
+        if job.reclaimed_at is None or self.used[team.id] + job.gpus <= team.quota:
+            return False
+        if (self.now - job.reclaimed_at).total_seconds() >= self.snapshot.reclaim_hold_s:
+            return False
+        waiting = sorted(
+            self.teams[t].name for t in self.guaranteed_teams if t != team.id and t in self.teams
+        )
+        if not waiting:
+            return False
+        self.wait(job, "reclaim_risk", team=team.name, quota=team.quota, teams=tuple(waiting))
+        return True
+
     def _over_cap(self, job: JobView, team: TeamView) -> None:
         """Rule 2: the team is at its cap. While no reservation is held, its own lower-priority
         jobs may make room (a priority proposal); else the job waits."""
         own = [
             r
             for r in self.team_runs.get(team.id, ())
-            if r.priority < job.priority and r.id not in self.taken
+            if r.priority < job.priority
+            and r.id not in self.taken
+            and not self.victims.protected(r)
         ]
         over = self.used[team.id] + job.gpus - team.cap
         found = (
@@ -313,6 +344,8 @@ class SchedulingPass:
             if self.reservations.holder is None and own
             else None
         )
+        if found is not None and not pays(job.gpus, found[0], self.now):
+            found = None
         if found is None:
             self.wait(
                 job,

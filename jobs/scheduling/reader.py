@@ -9,7 +9,13 @@ from django.db.models import Count, Max, Q
 
 from jobs.conf import lockstep_setting
 from jobs.models import GPU, PRIORITY_RANK, Allocation, Attempt, Job, Node, PreemptionRequest
-from jobs.queries import run_seconds
+from jobs.queries import (
+    attempt_protected_until,
+    last_reclaims,
+    recent_preemptions,
+    restart_costs,
+    run_seconds,
+)
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 from teams.models import Team
 
@@ -54,6 +60,7 @@ def take_snapshot(now: datetime) -> Snapshot:
     # A requeued job's limit is what is left of it (limits count run time, not wall time).
     ran = run_seconds([j.id for j in queued_jobs if j.time_limit_s and j.first_started_at], now=now)
     claim_nodes, claimant_of = _claims(now)
+    reclaimed = last_reclaims([j.id for j in queued_jobs if j.first_started_at])
     queued = tuple(
         JobView(
             id=j.id,
@@ -67,6 +74,7 @@ def take_snapshot(now: datetime) -> Snapshot:
             else None,
             min_gpus=j.min_gpus,
             claim_nodes=claim_nodes.get(j.id, ()),
+            reclaimed_at=reclaimed.get(j.id),
         )
         for j in queued_jobs
     )
@@ -82,6 +90,9 @@ def take_snapshot(now: datetime) -> Snapshot:
     ran_before = run_seconds(
         [a.job_id for a in live_attempts if a.job.time_limit_s], now=now, live=False
     )
+    running_ids = [a.job_id for a in live_attempts]
+    restart = restart_costs(running_ids)
+    stops = recent_preemptions(running_ids, now=now)
     running = tuple(
         RunningView(
             id=a.job_id,
@@ -94,6 +105,9 @@ def take_snapshot(now: datetime) -> Snapshot:
             last_checkpoint_at=last_saves.get(a.job_id),
             stopping=a.state == Attempt.State.STOPPING,
             claimant_id=claimant_of.get(a.id) if a.state == Attempt.State.STOPPING else None,
+            protected_until=attempt_protected_until(a, restart[a.job_id]),
+            restart_s=restart[a.job_id],
+            preemptions=stops.get(a.job_id, 0),
         )
         for a in live_attempts
     )
@@ -104,6 +118,8 @@ def take_snapshot(now: datetime) -> Snapshot:
         teams=_teams(now),
         running=running,
         preempt_exempt_s=lockstep_setting("PREEMPT_EXEMPT_S"),
+        max_preemptions=lockstep_setting("PREEMPT_MAX_PER_DAY"),
+        reclaim_hold_s=lockstep_setting("RECLAIM_HOLD_S"),
         grow_after_s=lockstep_setting("ELASTIC_GROW_AFTER_S"),
     )
 

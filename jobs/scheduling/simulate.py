@@ -23,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 
 from jobs.scheduling.baselines import backfill, fifo
 from jobs.scheduling.policy import plan
+from jobs.scheduling.protection import DEFAULT_RESTART_S, min_run_s
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 from jobs.scheduling.trace import (
     SIZE_CLASSES,
@@ -68,6 +69,11 @@ class SimConfig:
     usage_half_life_s: float = 86400.0  # decay of TeamView.usage_history (LOCKSTEP setting)
     starve_factor: float = 10.0  # starved: waited more than this many times its duration
     max_preemptions: int = 100  # of one job: more means the policy is in a preemption loop
+    # What a restart costs a preempted job (start-up, restore), run again before its work
+    # resumes; first starts are not charged, so the baselines' results stay comparable.
+    restart_s: float = DEFAULT_RESTART_S
+    preempt_exempt_s: float = 600.0  # the least minimum run (LOCKSTEP PREEMPT_EXEMPT_S)
+    safety_stop: int = 5  # preemptions of one job in a day before no one may take it (live too)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,6 +95,7 @@ class _Run:
     attempt: int
     expected: float  # end by the runtime estimate (what the planner is told)
     stopping_at: float | None = None
+    warmup: float = 0.0  # restart cost of this attempt, before its work resumes
 
 
 @dataclass
@@ -167,6 +174,9 @@ class _Engine:
         self.wait = [0.0] * n
         self.attempt = [0] * n
         self.preempted = [0] * n
+        self.stopped_at: list[list[float]] = [[] for _ in range(n)]  # preemption stops per job
+        self.reclaimed_at: list[float | None] = [None] * n
+        self.safety_stops: set[int] = set()  # jobs whose preemption the safety stop refused
         self.reclaim_start: list[float | None] = [None] * n
 
         # Teams
@@ -214,7 +224,7 @@ class _Engine:
         # withdrawn: the claimant no longer waited at approval; executed: stop begun;
         # stopped: victims requeued (the rest finished within their grace period).
         self.preemptions = dict.fromkeys(
-            ("proposed", "duplicate", "withdrawn", "executed", "stopped"), 0
+            ("proposed", "duplicate", "refused", "withdrawn", "executed", "stopped"), 0
         )
         self.preemptions_by_kind: dict[str, int] = {}
         self.open_requests: dict[int, tuple[int, str]] = {}  # victim -> (claimant, kind)
@@ -317,6 +327,7 @@ class _Engine:
         i = jid - 1
         job = self.jobs[i]
         est = self.remaining[i] * self.factor[i]
+        reclaimed = self.reclaimed_at[i]
         self.queue[jid] = JobView(
             id=jid,
             team_id=self.job_team[i],
@@ -325,6 +336,7 @@ class _Engine:
             submitted_at=_at(job.submit_s),
             name=job.job_id,
             runtime_estimate_s=est,
+            reclaimed_at=None if reclaimed is None else _at(reclaimed),
         )
         self.queued_since[i] = t
         self.queued_gpus += job.gpus
@@ -414,6 +426,8 @@ class _Engine:
             queued=tuple(self.queue.values()),
             teams=teams,
             running=self.running_tuple,
+            preempt_exempt_s=self.cfg.preempt_exempt_s,
+            max_preemptions=self.cfg.safety_stop,
         )
 
     def _due_checkpoints(self, t: float) -> None:
@@ -423,11 +437,12 @@ class _Engine:
             run = self.running.get(jid)
             if run is None or run.attempt != attempt:
                 continue
-            while run.start + (k + 1) * interval <= t:  # several came due since the last pass
+            base = run.start + run.warmup
+            while base + (k + 1) * interval <= t:  # several came due since the last pass
                 k += 1
-            run.view = replace(run.view, last_checkpoint_at=_at(run.start + k * interval))
+            run.view = replace(run.view, last_checkpoint_at=_at(base + k * interval))
             self.running_dirty = True
-            nxt = run.start + (k + 1) * interval
+            nxt = base + (k + 1) * interval
             if nxt < run.end:
                 heapq.heappush(self.checkpoints, (nxt, jid, attempt, k + 1))
 
@@ -503,15 +518,21 @@ class _Engine:
             self.reclaim_start[i] = None
         else:
             self.unclocked[tid] -= 1
-        end = t + self.remaining[i]
-        expected = t + self.remaining[i] * self.factor[i]
         attempt = self.attempt[i]
+        cfg = self.cfg
+        warmup = cfg.restart_s if attempt > 0 else 0.0
+        end = t + warmup + self.remaining[i]
+        expected = t + warmup + self.remaining[i] * self.factor[i]
+        protect = min_run_s(cfg.checkpoint_interval_s, cfg.restart_s, cfg.preempt_exempt_s)
+        day_ago = t - 86400.0
+        recent = sum(1 for s in self.stopped_at[i] if s > day_ago)
         self.running[jid] = _Run(
             start=t,
             end=end,
             slots=slots,
             attempt=attempt,
             expected=expected,
+            warmup=warmup,
             view=RunningView(
                 id=jid,
                 team_id=tid,
@@ -520,13 +541,16 @@ class _Engine:
                 slots=tuple((self.node_ids[n], g) for n, g in slots),
                 started_at=_at(t),
                 expected_end=_at(expected),
+                protected_until=_at(t + protect),
+                restart_s=cfg.restart_s,
+                preemptions=recent,
             ),
         )
         self.running_dirty = True
         self._push(end, _COMPLETE, jid, attempt)
-        interval = self.cfg.checkpoint_interval_s
-        if interval > 0 and t + interval < end:
-            heapq.heappush(self.checkpoints, (t + interval, jid, attempt, 1))
+        interval = cfg.checkpoint_interval_s
+        if interval > 0 and t + warmup + interval < end:
+            heapq.heappush(self.checkpoints, (t + warmup + interval, jid, attempt, 1))
 
     def _release(self, run: _Run, jid: int) -> None:
         for n, g in run.slots:
@@ -560,6 +584,11 @@ class _Engine:
         run = self.running.get(jid)
         if run is None or jid in self.open_requests:
             self.preemptions["duplicate"] += 1
+            return
+        if run.view.preemptions >= self.cfg.safety_stop > 0:
+            # As the live action: refused, and an admin alert (counted) instead of a loop.
+            self.preemptions["refused"] += 1
+            self.safety_stops.add(jid)
             return
         kind = proposal.kind
         self.preemptions_by_kind[kind] = self.preemptions_by_kind.get(kind, 0) + 1
@@ -612,10 +641,12 @@ class _Engine:
         i = jid - 1
         interval = self.cfg.checkpoint_interval_s
         ran = t - run.start
+        worked = max(0.0, ran - run.warmup)  # the restart cost redoes no work
         if self.cfg.checkpoint_on_stop:
-            saved = ran
+            saved = worked
         elif interval > 0:
-            saved = math.floor(ran / interval + 1e-9) * interval  # float times: a save at t counts
+            # float times: a save at t counts
+            saved = math.floor(worked / interval + 1e-9) * interval
         else:
             saved = 0.0
         saved = min(saved, self.remaining[i])
@@ -623,6 +654,9 @@ class _Engine:
         self.remaining[i] -= saved
         self.attempt[i] += 1
         self.preempted[i] += 1
+        self.stopped_at[i].append(t)
+        if self.open_requests.get(jid, (None, None))[1] == PreemptionKind.RECLAIM:
+            self.reclaimed_at[i] = t
         if self.preempted[i] >= self.cfg.max_preemptions:
             raise SimulationError(
                 f"job {self.jobs[i].job_id} preempted {self.preempted[i]} times by t={t:.0f}: "
@@ -744,6 +778,8 @@ class _Engine:
             "reclaims_over_bound": sum(1 for r in all_reclaims if r > cfg.grace_s + 1e-6),
             "reclaims_total": len(all_reclaims),
             "preempted_gpu_hours": _r(self.lost_gpu_s / 3600),
+            "preemptions_per_job": self._preemptions_per_job(),
+            "safety_stops": len(self.safety_stops),
             "preemptions": {**self.preemptions, "by_kind": dict(self.preemptions_by_kind)},
             "starved": starved,
             "never_started": never_started,
@@ -764,6 +800,17 @@ class _Engine:
             "config": self._config_metrics(),
         }
 
+    def _preemptions_per_job(self) -> dict:
+        """How often one job was stopped: the thrash measure (issue 17)."""
+        counts = sorted(self.preempted)
+        hit = [c for c in counts if c]
+        return {
+            "max": counts[-1] if counts else 0,
+            "p99": _r(pct_sorted(counts, 99), 2),
+            "jobs_preempted": len(hit),
+            "mean_of_preempted": _r(_mean(hit), 2),
+        }
+
     def _config_metrics(self) -> dict:
         cfg = self.cfg
         return {
@@ -775,6 +822,9 @@ class _Engine:
             "reclaim_backoff_s": cfg.reclaim_backoff_s,
             "estimate_noise": cfg.estimate_noise,
             "starve_factor": cfg.starve_factor,
+            "restart_s": cfg.restart_s,
+            "preempt_exempt_s": cfg.preempt_exempt_s,
+            "safety_stop": cfg.safety_stop,
             "usage_half_life_s": cfg.usage_half_life_s,
         }
 

@@ -34,6 +34,9 @@ class JobView:
     # Nodes its executed preemptions are freeing (victims still stopping) or have just freed:
     # the GPUs there go to this job first (rule 5).
     claim_nodes: tuple[int, ...] = ()
+    # When a reclaim last stopped it: a job reclaimed within its protection is not restarted
+    # on borrowed GPUs while a guaranteed job of another team waits (it would be taken back).
+    reclaimed_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,11 @@ class RunningView:
     last_checkpoint_at: datetime | None = None
     stopping: bool = False  # already told to checkpoint and stop
     claimant_id: int | None = None  # stopping for this queued job (a preemption's claimant)
+    # Minimum run (jobs.scheduling.protection): before this no priority or starvation claim
+    # takes it, and reclaims take it only when no other victim will do. None: unprotected.
+    protected_until: datetime | None = None
+    restart_s: float = 0.0  # what a stop costs it besides lost work: start-up, restore
+    preemptions: int = 0  # stopped by preemptions within the safety window (a day)
 
 
 @dataclass(frozen=True)
@@ -75,10 +83,15 @@ class Snapshot:
     queued: tuple[JobView, ...]
     teams: tuple[TeamView, ...] = field(default=())
     running: tuple[RunningView, ...] = field(default=())
-    # A victim that started (or resumed) less than this long ago is taken only when no
-    # longer-running one will do: without it, a just-resumed job - little work at risk - is
-    # the cheapest victim again and again (Slurm's PreemptExemptTime, as a preference).
+    # The least protection a started job gets (RunningView.protected_until comes from its
+    # start-up cost and checkpoint interval, never below this; Slurm's PreemptExemptTime).
     preempt_exempt_s: float = 600.0
+    # The safety stop: a job preempted this many times within a day is not preempted again
+    # (an admin alert says so); a policy that would go on is in a preemption loop.
+    max_preemptions: int = 5
+    # A job a reclaim stopped does not borrow again within this while another team's
+    # guaranteed job waits (jobs.scheduling.protection, rule 2).
+    reclaim_hold_s: float = 3600.0
     # A shrunk elastic job grows back (rule 8) only after running this long at its smaller
     # size: each grow costs a checkpoint and a restart.
     grow_after_s: float = 600.0

@@ -4,6 +4,7 @@ team quotas, and the size classes results are reported by. Pure: no Django, no c
 from __future__ import annotations
 
 import csv
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,6 +26,16 @@ PRIORITY_NAMES = {
 }
 DEFAULT_PRIORITY = 1
 SIZE_CLASSES = ("1", "2-8", "16-64", ">64")
+# The real cluster traces (../shared/data/traces/README.md) lie beside every checkout's root,
+# wherever it was cloned; LOCKSTEP_TRACES points elsewhere.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def traces_dir() -> Path:
+    """Where the real traces are: $LOCKSTEP_TRACES, else ../shared/data/traces beside the
+    project root."""
+    env = os.environ.get("LOCKSTEP_TRACES")
+    return Path(env) if env else PROJECT_ROOT.parent / "shared" / "data" / "traces"
 
 
 def size_class(gpus: int) -> str:

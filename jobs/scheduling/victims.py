@@ -1,6 +1,7 @@
 """Scheduling rules 4-5, whom to stop for a blocked job: reclaims of lent GPUs, priority
 preemptions and starvation claims, each choosing the cheapest victims (lowest priority, then
-not just (re)started, then least work lost since their last checkpoint), node by node."""
+past their minimum run, then least work lost since their last checkpoint), node by node, within
+the limits of jobs.scheduling.protection."""
 
 from __future__ import annotations
 
@@ -11,26 +12,20 @@ from datetime import datetime
 
 from jobs.scheduling.order import fair_share
 from jobs.scheduling.placement import place, release
+from jobs.scheduling.protection import at_safety_stop, is_protected, pays, work_at_risk_s
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, TeamView
 from jobs.scheduling.vocab import PreemptionKind
 
 MayTake = Callable[[RunningView, list[RunningView]], bool]
 
 
-def _work_at_risk(run: RunningView, now) -> float:
-    """Seconds of work a stop now would throw away: since the last checkpoint, or since this
-    attempt started if it resumed from an older one (nothing before the resume is at risk)."""
-    since = max(run.last_checkpoint_at or run.started_at, run.started_at)
-    return (now - since).total_seconds()
-
-
-def victim_order(now, exempt_s: float):
-    """Lowest priority first; then victims past their exempt time before those that just
-    (re)started; then least work at risk; then the most recently started."""
+def victim_order(now, floor_s: float):
+    """Lowest priority first; then victims past their minimum run before protected ones (only
+    reclaims take those); then least work at risk; then the most recently started."""
 
     def key(run: RunningView):
-        fresh = (now - run.started_at).total_seconds() < exempt_s
-        return (run.priority, fresh, _work_at_risk(run, now), -run.started_at.timestamp())
+        fresh = is_protected(run, now, floor_s)
+        return (run.priority, fresh, work_at_risk_s(run, now), -run.started_at.timestamp())
 
     return key
 
@@ -69,13 +64,21 @@ class Victims:
     # never reach a team's guarantee.
     lent: dict[int, int]
     now: datetime
-    exempt_s: float  # Snapshot.preempt_exempt_s
+    exempt_s: float  # Snapshot.preempt_exempt_s: the least protection of a started job
+    max_preemptions: int = 0  # Snapshot.max_preemptions: the safety stop (0: none)
 
     def __post_init__(self) -> None:
         self.order = victim_order(self.now, self.exempt_s)
         # Sorted once per pass: every claim filters this list instead of sorting the running
-        # jobs again (135 claims of one 10,000-job pass spent 0.25 s in the sort keys).
-        self.running = sorted(self.running, key=self.order)
+        # jobs again (135 claims of one 10,000-job pass spent 0.25 s in the sort keys). Jobs
+        # at the safety stop are no one's victims.
+        self.running = sorted(
+            (r for r in self.running if not at_safety_stop(r, self.max_preemptions)),
+            key=self.order,
+        )
+
+    def protected(self, run: RunningView) -> bool:
+        return is_protected(run, self.now, self.exempt_s)
 
     def find(
         self,
@@ -197,19 +200,21 @@ class Victims:
         """Victims for a blocked job on `nodes`: a reclaim if it is within its team's quota
         (`guaranteed`), else (where `allow_priority`) a priority preemption of strictly
         lower-priority work. (victims, placement, kind) or None. A reclaim counts what it
-        takes in `lent`."""
+        takes in `lent`. A priority preemption takes no protected victim, nothing another
+        team holds within its quota, and only victims whose stop pays (protection.pays)."""
         lent, used, teams, taken = self.lent, self.used, self.teams, self.taken
-        if guaranteed:
 
-            def lendable(victim: RunningView, chosen: list[RunningView]) -> int | None:
-                """GPUs the victim's team still holds beyond its quota, None if it may not lose
-                this victim at all."""
-                owner = teams.get(victim.team_id)
-                if owner is None or victim.team_id == team.id:
-                    return None
-                # Its GPUs already stopping or reclaimed, these chosen victims included.
-                gone = lent.get(owner.id, 0) + sum(v.gpus for v in chosen if v.team_id == owner.id)
-                return used[owner.id] - gone - owner.quota
+        def lendable(victim: RunningView, chosen: list[RunningView]) -> int | None:
+            """GPUs the victim's team still holds beyond its quota, None if it may not lose
+            this victim at all."""
+            owner = teams.get(victim.team_id)
+            if owner is None or victim.team_id == team.id:
+                return None
+            # Its GPUs already stopping or reclaimed, these chosen victims included.
+            gone = lent.get(owner.id, 0) + sum(v.gpus for v in chosen if v.team_id == owner.id)
+            return used[owner.id] - gone - owner.quota
+
+        if guaranteed:
 
             def wholly_borrowed(victim: RunningView, chosen: list[RunningView]) -> bool:
                 spare = lendable(victim, chosen)
@@ -242,15 +247,32 @@ class Victims:
                 return (*found, PreemptionKind.RECLAIM)
         if not allow_priority:
             return None
-        lower = [r for r in self.running if r.id not in taken and r.priority < job.priority]
-        found = self.find(job, lower, nodes, lambda victim, chosen: True)
-        return (*found, PreemptionKind.PRIORITY) if found else None
+        # Past their minimum run only. For a claimant that would borrow, of another team only
+        # its borrowed work (DESIGN: a team's jobs within its quota are never preempted for
+        # another team's borrowing; a victim taken below its quota would come back as a
+        # reclaim of the claimant's borrowed GPUs: a loop).
+        lower = [
+            r
+            for r in self.running
+            if r.id not in taken and r.priority < job.priority and not self.protected(r)
+        ]
+
+        def own_or_borrowed(victim: RunningView, chosen: list[RunningView]) -> bool:
+            if guaranteed or victim.team_id == team.id:
+                return True
+            spare = lendable(victim, chosen)
+            return spare is not None and spare >= victim.gpus
+
+        found = self.find(job, lower, nodes, own_or_borrowed)
+        if found is None or not pays(job.gpus, found[0], self.now):
+            return None
+        return (*found, PreemptionKind.PRIORITY)
 
     def starvation(
         self, job: JobView, team: TeamView, nodes: list[NodeView]
     ) -> tuple[list[RunningView], list] | None:
         """Victims for a starving job (rule 4) on `nodes` and its placement, or None. A victim
-        is not taken, has no higher priority than the job, ran past its exempt time (no
+        is not taken, has no higher priority than the job, ran past its minimum run (no
         stop-restart chains), is expected to run on after the job would end (else waiting is
         cheaper), and runs on `nodes`. It belongs to the job's team, which stays at or above
         its quota (its own queued work must not become guaranteed and reclaim from others), or
@@ -266,7 +288,7 @@ class Victims:
             return (
                 run.id not in taken
                 and run.priority <= job.priority
-                and (now - run.started_at).total_seconds() >= self.exempt_s
+                and not self.protected(run)
                 and (end is None or run.expected_end is None or run.expected_end.timestamp() > end)
                 and any(node_id in usable for node_id, _ in run.slots)
             )
@@ -279,7 +301,7 @@ class Victims:
             return used[owner.id] - gone - victim.gpus >= owner.quota
 
         found = self.find(job, [r for r in self.running if candidate(r)], nodes, may_take)
-        if found is None:
+        if found is None or not pays(job.gpus, found[0], now):
             return None
         self._lend(found[0])
         return found

@@ -169,6 +169,11 @@ _TEXTS = {
     "reserved": _reserved,
     "reserved_starving": _reserved_starving,
     "behind_reservation": _behind_reservation,
+    "reclaim_risk": lambda data: (
+        f"a reclaim stopped it lately; it does not borrow beyond team {data['team']}'s quota "
+        f"({data['quota']} GPUs) while {', '.join(data['teams'])} wait(s) within their quota, "
+        "who would take the GPUs back at once"
+    ),
     "rejected": lambda data: f"placement rejected ({data['why']}); retrying next pass",
 }
 
@@ -193,6 +198,8 @@ class WaitReason:
       {gpus, stretch, nodes: names, beside: the reservation holder's job id, ahead}
     - behind_reservation: {gpus, free: GPUs free outside the reservations, job: the
       reservation holder, others: bool (starving jobs hold more), ahead}
+    - reclaim_risk: reclaimed lately, it would borrow while other teams' guaranteed jobs
+      wait (jobs.scheduling.protection, rule 2): {team: name, quota, teams: names waiting}
     - rejected: the applier refused its placement: {why}
     """
 
