@@ -33,6 +33,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lockstep agent",
@@ -93,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--leave-timeout-s",
-        type=float,
-        default=float(os.environ.get("LOCKSTEP_AGENT_LEAVE_TIMEOUT_S", "30")),
+        type=_non_negative_float,
+        default=os.environ.get("LOCKSTEP_AGENT_LEAVE_TIMEOUT_S", "30"),
         help="on the first SIGTERM/SIGINT (a planned restart), how long to wait for the "
         "workers to checkpoint and exit before killing them (default: "
         "$LOCKSTEP_AGENT_LEAVE_TIMEOUT_S or 30); a second signal kills them at once",
