@@ -122,6 +122,9 @@ class Agent:
         self._leave = threading.Event()
         self._leave_deadline: float | None = None
         self._leave_told = False
+        # The portal did not answer the last try at all (it is gone too, e.g. `make up` stopping
+        # everything): once the workers are gone there is no one to wait for.
+        self._portal_gone = False
         self._failed_beats = 0
         self._last_register_error = ""
         self._backoff = 1.0
@@ -256,8 +259,10 @@ class Agent:
                 timeout=min(self.http_timeout_s, max(remaining, 1.0)),
             )
         except requests.RequestException as exc:
+            self._portal_gone = isinstance(exc, requests.ConnectionError)
             self.log.warning("could not tell the portal this node is leaving: %s", _short(exc))
             return False
+        self._portal_gone = False
         if resp.status_code != 200:
             self.log.warning(
                 "the portal did not take this node's leaving: HTTP %s %r",
@@ -369,11 +374,11 @@ class Agent:
         their exits (or it never had the portal's ear), or the deadline passed. Past the
         deadline it kills what is left and reports that once more, best effort."""
         ids = self.supervisor.attempt_ids()
-        reported = self.node_token is None or self._leave_told
-        if reported and all(
-            self.supervisor.all_exited(a)
-            and (self.node_token is None or self._tracked[a].exit_reported)
-            for a in ids
+        if self.node_token is None or self._portal_gone:
+            if all(self.supervisor.all_exited(a) for a in ids):
+                return True
+        elif self._leave_told and all(
+            self.supervisor.all_exited(a) and self._tracked[a].exit_reported for a in ids
         ):
             return True
         if self._leave_deadline is None or now < self._leave_deadline:
