@@ -1,11 +1,11 @@
-"""Agent endpoints: register and heartbeat. Only agent tokens work here, and user tokens
-do not: the cluster agent token registers a node, the node token it gets back is bound to that
-node and valid on the heartbeat endpoint only."""
+"""Agent endpoints: register, heartbeat and leaving. Only agent tokens work here, and user
+tokens do not: the cluster agent token registers a node, the node token it gets back is bound
+to that node and valid on the heartbeat and leaving endpoints only."""
 
 import hmac
 
 from django.utils import timezone
-from drf_spectacular.utils import extend_schema_field
+from drf_spectacular.utils import extend_schema, extend_schema_field
 from rest_framework import serializers, status
 from rest_framework.exceptions import Throttled
 from rest_framework.permissions import AllowAny
@@ -140,6 +140,14 @@ class HeartbeatSerializer(serializers.Serializer):
         return value
 
 
+class LeavingSerializer(serializers.Serializer):
+    """An agent stopping on purpose (docs/agent-protocol.md, Leaving)."""
+
+    boot_id = serializers.CharField(max_length=64, allow_blank=True, required=False, default="")
+    reason = serializers.CharField(max_length=200, required=False, default="agent stopping")
+    grace_s = serializers.FloatField(min_value=0, max_value=86400, required=False, default=None)
+
+
 class AgentRegisterView(APIView):
     authentication_classes: list = []
     permission_classes = [AllowAny]
@@ -160,24 +168,57 @@ class AgentRegisterView(APIView):
         )
 
 
+def _node_of(request) -> Node | Response:
+    """The node whose token the request bears, or the 401 to answer."""
+    address = client_address(request)
+    if (wait := retry_after(address)) is not None:
+        raise Throttled(wait, detail="Too many failed authentications.")
+    raw = _bearer(request)
+    node = Node.objects.filter(token_digest=token_digest(raw)).first() if raw else None
+    if node is None:
+        record_failure(address)
+        return Response(
+            {"detail": "Unknown node token; register again."},
+            status=status.HTTP_401_UNAUTHORIZED,
+        )
+    return node
+
+
 class AgentHeartbeatView(APIView):
     authentication_classes: list = []
     permission_classes = [AllowAny]
 
     def post(self, request):
-        address = client_address(request)
-        if (wait := retry_after(address)) is not None:
-            raise Throttled(wait, detail="Too many failed authentications.")
-        raw = _bearer(request)
-        node = Node.objects.filter(token_digest=token_digest(raw)).first() if raw else None
-        if node is None:
-            record_failure(address)
-            return Response(
-                {"detail": "Unknown node token; register again."},
-                status=status.HTTP_401_UNAUTHORIZED,
-            )
+        node = _node_of(request)
+        if isinstance(node, Response):
+            return node
         body = HeartbeatSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         if body.validated_data["boot_id"] != node.boot_id:
             return Response({"detail": "stale boot"}, status=status.HTTP_409_CONFLICT)
         return Response(actions.do_heartbeat(node, body.validated_data, now=timezone.now()))
+
+
+class AgentLeavingView(APIView):
+    """The agent is stopping on purpose (SIGTERM, SIGINT): a planned restart, not a failure
+    (actions.do_node_leaving)."""
+
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+
+    @extend_schema(request=LeavingSerializer)
+    def post(self, request):
+        node = _node_of(request)
+        if isinstance(node, Response):
+            return node
+        body = LeavingSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        if body.validated_data["boot_id"] != node.boot_id:
+            return Response({"detail": "stale boot"}, status=status.HTTP_409_CONFLICT)
+        stopping = actions.do_node_leaving(
+            node,
+            reason=body.validated_data["reason"],
+            grace_s=body.validated_data["grace_s"],
+            now=timezone.now(),
+        )
+        return Response({"stopping": stopping})

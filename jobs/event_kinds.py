@@ -42,6 +42,7 @@ class EventKind(StrEnum):
     # Nodes: a cordon or drain by an admin is "node.<its new state>"
     NODE_REGISTERED = "node.registered"
     NODE_REREGISTERED = "node.reregistered"
+    NODE_LEAVING = "node.leaving"
     NODE_UP = "node.up"
     NODE_DOWN = "node.down"
     NODE_CORDONED = "node.cordoned"

@@ -32,6 +32,10 @@ class Node(models.Model):
     telemetry = models.JSONField(default=list, blank=True)
     # When the telemetry was last kept as GpuSample rows (every GPU_SAMPLE_S, not every beat).
     telemetry_sampled_at = models.DateTimeField(null=True, blank=True)
+    # Set when the node's current agent process said it is leaving (a planned restart: SIGTERM
+    # for an upgrade, Ctrl-C); cleared when an agent registers with a new boot. Its return is
+    # then no crash: no strike, and its checkpoint-stopped attempts were requeued, not lost.
+    leaving_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["name"]

@@ -30,10 +30,14 @@ logger = logging.getLogger("nodeagent")
 
 REGISTER_PATH = "/api/v1/agent/register/"
 HEARTBEAT_PATH = "/api/v1/agent/heartbeat/"
+LEAVING_PATH = "/api/v1/agent/leaving/"
 HTTP_TIMEOUT_S = 10.0
 POLL_INTERVAL_S = 0.25  # how often workers are reaped and deadlines checked between beats
 MAX_REGISTER_BACKOFF_S = 30.0
 DEFAULT_STOP_DEADLINE_S = 30.0
+# How long a stopping agent (first SIGTERM/SIGINT) waits for its workers to checkpoint and exit
+# and for the portal to hear of it, before it kills what is left and exits.
+DEFAULT_LEAVE_TIMEOUT_S = 30.0
 
 
 class AgentFatal(Exception):
@@ -84,6 +88,7 @@ class Agent:
         gpu_kind: str = "auto",
         http_timeout_s: float = HTTP_TIMEOUT_S,
         warm_start: bool = False,
+        leave_timeout_s: float = DEFAULT_LEAVE_TIMEOUT_S,
     ) -> None:
         if gpus < 1:
             raise ValueError("gpus must be at least 1")
@@ -95,6 +100,7 @@ class Agent:
         self.address = address
         self.heartbeat_s = heartbeat_s
         self.http_timeout_s = http_timeout_s
+        self.leave_timeout_s = max(0.0, leave_timeout_s)
         self.boot_id = uuid.uuid4().hex
         self.killed_orphans = 0
         self.node_id: int | None = None
@@ -111,6 +117,14 @@ class Agent:
         self._finished: set[int] = set()
         self._stop = threading.Event()
         self._stop_signal: int | None = None
+        # A planned stop (the first SIGTERM/SIGINT): workers checkpoint and stop, the portal is
+        # told the node is leaving, and the loop ends once that is done or the deadline passed.
+        self._leave = threading.Event()
+        self._leave_deadline: float | None = None
+        self._leave_told = False
+        # The portal did not answer the last try at all (it is gone too, e.g. `make up` stopping
+        # everything): once the workers are gone there is no one to wait for.
+        self._portal_gone = False
         self._failed_beats = 0
         self._last_register_error = ""
         self._backoff = 1.0
@@ -221,6 +235,46 @@ class Agent:
         self.apply(data)
         return True
 
+    def tell_leaving(self) -> bool:
+        """Tell the portal this agent is stopping on purpose (a planned restart): it
+        checkpoint-stops the node's attempts and requeues their jobs without counting a
+        failure. True once the portal has it (or refused it: retrying would not help)."""
+        if self.node_token is None:
+            return False
+        remaining = (
+            max(0.0, self._leave_deadline - time.monotonic())
+            if self._leave_deadline is not None
+            else self.leave_timeout_s
+        )
+        why = (
+            signal.Signals(self._stop_signal).name
+            if self._stop_signal is not None
+            else "stop requested"
+        )
+        try:
+            resp = self._http.post(
+                self.portal + LEAVING_PATH,
+                json={"boot_id": self.boot_id, "reason": why, "grace_s": round(remaining, 1)},
+                headers=_bearer(self.node_token),
+                timeout=min(self.http_timeout_s, max(remaining, 1.0)),
+            )
+        except requests.RequestException as exc:
+            self._portal_gone = isinstance(exc, requests.ConnectionError)
+            self.log.warning("could not tell the portal this node is leaving: %s", _short(exc))
+            return False
+        self._portal_gone = False
+        if resp.status_code != 200:
+            self.log.warning(
+                "the portal did not take this node's leaving: HTTP %s %r",
+                resp.status_code,
+                resp.text[:200],
+            )
+            # A refusal (an unknown token or boot, a portal without this call) is final;
+            # only a server error or a timeout is worth another try.
+            return 400 <= resp.status_code < 500 and resp.status_code not in (408, 429)
+        self.log.info("told the portal this node is leaving (a planned restart, %s)", why)
+        return True
+
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -243,6 +297,12 @@ class Agent:
             while not self._stop.is_set():
                 self.supervisor.poll()
                 now = time.monotonic()
+                if self._leave.is_set():
+                    if self._leave_deadline is None:
+                        self._begin_leave(now)
+                        next_exchange = now
+                    if self._left(now):
+                        break
                 if now >= next_exchange:
                     try:
                         next_exchange = self._exchange(now)
@@ -271,7 +331,16 @@ class Agent:
         return status
 
     def _exchange(self, now: float) -> float:
-        """Register or heartbeat, whichever is due; returns when the next exchange is due."""
+        """Register or heartbeat, whichever is due; returns when the next exchange is due.
+        While leaving: say so first (until the portal has it), and never register."""
+        if self._leave.is_set():
+            if self.node_token is None:
+                return now + self.heartbeat_s
+            if not self._leave_told:
+                self._leave_told = self.tell_leaving()
+            if self.node_token is not None:
+                self.heartbeat()
+            return now + min(self.heartbeat_s, 0.5)
         if self.node_token is not None:
             self.heartbeat()
             return now + self.heartbeat_s
@@ -287,6 +356,49 @@ class Agent:
         self._backoff = min(MAX_REGISTER_BACKOFF_S, self._backoff * 2)
         return retry_at
 
+    def _begin_leave(self, now: float) -> None:
+        self._leave_deadline = now + self.leave_timeout_s
+        ids = self.supervisor.attempt_ids()
+        for attempt_id in ids:
+            # Checkpoint-and-stop, as for a preemption; survivors get SIGKILL at the deadline.
+            self.supervisor.stop(attempt_id, self.leave_timeout_s)
+        self.log.info(
+            "leaving (planned restart): checkpoint-and-stop sent to attempt(s) %s; waiting up "
+            "to %.0f s for them to exit (a second signal kills them now)",
+            ids,
+            self.leave_timeout_s,
+        )
+
+    def _left(self, now: float) -> bool:
+        """True when a leaving agent may exit: its workers are gone and the portal heard of
+        their exits (or it never had the portal's ear), or the deadline passed. Past the
+        deadline it kills what is left and reports that once more, best effort."""
+        ids = self.supervisor.attempt_ids()
+        if self.node_token is None or self._portal_gone:
+            if all(self.supervisor.all_exited(a) for a in ids):
+                return True
+        elif self._leave_told and all(
+            self.supervisor.all_exited(a) and self._tracked[a].exit_reported for a in ids
+        ):
+            return True
+        if self._leave_deadline is None or now < self._leave_deadline:
+            return False
+        if self.supervisor.kill_all():
+            for attempt_id in ids:
+                self.supervisor.wait(attempt_id, 2.0)
+        if self.node_token is not None:
+            if not self._leave_told:
+                self._leave_told = self.tell_leaving()
+            self.heartbeat()
+        self.log.warning("leave deadline passed; exiting")
+        return True
+
+    def request_leave(self, signum: int | None = None) -> None:
+        """A planned stop: checkpoint-and-stop the workers, tell the portal the node is
+        leaving, wait up to `leave_timeout_s` for them, then return from `run()`."""
+        self._stop_signal = signum
+        self._leave.set()
+
     def request_stop(self, signum: int | None = None) -> None:
         """Ask `run()` to return after its current exchange (at most one HTTP timeout)."""
         if self._stop.is_set() and signum is not None:
@@ -296,9 +408,20 @@ class Agent:
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT stop the agent, killing its workers. Main thread only."""
+        """The first SIGTERM/SIGINT is a planned stop (`request_leave`: workers checkpoint
+        and stop, the portal requeues their jobs without counting a failure); a second one
+        stops at once, killing the workers. Main thread only."""
+
+        def handle(signum: int, _frame: Any) -> None:
+            if self._leave.is_set() or self._stop.is_set():
+                self.supervisor.kill_all()
+                self._stop_signal = signum
+                self._stop.set()
+            else:
+                self.request_leave(signum)
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, _frame: self.request_stop(signum))
+            signal.signal(sig, handle)
 
     # -- heartbeat contents and response -------------------------------------------------------
 
@@ -401,6 +524,9 @@ class Agent:
 
         for attempt_id, launch in run.items():
             if attempt_id in self.supervisor:
+                continue
+            if self._leave.is_set():
+                self.log.info("attempt %s: not started, this agent is leaving", attempt_id)
                 continue
             if attempt_id in self._finished:
                 self.log.error(

@@ -33,6 +33,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lockstep agent",
@@ -91,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="start every worker as a fresh interpreter instead of forking it from a process "
         "that has torch imported already (warm start, the default; see nodeagent/zygote.py)",
     )
+    parser.add_argument(
+        "--leave-timeout-s",
+        type=_non_negative_float,
+        default=os.environ.get("LOCKSTEP_AGENT_LEAVE_TIMEOUT_S", "30"),
+        help="on the first SIGTERM/SIGINT (a planned restart), how long to wait for the "
+        "workers to checkpoint and exit before killing them (default: "
+        "$LOCKSTEP_AGENT_LEAVE_TIMEOUT_S or 30); a second signal kills them at once",
+    )
     return parser
 
 
@@ -119,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         heartbeat_s=args.heartbeat_s,
         gpu_kind=args.gpu_kind,
         warm_start=not args.cold_start,
+        leave_timeout_s=args.leave_timeout_s,
     )
     agent.install_signal_handlers()
     return agent.run()

@@ -4,7 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from jobs.agent_api import AgentHeartbeatView, AgentRegisterView
+from jobs.agent_api import AgentHeartbeatView, AgentLeavingView, AgentRegisterView
 from jobs.api import JobViewSet, ModelVersionViewSet, NodeViewSet
 from jobs.plan_api import PlanView
 from jobs.preemption_api import PreemptionViewSet
@@ -49,6 +49,7 @@ urlpatterns = [
     path("vendor/plotly.min.js", plotly_js, name="plotly_js"),
     path("api/v1/agent/register/", AgentRegisterView.as_view(), name="agent-register"),
     path("api/v1/agent/heartbeat/", AgentHeartbeatView.as_view(), name="agent-heartbeat"),
+    path("api/v1/agent/leaving/", AgentLeavingView.as_view(), name="agent-leaving"),
     path("api/v1/plan/", PlanView.as_view(), name="plan"),
     path("api/v1/", include(router.urls)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

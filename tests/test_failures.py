@@ -517,3 +517,87 @@ def test_the_suggested_interval_is_never_below_10_s_nor_20_save_stalls(setup, se
         advice = checkpoint_advice(job)
         # Young/Daly alone would say sqrt(2 x stall x 60 s): 4.2 s and 15.5 s.
         assert advice["young_daly_s"] == expected and advice["interval_s"] == expected
+
+
+@pytest.mark.django_db
+def test_a_planned_restart_requeues_the_gang_without_a_strike_or_a_restart(setup):
+    """An agent that says it is leaving (SIGTERM: an upgrade, Ctrl-C): its node takes no new
+    work, the whole gang (both nodes) checkpoints and stops, the job is requeued with its
+    restart count unchanged, no node gets a strike, and when the agent registers again with a
+    new boot the node is schedulable and the job resumes from its checkpoint."""
+    job, attempt, a, b, root = _run(setup, max_restarts=2)
+    beat(a, attempt, {0: None, 1: None}, records=[*_steps(1, 20), commit_checkpoint(root, job, 20)])
+    stopping = actions.do_node_leaving(a, reason="SIGTERM", grace_s=15, now=timezone.now())
+    assert stopping == [attempt.id]
+    a.refresh_from_db()
+    attempt.refresh_from_db()
+    job.refresh_from_db()
+    assert (a.state, attempt.state, job.state) == ("down", "stopping", "PREEMPTING")
+    assert a.leaving_at is not None and "planned" in a.state_reason
+    assert (attempt.stop_deadline - timezone.now()).total_seconds() <= 15
+    # The rest of the gang, on b, is told to stop too.
+    assert [d["action"] for d in queries.desired_for_node(b, timezone.now())] == ["stop"]
+    # The leaving agent keeps reporting while its workers checkpoint; it stays down.
+    beat(a, attempt, {0: 0, 1: 0})
+    a.refresh_from_db()
+    assert a.state == "down"
+    beat(b, attempt, {2: 0, 3: 0})
+    attempt.refresh_from_db()
+    job.refresh_from_db()
+    assert attempt.state == "preempted"
+    assert job.state == "QUEUED" and job.reason.startswith("requeued: planned restart of node-0")
+    assert job.restart_count == 0
+    run_pass()
+    assert not Attempt.objects.filter(job=job, ended_at__isnull=True).exists()  # a is down
+    # The agent comes back with a new boot: no crash, no strike; the node takes work again.
+    a, _ = actions.do_register_node(
+        name=a.name, gpus=2, address="127.0.0.1", boot_id="upgraded", now=timezone.now()
+    )
+    assert (a.state, a.leaving_at) == ("up", None)
+    run_pass()
+    second = live_attempt(job)
+    job.refresh_from_db()
+    assert second.number == 2 and second.resumed_from_step == 20
+    assert job.restart_count == 0
+    assert not Event.objects.filter(kind="node.strike").exists()
+    assert Event.objects.filter(node=a, kind="node.leaving").count() == 1
+    assert Event.objects.get(node=a, kind="node.reregistered").data["planned"] is True
+
+
+@pytest.mark.django_db
+def test_an_agent_back_from_a_planned_restart_ends_what_it_left_open_without_a_strike(setup):
+    """The leaving agent's last report never arrived (it gave up waiting, or was killed after
+    saying it was leaving): when it registers again the attempt ends as stopped, not lost."""
+    job, attempt, a, b, _ = _run(setup)
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 3))
+    actions.do_node_leaving(a, reason="SIGINT", now=timezone.now())
+    a, _ = actions.do_register_node(
+        name=a.name, gpus=2, address="127.0.0.1", boot_id="again", now=timezone.now()
+    )
+    attempt.refresh_from_db()
+    job.refresh_from_db()
+    assert attempt.state == "preempted" and job.state == "QUEUED" and job.restart_count == 0
+    assert a.state == "up"
+    assert not Event.objects.filter(kind="node.strike").exists()
+    # Without the word first, a new boot is a crash the node may have caused: a strike.
+    run_pass()
+    attempt = live_attempt(job)
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 3))
+    actions.do_register_node(
+        name=a.name, gpus=2, address="127.0.0.1", boot_id="crashed", now=timezone.now()
+    )
+    attempt.refresh_from_db()
+    assert attempt.state == "lost"
+    assert Event.objects.filter(node=a, kind="node.strike").count() == 1
+
+
+@pytest.mark.django_db
+def test_a_cordoned_node_that_restarts_as_planned_stays_cordoned(setup, make_user):
+    team, user, (a, b), _ = setup
+    admin = make_user("root", staff=True)
+    actions.do_cordon_node(a, actor=admin, reason="maintenance", now=timezone.now())
+    actions.do_node_leaving(a, reason="SIGTERM", now=timezone.now())
+    a, _ = actions.do_register_node(
+        name=a.name, gpus=2, address="127.0.0.1", boot_id="next", now=timezone.now()
+    )
+    assert (a.state, a.state_reason) == ("cordoned", "maintenance")

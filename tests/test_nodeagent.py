@@ -446,6 +446,7 @@ class PortalPeer:
         self.invalid: list[dict[str, Any]] = []
         self.node_token: str | None = None
         self.boot_id: str | None = None
+        self.leaving: list[dict[str, Any]] = []  # bodies of "this node is leaving" calls
         self.fail_first_beat_with_records = False
         peer = self
 
@@ -483,6 +484,17 @@ class PortalPeer:
                     "node_token": self.node_token,
                     "heartbeat_s": self.heartbeat_s,
                 }
+            if path == "/api/v1/agent/leaving/":
+                if token != self.node_token:
+                    return 401, {"detail": "unknown node token"}
+                from jobs.agent_api import LeavingSerializer
+
+                checked = LeavingSerializer(data=body)
+                if not checked.is_valid():
+                    self.invalid.append(checked.errors)
+                    return 400, checked.errors
+                self.leaving.append(body)
+                return 200, {"stopping": []}
             if path == "/api/v1/agent/heartbeat/":
                 if token != self.node_token:
                     return 401, {"detail": "unknown node token"}
@@ -830,8 +842,7 @@ def test_cli_rejects_zero_gpus(clean_env, tmp_path):
     assert "--gpus" in proc.stderr
 
 
-def test_cli_agent_kills_its_workers_and_exits_0_on_sigterm(portal, clean_env, tmp_path):
-    portal.set_desired([run_item(71, launch_spec(SLEEPER, one_rank()))])
+def _cli_agent(portal, clean_env, tmp_path, name, *extra):
     stderr_path = tmp_path / "agent.stderr"
     with open(stderr_path, "w") as stderr:
         agent = subprocess.Popen(
@@ -846,28 +857,91 @@ def test_cli_agent_kills_its_workers_and_exits_0_on_sigterm(portal, clean_env, t
                 "--gpus",
                 "1",
                 "--name",
-                "node-cli",
+                name,
                 "--gpu-kind",
                 "cpu",
+                *extra,
             ],
             cwd=tmp_path,
             env=_agent_env(clean_env),
             stderr=stderr,
             stdout=subprocess.DEVNULL,
         )
+    return agent, stderr_path
+
+
+def test_cli_agent_on_sigterm_stops_its_workers_says_it_is_leaving_and_exits_0(
+    portal, clean_env, tmp_path
+):
+    """A planned stop: the workers get the checkpoint-and-stop signal (SIGTERM), the portal
+    hears the node is leaving and then the workers' exits, and the agent exits 0."""
+    portal.set_desired([run_item(71, launch_spec(TRAPS_SIGTERM, one_rank()))])
+    agent, stderr_path = _cli_agent(portal, clean_env, tmp_path, "node-cli")
     try:
         metrics = tmp_path / "var/agents/node-cli/attempt-71/rank-0.metrics.jsonl"
-        worker_pid, child_pid = read_pids(metrics)
+        wait_until(Path(str(metrics) + ".ready").exists, what="the worker's SIGTERM handler")
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=20) == 0
     finally:
         if agent.poll() is None:
             agent.kill()
-    wait_until(lambda: not process_alive(worker_pid), what="the worker to die")
-    wait_until(lambda: not process_alive(child_pid), what="the worker's child to die")
+    # It checkpointed (its SIGTERM handler ran) and exited 0, and the portal heard both.
+    assert Path(str(metrics) + ".checkpointed").read_text() == "step 12"
+    (leaving,) = portal.leaving
+    assert leaving["reason"] == "SIGTERM" and leaving["boot_id"] == portal.boot_id
+    assert 0 < leaving["grace_s"] <= 30
+    exits = [a["ranks"][0] for a in portal.attempt_in_beats(71) if a["ranks"][0]["exit_code"] == 0]
+    assert exits and exits[0]["state"] == "exited"
     log = stderr_path.read_text()
     assert "[node-cli]" in log
-    assert "agent stopping (SIGTERM): killed 1 worker(s); exiting with 0" in log
+    assert "told the portal this node is leaving" in log
+    assert "agent stopping (SIGTERM): killed 0 worker(s); exiting with 0" in log
+
+
+def test_cli_agent_second_signal_kills_its_workers_at_once(portal, clean_env, tmp_path):
+    portal.set_desired([run_item(72, launch_spec(IGNORES_SIGTERM, one_rank()))])
+    agent, stderr_path = _cli_agent(
+        portal, clean_env, tmp_path, "node-cli2", "--leave-timeout-s", "120"
+    )
+    try:
+        metrics = tmp_path / "var/agents/node-cli2/attempt-72/rank-0.metrics.jsonl"
+        wait_until(Path(str(metrics) + ".ready").exists, what="the worker's SIGTERM handler")
+        agent.send_signal(signal.SIGINT)
+        wait_until(lambda: portal.leaving, what="the agent to say it is leaving")
+        time.sleep(0.5)
+        assert agent.poll() is None  # waiting for a worker that ignores SIGTERM
+        started = time.monotonic()
+        agent.send_signal(signal.SIGINT)
+        assert agent.wait(timeout=20) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert "exiting with 0" in stderr_path.read_text()
+    (pids,) = [a["ranks"][0]["pid"] for a in portal.attempt_in_beats(72)][:1]
+    assert not process_alive(pids)
+
+
+def test_cli_agent_leave_deadline_kills_a_worker_that_ignores_the_stop(portal, clean_env, tmp_path):
+    portal.set_desired([run_item(73, launch_spec(IGNORES_SIGTERM, one_rank()))])
+    agent, stderr_path = _cli_agent(
+        portal, clean_env, tmp_path, "node-cli3", "--leave-timeout-s", "2"
+    )
+    try:
+        metrics = tmp_path / "var/agents/node-cli3/attempt-73/rank-0.metrics.jsonl"
+        wait_until(Path(str(metrics) + ".ready").exists, what="the worker's SIGTERM handler")
+        started = time.monotonic()
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=20) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert portal.leaving
+    # The kill at the deadline is reported before the agent goes.
+    killed = [a["ranks"][0] for a in portal.attempt_in_beats(73) if a["ranks"][0]["exit_code"]]
+    assert killed and killed[-1]["exit_code"] == -signal.SIGKILL
+    assert "exiting with 0" in stderr_path.read_text()
 
 
 def test_cli_agent_waits_for_an_unreachable_portal_and_says_so(clean_env, tmp_path):

@@ -301,6 +301,11 @@ def _heartbeat_effect(w, before):
     assert w.node.last_heartbeat_at > row["last_heartbeat_at"]
 
 
+def _leaving_effect(w, before):
+    w.node.refresh_from_db()
+    assert w.node.leaving_at is not None and w.node.state == "down"
+
+
 def _revoked(w, before):
     assert ApiToken.objects.get(pk=w.member_token.id).revoked_at is not None
 
@@ -328,6 +333,12 @@ EXPECTATIONS: dict[str, Row] = {
     ),
     "v1_agent_heartbeat_create": Row(
         _all(UNAUTH, node=OK), body=_heartbeat, effect=_heartbeat_effect
+    ),
+    # A node token says its own node's agent is leaving (a planned restart).
+    "v1_agent_leaving_create": Row(
+        _all(UNAUTH, node=OK),
+        body=lambda w, ghost: {"boot_id": w.node.boot_id, "reason": "upgrade"},
+        effect=_leaving_effect,
     ),
     # Jobs: alpha's members, its lead and admins; hidden from everyone else.
     "v1_jobs_list": Row(_all(BLIND, seeing=OK), listed=lambda w: w.job.id),

@@ -194,10 +194,18 @@ def test_agent_endpoints_answer_without_5xx_and_as_their_schema_says(world, wsgi
     schema = schemathesis.openapi.from_wsgi("/api/schema/", wsgi_app)
     register = schema["/api/v1/agent/register/"]["POST"]
     heartbeat = schema["/api/v1/agent/heartbeat/"]["POST"]
+    leaving = schema["/api/v1/agent/leaving/"]["POST"]
+
+    def leaving_of_that_node(case, real):
+        if real and isinstance(case.body, dict):
+            case.body["boot_id"] = node.boot_id
+
     failures, seen = [], {}
+    # Leaving last: it stops the node's attempt.
     for operation, token, prepare in [
         (register, "cluster-secret", None),
         (heartbeat, "node_fuzz", heartbeat_of_that_node),
+        (leaving, "node_fuzz", leaving_of_that_node),
     ]:
         try:
             seen[operation.label] = fuzz_operation(

@@ -24,6 +24,8 @@ from jobs.queries import (
 
 # The stop reason of a grow-back (preemption.do_grow_job); its requeue says "requeued: ...".
 GROW_REASON = "growing back to"
+# The stop reason of a planned restart (nodes.do_node_leaving); likewise "requeued: ...".
+LEAVING_REASON = "planned restart of"
 
 
 def _backoff(restart_count: int) -> float:
@@ -114,7 +116,7 @@ def do_end_attempt(
             job.state = Job.State.QUEUED
             job.reason = (
                 f"requeued: {reason}"
-                if reason.startswith(GROW_REASON)
+                if reason.startswith((GROW_REASON, LEAVING_REASON))
                 else f"requeued after preemption: {reason}"
             )
         elif early:

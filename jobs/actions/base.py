@@ -58,11 +58,17 @@ def lock_job_for_stop(job_id: int) -> tuple[Job, Attempt | None]:
     return job, live.order_by("id").first()
 
 
-def begin_stop(attempt: Attempt, *, now: datetime, reason: str) -> None:
+def begin_stop(
+    attempt: Attempt, *, now: datetime, reason: str, grace_s: float | None = None
+) -> None:
+    """Checkpoint-and-stop the attempt within STOP_GRACE_S (or `grace_s`, if shorter)."""
     if attempt.state == Attempt.State.STOPPING:
         return
+    grace = lockstep_setting("STOP_GRACE_S")
+    if grace_s is not None:
+        grace = min(grace, max(grace_s, 0.0))
     attempt.state = Attempt.State.STOPPING
-    attempt.stop_deadline = now + timedelta(seconds=lockstep_setting("STOP_GRACE_S"))
+    attempt.stop_deadline = now + timedelta(seconds=grace)
     attempt.end_reason = reason
     attempt.save(update_fields=["state", "stop_deadline", "end_reason"])
     record_event(

@@ -36,7 +36,9 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
     acked = []
     with transaction.atomic():
         node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
-        if node.state == Node.State.DOWN:
+        # A node whose agent said it is leaving stays down while that agent reports its
+        # workers' last exits; it is up again when an agent registers with a new boot.
+        if node.state == Node.State.DOWN and node.leaving_at is None:
             node.state, node.state_reason = Node.State.UP, ""
             record_event(
                 EventKind.NODE_UP, f"node {node.name} is back (heartbeat resumed)", node=node

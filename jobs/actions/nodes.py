@@ -1,4 +1,5 @@
-"""Nodes: registration (an agent's restart included), lost, cordon, drain and uncordon."""
+"""Nodes: registration (an agent's restart included), a planned restart (the agent says it is
+leaving), lost, cordon, drain and uncordon."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ from datetime import datetime
 
 from django.db import transaction
 
-from jobs.actions.attempts import do_end_attempt
-from jobs.actions.base import begin_stop, record_event, wake
+from jobs.actions.attempts import LEAVING_REASON, do_end_attempt
+from jobs.actions.base import begin_stop, lock_job_for_stop, record_event, wake
+from jobs.actions.preemption import stop_to_requeue
 from jobs.event_kinds import EventKind
 from jobs.models import (
     GPU,
     Attempt,
     Node,
 )
+from jobs.queries import stopped_state
 from teams.models import token_digest
 
 
@@ -53,11 +56,27 @@ def do_register_node(
         )
     else:
         # A new boot means the agent restarted: any workers it had are gone (it kills them on
-        # exit, and fencing kills leftovers), so attempts placed here cannot go on.
-        if node.boot_id != boot_id:
-            for attempt in Attempt.objects.filter(
-                ended_at__isnull=True, allocations__node=node
-            ).distinct():
+        # exit, and fencing kills leftovers), so attempts placed here cannot go on. After a
+        # planned restart (its previous process said it was leaving) they were checkpoint-
+        # stopped, and any still open end as stopped, requeued without a strike; otherwise the
+        # agent crashed or was killed, which the node may have caused: lost, and a strike.
+        new_boot = node.boot_id != boot_id
+        planned = node.leaving_at is not None
+        if new_boot:
+            for attempt in (
+                Attempt.objects.filter(ended_at__isnull=True, allocations__node=node)
+                .distinct()
+                .select_related("job")
+            ):
+                if planned:
+                    do_end_attempt(
+                        attempt,
+                        state=stopped_state(attempt.job),
+                        now=now,
+                        reason=f"{LEAVING_REASON} {name}'s agent: it is back, and its workers "
+                        "were stopped when it left",
+                    )
+                    continue
                 do_end_attempt(
                     attempt,
                     state=Attempt.State.LOST,
@@ -67,16 +86,20 @@ def do_register_node(
                     reason=f"agent on {name} restarted; it killed {killed_orphans} worker(s) "
                     "left by its previous process (workers are not re-adopted)",
                 )
-        was_down = node.state == Node.State.DOWN
+        # The leaving process itself registering again (it lost its token) is still leaving.
+        was_down = node.state == Node.State.DOWN and (new_boot or not planned)
         node.address, node.hostname, node.rack, node.gpu_kind = address, hostname, rack, gpu_kind
         node.token_digest, node.boot_id = token_digest(raw), boot_id
         node.registered_at = node.last_heartbeat_at = now
         if was_down:
             node.state, node.state_reason = Node.State.UP, ""
+        if new_boot:
+            node.leaving_at = None
         node.save()
         record_event(
             EventKind.NODE_REREGISTERED,
             f"node {name} re-registered ({gpus} GPUs)"
+            + (" after a planned restart" if new_boot and planned else "")
             + ("; back up" if was_down else "")
             + (
                 f"; its agent killed {killed_orphans} orphaned worker(s) on start"
@@ -84,7 +107,7 @@ def do_register_node(
                 else ""
             ),
             node=node,
-            data={"killed_orphans": killed_orphans},
+            data={"killed_orphans": killed_orphans, "planned": new_boot and planned},
         )
     existing = set(node.gpus.values_list("index", flat=True))
     GPU.objects.bulk_create([GPU(node=node, index=i) for i in range(gpus) if i not in existing])
@@ -92,6 +115,60 @@ def do_register_node(
     node.gpus.filter(index__gte=gpus).exclude(allocations__released_at__isnull=True).delete()
     wake("node registered")
     return node, raw
+
+
+@transaction.atomic
+def do_node_leaving(
+    node: Node, *, reason: str, now: datetime, grace_s: float | None = None
+) -> list[int]:
+    """The node's agent is stopping on purpose (an upgrade, Ctrl-C: SIGTERM or SIGINT) and said
+    so first: a planned restart, not a failure. The node takes no new work until an agent
+    registers again (it is down meanwhile; a cordon or drain an admin set stays), and every
+    live attempt on it checkpoints and stops within STOP_GRACE_S (or the agent's `grace_s`,
+    if shorter): the whole gang, its ranks on other nodes included. Each ends as stopped
+    (`do_end_attempt`): the job is requeued from that checkpoint with no strike on any node
+    and no restart used. Repeats (the agent retries until it hears back) change nothing more.
+    Returns the ids of the attempts stopping."""
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
+    if node.leaving_at is None:
+        node.leaving_at = now
+        if node.state == Node.State.UP:
+            node.state = Node.State.DOWN
+            node.state_reason = f"agent restarting (planned: {reason})"
+        node.save(update_fields=["leaving_at", "state", "state_reason"])
+    live = list(
+        Attempt.objects.filter(ended_at__isnull=True, allocations__node=node)
+        .distinct()
+        .order_by("id")
+        .values_list("id", "job_id")
+    )
+    why = f"{LEAVING_REASON} {node.name}'s agent ({reason})"
+    stopping = []
+    for attempt_id, job_id in live:
+        job, attempt = lock_job_for_stop(job_id)
+        if attempt is None or attempt.id != attempt_id:
+            continue
+        stopping.append(attempt.id)
+        if attempt.state == Attempt.State.STOPPING or job.is_terminal:
+            continue  # already stopping (preempted, cancelled, drained): that stop goes on
+        stop_to_requeue(
+            job,
+            attempt,
+            why=why,
+            now=now,
+            kind=EventKind.NODE_LEAVING,
+            data={"node": node.name, "attempt": attempt.id},
+            grace_s=grace_s,
+        )
+    record_event(
+        EventKind.NODE_LEAVING,
+        f"node {node.name}: its agent is stopping ({reason}), a planned restart; "
+        f"{len(stopping)} attempt(s) checkpoint and stop, to be requeued without a strike",
+        node=node,
+        data={"attempts": stopping, "grace_s": grace_s},
+    )
+    wake("node leaving")
+    return stopping
 
 
 @transaction.atomic

@@ -154,11 +154,19 @@ def _execute_preemption(request: PreemptionRequest, *, now: datetime) -> None:
 
 
 def stop_to_requeue(
-    job: Job, attempt: Attempt, *, why: str, now: datetime, kind: str, data: dict, message=None
+    job: Job,
+    attempt: Attempt,
+    *,
+    why: str,
+    now: datetime,
+    kind: str,
+    data: dict,
+    message=None,
+    grace_s: float | None = None,
 ) -> None:
     """Checkpoint-and-stop the job's live attempt; the job is requeued when it exits
     (`do_end_attempt`). `message` is the Event's text (default: the job's new reason)."""
-    begin_stop(attempt, now=now, reason=why)
+    begin_stop(attempt, now=now, reason=why, grace_s=grace_s)
     job.state, job.reason = Job.State.PREEMPTING, f"checkpointing and stopping: {why}"
     job.save(update_fields=["state", "reason"])
     record_event(kind, message or job.reason, job=job, team_id=job.team_id, data=data)

@@ -1,5 +1,15 @@
 """Strikes: failures attributed to a node, and the automatic cordon after too many in a window.
-The lowest layer of the actions that blame a node; it imports only the shared base."""
+The lowest layer of the actions that blame a node; it imports only the shared base.
+
+The rule: a strike counts only a failure the node could have caused. These do: a rank that
+exits non-zero after the attempt's first step (the first to die, `failures.record_exits`; moved
+when a later report revises the cause), a node lost (its heartbeats stopped, or its agent came
+back with a new boot without having said it was leaving), a straggler rank, and a hung gang's
+rank that could not dump its stacks. These do not: a failure before the first step (the job's
+own command, image or data is the likelier cause), anything during a checkpoint-and-stop
+(preemption, drain, cancel, time limit, grow-back), a planned restart (the agent said it was
+leaving on SIGTERM/SIGINT: `nodes.do_node_leaving`, and its return), a hang whose stacks name
+no node, and the portal's own outage (no node is declared lost for it)."""
 
 from __future__ import annotations
 
