@@ -21,23 +21,32 @@ MayTake = Callable[[RunningView, list[RunningView]], bool]
 
 def victim_order(now, floor_s: float):
     """Lowest priority first; then victims past their minimum run before protected ones (only
-    reclaims take those); then least work at risk; then the most recently started."""
+    reclaims take those); then those stopped least often lately (a reclaim spreads its stops
+    instead of taking the same borrower each time it restarts); then least work at risk; then
+    the most recently started."""
 
     def key(run: RunningView):
         fresh = is_protected(run, now, floor_s)
-        return (run.priority, fresh, work_at_risk_s(run, now), -run.started_at.timestamp())
+        return (
+            run.priority,
+            fresh,
+            run.preemptions,
+            work_at_risk_s(run, now),
+            -run.started_at.timestamp(),
+        )
 
     return key
 
 
 def _cost(victims: list[RunningView], order) -> tuple:
-    """Worst priority stopped, then victims that just (re)started, then GPU-seconds of work
-    thrown away, then how many jobs stop."""
+    """Worst priority stopped, then victims that just (re)started, then their recent stops,
+    then GPU-seconds of work thrown away, then how many jobs stop."""
     keys = [order(v) for v in victims]
     return (
         max((k[0] for k in keys), default=-(1 << 30)),
         sum(k[1] for k in keys),
-        sum(k[2] * v.gpus for k, v in zip(keys, victims, strict=True)),
+        sum(k[2] for k in keys),
+        sum(k[3] * v.gpus for k, v in zip(keys, victims, strict=True)),
         len(victims),
     )
 
