@@ -1,11 +1,13 @@
 """REST serializers: they validate and shape data; state changes go through jobs.actions."""
 
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.utils import timezone
 from rest_framework import serializers
 
 from jobs import validation
 from jobs.checkpoint_policy import checkpoint_advice
 from jobs.models import Attempt, Checkpoint, Event, Job, ModelVersion, Node, Priority
+from jobs.queries import protection
 from jobs.reports.goodput import job_goodput
 from teams.access import visible_jobs, visible_teams
 
@@ -160,6 +162,7 @@ class JobDetailSerializer(JobSerializer):
     latest_checkpoint = serializers.SerializerMethodField()
     goodput = serializers.SerializerMethodField()
     checkpoint_policy = serializers.SerializerMethodField()
+    protection = serializers.SerializerMethodField()
 
     class Meta(JobSerializer.Meta):
         fields = [
@@ -169,6 +172,7 @@ class JobDetailSerializer(JobSerializer):
             "latest_checkpoint",
             "goodput",
             "checkpoint_policy",
+            "protection",
         ]
         read_only_fields = fields
 
@@ -190,6 +194,11 @@ class JobDetailSerializer(JobSerializer):
 
     def get_goodput(self, job) -> dict:
         return job_goodput(job)
+
+    def get_protection(self, job) -> dict | None:
+        """Its live attempt's minimum run (jobs.scheduling.protection): until when no priority
+        or starvation claim may stop it, and its preemptions against the day's safety stop."""
+        return protection(job, now=timezone.now())
 
 
 class JobPatchSerializer(serializers.Serializer):

@@ -23,7 +23,7 @@ from jobs.models import (
     ModelVersion,
     Node,
 )
-from jobs.queries import teams_with_usage
+from jobs.queries import protection, teams_with_usage
 from jobs.reports.goodput import job_goodput
 from portal.formatting import duration
 from portal.forms import (
@@ -272,6 +272,7 @@ def job_page(request, job_id: int):
             "checkpoints": checkpoints,
             "goodput": goodput,
             "advice": checkpoint_advice(job),
+            "protection": protection(job, now=now),
             "ranks": list(range(world)),
             "page_data": {
                 "job": job.id,

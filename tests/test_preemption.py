@@ -279,3 +279,51 @@ def test_a_starving_job_stops_its_own_teams_long_job_at_once_and_runs(two_teams)
     assert long_job.state == "QUEUED" and "borrowing paused" not in long_job.reason
     # The periodic save, then the one its stop made (kept by retention).
     assert [c.preemption for c in long_job.checkpoints.order_by("step")] == [False, True]
+
+
+@pytest.mark.django_db
+def test_the_live_safety_stop_refuses_a_looping_preemption_and_alerts_admins_once(
+    two_teams, settings
+):
+    """A job stopped PREEMPT_MAX_PER_DAY times within a day is not preempted again, whatever
+    a planner proposes; the first refusal writes an alert Event, later ones do not repeat it.
+    Its job page and API show the protection and the count."""
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "PREEMPT_MAX_PER_DAY": 2}
+    (owner, olga), (guest, gus), node, root = two_teams
+    borrowed = submit(guest, gus, gpus=2)
+    run_pass()
+    beat(node, live_attempt(borrowed), {0: None, 1: None})
+    claimant = submit(owner, olga, gpus=2)
+    now = timezone.now()
+    for hours_ago in (5, 3):  # two executed preemptions today
+        PreemptionRequest.objects.create(
+            victim=borrowed,
+            claimant=claimant,
+            kind="reclaim",
+            state="executed",
+            reason="earlier",
+            created_at=now - timedelta(hours=hours_ago),
+            executed_at=now - timedelta(hours=hours_ago),
+        )
+    for _ in range(2):
+        refused = preemption_actions.do_propose_preemption(
+            victim_id=borrowed.id, claimant_id=claimant.id, kind="reclaim", reason="x", now=now
+        )
+        assert refused is None
+    assert live_attempt(borrowed).state == "running"
+    (alert,) = Event.objects.filter(kind="preemption.safety_stop")
+    assert alert.job_id == borrowed.id and "preempted 2 times within a day" in alert.message
+    assert alert.data == {"preemptions": 2, "limit": 2}
+    # The policy sees the count too: the pass proposes nothing for the owner's job.
+    snapshot = take_snapshot(now)
+    assert [r.preemptions for r in snapshot.running] == [2]
+    run_pass()
+    assert not PreemptionRequest.objects.filter(state__in=["proposed", "approved"]).exists()
+    client = APIClient()
+    client.force_authenticate(gus)
+    shown = client.get(f"/api/v1/jobs/{borrowed.id}/").json()["protection"]
+    assert shown["preemptions_today"] == 2 and shown["safety_stop"] == 2
+    assert shown["protected"] is True  # it started a moment ago: start-up + its floor
+    # A day later the count is spent: it may be reclaimed again.
+    later = now + timedelta(hours=22)
+    assert take_snapshot(later).running[0].preemptions == 0
