@@ -10,7 +10,8 @@ import html
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from jobs.scheduling.simulate import SimResult, pct_sorted
+from jobs.scheduling.sim_metrics import pct_sorted
+from jobs.scheduling.simulate import SimResult
 from jobs.scheduling.trace import SIZE_CLASSES
 
 BINS = 600

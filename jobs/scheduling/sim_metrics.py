@@ -1,0 +1,190 @@
+"""The simulator's measurements: every number `lockstep simulate` prints, computed from a
+finished engine's state (jobs.scheduling.simulate). Definitions are in docs/simulator.md.
+`self` is the engine: these were its methods, and read its fields only."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from jobs.scheduling.trace import SIZE_CLASSES, size_class
+
+
+def engine_metrics(self, t0: float, t_end: float, wall: float) -> dict:
+    """All numbers the CLI prints; see docs/simulator.md for the definitions."""
+    cfg = self.cfg
+    makespan = max(0.0, t_end - t0)
+    jcts, waits, ftfs = [], [], []
+    by_class: dict[str, tuple[list[float], list[float]]] = {c: ([], []) for c in SIZE_CLASSES}
+    by_team: dict[int, list[float]] = {tid: [] for tid in self.quota}
+    team_waits: dict[int, list[float]] = {tid: [] for tid in self.quota}
+    starved = never_started = unfinished = 0
+    reclaims = {tid: list(rs) for tid, rs in self.reclaims.items()}
+    for i, job in enumerate(self.jobs):
+        tid = self.job_team[i]
+        if self.first_start[i] is None:
+            never_started += 1
+        if self.finish[i] is None:
+            unfinished += 1
+            starved += 1
+            if self.reclaim_start[i] is not None:  # censored at the end of the run
+                reclaims[tid].append(t_end - self.reclaim_start[i])
+            continue
+        jct = self.finish[i] - job.submit_s
+        wait = self.wait[i]
+        if wait > cfg.starve_factor * job.duration_s:
+            starved += 1
+        share = self.quota[tid].quota
+        if share > 0:  # a team with no quota has no fair share to compare against
+            ideal = max(1.0, job.duration_s * max(1.0, job.gpus / share))
+            ftfs.append(jct / ideal)
+            by_team[tid].append(jct / ideal)
+        jcts.append(jct)
+        waits.append(wait)
+        team_waits[tid].append(wait)
+        by_class[size_class(job.gpus)][0].append(wait)
+        by_class[size_class(job.gpus)][1].append(jct)
+    all_reclaims = [r for rs in reclaims.values() for r in rs]
+    teams = _team_metrics(self, team_waits, by_team, reclaims)
+    gpus = cfg.gpus
+    return {
+        "policy": self.name,
+        "gpus": gpus,
+        "nodes": len(self.node_ids),
+        "jobs": len(self.jobs),
+        "dropped": self.dropped,
+        "completed": len(jcts),
+        "makespan_s": _r(makespan),
+        "utilization": _r(self.busy_gpu_s / (gpus * makespan) if makespan else 0.0, 4),
+        "utilization_when_backlogged": _r(
+            self.backlog_busy_gpu_s / (gpus * self.backlog_s) if self.backlog_s else 0.0, 4
+        ),
+        "backlogged_fraction": _r(self.backlog_s / makespan if makespan else 0.0, 4),
+        "utilization_when_fit_queued": _r(
+            self.fit_busy_gpu_s / (gpus * self.fit_s) if self.fit_s else 0.0, 4
+        ),
+        "fit_queued_fraction": _r(self.fit_s / makespan if makespan else 0.0, 4),
+        "idle_gpu_hours_while_fit_queued": _r((gpus * self.fit_s - self.fit_busy_gpu_s) / 3600),
+        "busy_gpu_hours": _r(self.busy_gpu_s / 3600),
+        "jct_mean_s": _r(_mean(jcts)),
+        "jct_median_s": _r(_pct(jcts, 50)),
+        "jct_p99_s": _r(_pct(jcts, 99)),
+        "wait_mean_s": _r(_mean(waits)),
+        "wait_median_s": _r(_pct(waits, 50)),
+        "wait_p99_s": _r(_pct(waits, 99)),
+        "by_size": {
+            c: {
+                "jobs": len(w),
+                "wait_mean_s": _r(_mean(w)),
+                "wait_p99_s": _r(_pct(w, 99)),
+                "jct_mean_s": _r(_mean(j)),
+                "jct_p99_s": _r(_pct(j, 99)),
+            }
+            for c, (w, j) in by_class.items()
+        },
+        "ftf_max": _r(max(ftfs, default=0.0), 3),
+        "ftf_p99": _r(_pct(ftfs, 99), 3),
+        "ftf_mean": _r(_mean(ftfs), 3),
+        "reclaim_max_s": _r(max(all_reclaims, default=0.0)),
+        "reclaim_p99_s": _r(_pct(all_reclaims, 99)),
+        # DESIGN's promise for a quota reclaim: the victims' stop grace plus one pass (a
+        # pass happens at every event here, so it adds nothing).
+        "reclaim_bound_s": cfg.grace_s,
+        "reclaims_over_bound": sum(1 for r in all_reclaims if r > cfg.grace_s + 1e-6),
+        "reclaims_total": len(all_reclaims),
+        "preempted_gpu_hours": _r(self.lost_gpu_s / 3600),
+        "preemptions_per_job": _preemptions_per_job(self),
+        "safety_stops": len(self.safety_stops),
+        "preemptions": {**self.preemptions, "by_kind": dict(self.preemptions_by_kind)},
+        "starved": starved,
+        "never_started": never_started,
+        "unfinished": unfinished,
+        "teams": teams,
+        "rejected_placements": len(self.rejected),
+        "rejected_examples": self.rejected[:5],
+        "plans_missing_reasons": self.missing_reasons,
+        "queue_max_jobs": self.queue_max,
+        "plan_calls": self.plan_calls,
+        "plan_time_s": _r(self.plan_time, 3),
+        "plan_mean_ms": _r(1000 * self.plan_time / self.plan_calls if self.plan_calls else 0, 3),
+        "plan_max_s": _r(self.plan_max, 4),
+        "plan_max_queue": self.plan_max_queue,
+        "wall_s": _r(wall, 2),
+        "config": _config_metrics(self),
+    }
+
+
+def _preemptions_per_job(self) -> dict:
+    """How often one job was stopped: the thrash measure (issue 17)."""
+    counts = sorted(self.preempted)
+    hit = [c for c in counts if c]
+    return {
+        "max": counts[-1] if counts else 0,
+        "p99": _r(pct_sorted(counts, 99), 2),
+        "jobs_preempted": len(hit),
+        "mean_of_preempted": _r(_mean(hit), 2),
+    }
+
+
+def _config_metrics(self) -> dict:
+    cfg = self.cfg
+    return {
+        "gpus_per_node": cfg.gpus_per_node,
+        "checkpoint_interval_s": cfg.checkpoint_interval_s,
+        "grace_s": cfg.grace_s,
+        "checkpoint_on_stop": cfg.checkpoint_on_stop,
+        "approval_delay_s": cfg.approval_delay_s,
+        "reclaim_backoff_s": cfg.reclaim_backoff_s,
+        "estimate_noise": cfg.estimate_noise,
+        "starve_factor": cfg.starve_factor,
+        "restart_s": cfg.restart_s,
+        "preempt_exempt_s": cfg.preempt_exempt_s,
+        "safety_stop": cfg.safety_stop,
+        "usage_half_life_s": cfg.usage_half_life_s,
+    }
+
+
+def _team_metrics(self, team_waits, by_team, reclaims) -> dict[str, dict]:
+    """Per team: its jobs, waits, finish-time fairness and reclaim times."""
+    teams = {}
+    for tid, q in self.quota.items():
+        team_jobs = sum(1 for x in self.job_team if x == tid)
+        if not team_jobs:
+            continue
+        teams[self.team_names[tid - 1]] = {
+            "jobs": team_jobs,
+            "quota": q.quota,
+            "completed": len(team_waits[tid]),
+            "wait_mean_s": _r(_mean(team_waits[tid])),
+            "wait_median_s": _r(_pct(team_waits[tid], 50)),
+            "wait_p99_s": _r(_pct(team_waits[tid], 99)),
+            "wait_max_s": _r(max(team_waits[tid], default=0.0)),
+            "ftf_max": _r(max(by_team[tid], default=0.0)),
+            "reclaim_max_s": _r(max(reclaims[tid], default=0.0)),
+            "reclaim_median_s": _r(_pct(reclaims[tid], 50)),
+            "reclaim_p99_s": _r(_pct(reclaims[tid], 99)),
+            "reclaims": len(reclaims[tid]),
+        }
+    return teams
+
+
+def _r(x: float, digits: int = 1) -> float:
+    return x if math.isinf(x) else round(x, digits)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    """Percentile with linear interpolation between closest ranks (numpy's default)."""
+    return pct_sorted(sorted(xs), q)
+
+
+def pct_sorted(s: Sequence[float], q: float) -> float:
+    if not s:
+        return 0.0
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
