@@ -108,6 +108,11 @@ class Job(models.Model):
     estimated_start_at = models.DateTimeField(
         null=True, blank=True, help_text="Queued: when the policy, run forward, starts it"
     )
+    # The first estimate it was given before it ever started: kept, so that its error is
+    # known once it starts (jobs.reports.estimates: the band the estimates have earned).
+    promised_start_at = models.DateTimeField(
+        null=True, blank=True, help_text="Its first start estimate, kept to measure estimates"
+    )
     restart_count = models.PositiveIntegerField(default=0)
     restart_after = models.DateTimeField(null=True, blank=True)
     submitted_at = models.DateTimeField()

@@ -140,6 +140,7 @@ class JobSerializer(serializers.ModelSerializer):
             "state",
             "reason",
             "estimated_start_at",
+            "promised_start_at",
             "restart_count",
             "submitted_at",
             "first_started_at",

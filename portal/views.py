@@ -24,6 +24,7 @@ from jobs.models import (
     Node,
 )
 from jobs.queries import protection, teams_with_usage
+from jobs.reports.estimates import band_text, estimate_bands
 from jobs.reports.goodput import job_goodput
 from portal.formatting import duration
 from portal.forms import (
@@ -80,7 +81,9 @@ def home(request):
         .prefetch_related(Prefetch("attempts", queryset=Attempt.objects.order_by("number")))
         .order_by("-id")[:100]
     )
-    positions = _queue_positions() if any(j.state == Job.State.QUEUED for j in jobs) else {}
+    queued = any(j.state == Job.State.QUEUED for j in jobs)
+    positions = _queue_positions() if queued else {}
+    bands = estimate_bands(now) if queued else {}
     rows = []
     for job in jobs:
         goodput = job_goodput(job, now=now) if job.first_started_at else None
@@ -88,6 +91,7 @@ def home(request):
             {
                 "job": job,
                 "position": positions.get(job.id),
+                "band": band_text(job.gpus, bands) if job.state == Job.State.QUEUED else "",
                 "runtime": duration(_runtime_s(job, now)) if job.first_started_at else "—",
                 "goodput": goodput["effective"] if goodput else None,
             }

@@ -540,7 +540,7 @@ def test_reservations_are_read_from_the_wait_data_the_scheduler_writes():
 
 
 @pytest.mark.django_db
-def test_a_priority_raised_in_the_queue_becomes_a_preemption_an_admin_approves(shared):
+def test_a_priority_raised_in_the_queue_becomes_a_preemption_an_admin_approves(shared, settings):
     """The preemptions page shows claimant, victim, the victim's work at risk and when the
     request approves itself, with Approve / Reject; approving writes an Event."""
     from jobs.models import PreemptionRequest
@@ -548,7 +548,9 @@ def test_a_priority_raised_in_the_queue_becomes_a_preemption_an_admin_approves(s
     root = shared["users"]["root"]
     client = _client(root)
     big = shared["jobs"]["big"]
-    past_protection()  # the running jobs are past their minimum run
+    # The running jobs are past their minimum run (never reported up: no start timeout here).
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "START_TIMEOUT_S": 1e9}
+    past_protection()
     # Within lab's quota: a borrowing claimant may not stop nlp's job, which is within nlp's
     # quota (DESIGN: guaranteed work is never preempted for another team's borrowing).
     big.team.__class__.objects.filter(pk=big.team_id).update(quota=8)

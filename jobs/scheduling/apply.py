@@ -122,11 +122,20 @@ def _write_reasons(plan: Plan, result: ApplyResult, estimates: dict) -> int:
     ids = list(wanted)
     changed = []
     for offset in range(0, len(ids), REASON_READ_BATCH):
-        for job_id, *stored in Job.objects.filter(
+        rows = Job.objects.filter(
             id__in=ids[offset : offset + REASON_READ_BATCH], state=Job.State.QUEUED
-        ).values_list("id", "reason", "estimated_start_at", "wait"):
-            if wanted[job_id] != tuple(stored):
-                changed.append((job_id, *wanted[job_id]))
+        ).values_list(
+            "id", "reason", "estimated_start_at", "wait", "promised_start_at", "first_started_at"
+        )
+        for job_id, reason, start, wait, promised, first_started in rows:
+            # A job's first estimate before it ever started is its promise, kept as it was.
+            keep = promised if promised is not None or first_started else wanted[job_id][1]
+            row = (*wanted[job_id], keep)
+            if row != (reason, start, wait, promised):
+                changed.append((job_id, *row))
     return bulk_set(
-        Job, ["reason", "estimated_start_at", "wait"], changed, where={"state": Job.State.QUEUED}
+        Job,
+        ["reason", "estimated_start_at", "wait", "promised_start_at"],
+        changed,
+        where={"state": Job.State.QUEUED},
     )

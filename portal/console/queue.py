@@ -14,6 +14,7 @@ from jobs.models import (
     Job,
     Priority,
 )
+from jobs.reports.estimates import band_text, estimate_bands
 from jobs.scheduling.vocab import WaitReason
 from portal.console.access import console_view
 from portal.formatting import duration
@@ -94,6 +95,7 @@ def queue(request, scope):
     held = queries.run_seconds([j.id for j in rows], now=now)
     posted = failed.data.get("job") if failed is not None else None
     table, reservations = [], []
+    bands = estimate_bands(now)
     for job in rows:
         is_failed = posted is not None and str(job.id) == str(posted)
         form = (
@@ -112,6 +114,7 @@ def queue(request, scope):
                 "waiting": waiting,
                 "wait": duration((now - job.submitted_at).total_seconds()) if waiting else "",
                 "runtime": duration(held.get(job.id)) if job.id in held else "—",
+                "band": band_text(job.gpus, bands) if waiting else "",
             }
         )
     # A refused row that is no longer listed (unknown job) still shows its error.
