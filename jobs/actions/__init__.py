@@ -18,7 +18,13 @@ from jobs.actions.jobs import (
     do_set_job_priority,
     do_submit_job,
 )
-from jobs.actions.nodes import do_cordon_node, do_mark_node_lost, do_register_node, do_uncordon_node
+from jobs.actions.nodes import (
+    do_cordon_node,
+    do_mark_node_lost,
+    do_register_node,
+    do_release_automatic_cordon,
+    do_uncordon_node,
+)
 from jobs.actions.preemption import (
     do_decide_preemption,
     do_grow_job,
@@ -45,6 +51,7 @@ __all__ = [
     "do_propose_preemption",
     "do_register_model_version",
     "do_register_node",
+    "do_release_automatic_cordon",
     "do_request_stack_dump",
     "do_requeue_job",
     "do_set_job_priority",
