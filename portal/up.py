@@ -3,7 +3,10 @@
 Starts the embedded Redis (unless REDIS_URL is set), migrates, creates the demo data, then runs
 daphne, an rq worker, the scheduler and two local agents (2 GPUs each, CPU slots without a GPU),
 submits a 4-GPU demo job that spans both agents, prints the URL and credentials, and supervises
-everything until Ctrl-C, which stops every process it started.
+everything until Ctrl-C, which stops every process it started (a second Ctrl-C kills what is
+left at once). A start clears nothing: it runs over the state `var/` holds, uncordons its own
+demo nodes where the strikes of its earlier runs cordoned them, and when it cannot start it
+says each node's true state.
 """
 
 from __future__ import annotations
@@ -192,10 +195,12 @@ def _wait_http(url: str, timeout: float, sup: Supervisor) -> None:
         if sup.dead():
             raise RuntimeError(f"a process exited during start-up: {', '.join(sup.dead())}")
         try:
-            requests.get(url, timeout=2)
+            requests.get(url, timeout=10)
             return
         except requests.ConnectionError:
             time.sleep(0.3)
+        except requests.Timeout:  # the first request imports the views: slow on a busy laptop
+            pass
     raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
 
 
@@ -306,6 +311,8 @@ def _release_automatic_cordons(py: str, env: dict, names: list[str]) -> None:
     """Demo nodes cordoned by the strikes of up's own earlier runs (each restart of an agent
     with a job on it counted as a failure) are uncordoned, with a node.uncordoned event; an
     admin's cordon or drain stays."""
+    if not names:
+        return
     done = subprocess.run(
         [
             py,
