@@ -3,7 +3,10 @@
 Starts the embedded Redis (unless REDIS_URL is set), migrates, creates the demo data, then runs
 daphne, an rq worker, the scheduler and two local agents (2 GPUs each, CPU slots without a GPU),
 submits a 4-GPU demo job that spans both agents, prints the URL and credentials, and supervises
-everything until Ctrl-C, which stops every process it started.
+everything until Ctrl-C, which stops every process it started (a second Ctrl-C kills what is
+left at once). A start clears nothing: it runs over the state `var/` holds, uncordons its own
+demo nodes where the strikes of its earlier runs cordoned them, and when it cannot start it
+says each node's true state.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import requests
@@ -24,13 +28,60 @@ from portal.embedded_redis import start_embedded_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 # About five minutes on a laptop's CPU with four ranks.
-DEMO_COMMAND = ["python", "-m", "trainer", "--steps", "2000", "--checkpoint-every", "100"]
+DEMO_STEPS = 2000
+AGENTS_TIMEOUT_S = 60.0
+
+
+def demo_command(steps: int) -> list[str]:
+    return ["python", "-m", "trainer", "--steps", str(steps), "--checkpoint-every", "100"]
+
+
+# Stopping, in stages (agents first: they stop their workers and may still tell the portal;
+# then the platform; Redis last), each SIGTERM with a bounded wait, then SIGKILL for what is
+# left. daphne documents SIGINT/SIGTERM for a graceful stop; it can hang at exit when a request
+# was in flight (its worker threads wait on the stopped event loop), hence the SIGKILL after
+# the timeout. A second Ctrl-C (or SIGTERM) during the stop kills what is left at once.
+STOP_STAGES: tuple[tuple[str, float], ...] = (("agent-", 10.0), ("", 5.0), ("redis", 3.0))
+
+
+def _process_table() -> dict[int, tuple[int, str, int]]:
+    """pid -> (parent pid, state, start time in clock ticks), from /proc."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        table[int(entry.name)] = (int(fields[1]), fields[0], int(fields[19]))
+    return table
+
+
+def descendants(root: int) -> dict[int, int]:
+    """Every live process below `root` (children in sessions of their own included): pid ->
+    start time, so a pid reused later is told apart."""
+    table = _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _state, _start) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if table[pid][1] != "Z":
+            found[pid] = table[pid][2]
+        todo.extend(children.get(pid, []))
+    return found
 
 
 class Supervisor:
     def __init__(self, log_dir: Path):
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.log_dir = log_dir
+        self.stopping = False  # set by the first stop signal; later ones only hurry the stop
+        self.hurry = False
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, argv: list[str], env: dict) -> subprocess.Popen:
@@ -48,22 +99,83 @@ class Supervisor:
     def dead(self) -> list[str]:
         return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]
 
+    def on_signal(self, signum, frame) -> None:
+        """SIGINT/SIGTERM: the first one stops (KeyboardInterrupt into the main flow); any
+        later one, while stopping, kills what is still alive instead of interrupting the stop."""
+        if self.stopping:
+            if not self.hurry:
+                print("  again: killing what is left", flush=True)
+            self.hurry = True
+            return
+        self.stopping = True
+        raise KeyboardInterrupt
+
     def stop_all(self) -> None:
-        # Agents first (they stop their workers), then the rest, Redis last.
-        for _name, proc in reversed(self.procs):
+        """Stop everything started, in STOP_STAGES order; returns when every process started
+        here, and every process below them, is gone."""
+        self.stopping = True
+        seen = descendants(os.getpid())
+        done: set[int] = set()
+        for prefix, grace in STOP_STAGES:
+            stage = [
+                (name, proc)
+                for name, proc in reversed(self.procs)
+                if id(proc) not in done and name.startswith(prefix)
+            ]
+            done.update(id(proc) for _name, proc in stage)
+            seen.update(descendants(os.getpid()))
+            self._stop_stage(stage, grace)
+        self._kill_leftovers(seen)
+
+    def _stop_stage(self, stage: list[tuple[str, subprocess.Popen]], grace: float) -> None:
+        for _name, proc in stage:
             if proc.poll() is None:
+                _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(proc.poll() is None for _name, proc in stage):
+            if self.hurry or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for name, proc in stage:
+            if proc.poll() is None:
+                if not self.hurry:
+                    print(f"  {name} did not stop within {grace:.0f}s; killing it", flush=True)
+                _signal_group(proc.pid, signal.SIGKILL)
+            else:
+                # Whatever the leader left in its process group goes with it.
+                _signal_group(proc.pid, signal.SIGKILL)
+        for _name, proc in stage:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # unkillable (D state): nothing more to do
+                pass
+
+    def _kill_leftovers(self, seen: dict[int, int]) -> None:
+        """SIGKILL every process that was below us during the stop and still lives (an agent's
+        workers in sessions of their own, an rq work horse), then wait for them briefly."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            table = _process_table()
+            alive = [
+                pid
+                for pid, start in seen.items()
+                if pid in table and table[pid][2] == start and table[pid][1] != "Z"
+            ]
+            if not alive:
+                return
+            for pid in alive:
                 try:
-                    os.killpg(proc.pid, signal.SIGTERM)
+                    os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        deadline = time.monotonic() + 10
-        for name, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                print(f"  {name} did not stop; killing it")
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            time.sleep(0.05)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _agent_token(var: Path) -> str:
@@ -83,10 +195,12 @@ def _wait_http(url: str, timeout: float, sup: Supervisor) -> None:
         if sup.dead():
             raise RuntimeError(f"a process exited during start-up: {', '.join(sup.dead())}")
         try:
-            requests.get(url, timeout=2)
+            requests.get(url, timeout=10)
             return
         except requests.ConnectionError:
             time.sleep(0.3)
+        except requests.Timeout:  # the first request imports the views: slow on a busy laptop
+            pass
     raise RuntimeError(f"{url} did not answer within {timeout:.0f}s")
 
 
@@ -120,9 +234,12 @@ def _start_platform(py: str, env: dict, port: int, sup: Supervisor) -> None:
     sup.start("scheduler", [py, "manage.py", "run_scheduler"], env)
 
 
+def _agent_names(count: int) -> list[str]:
+    return [f"local-{chr(ord('a') + i)}" for i in range(count)]
+
+
 def _start_agents(py: str, env: dict, url: str, args, var: Path, sup: Supervisor) -> None:
-    for i in range(args.agents):
-        name = f"local-{chr(ord('a') + i)}"
+    for name in _agent_names(args.agents):
         sup.start(
             f"agent-{name}",
             [
@@ -144,22 +261,100 @@ def _start_agents(py: str, env: dict, url: str, args, var: Path, sup: Supervisor
         )
 
 
-def _wait_for_agents(api: requests.Session, url: str, total: int, sup: Supervisor) -> None:
-    deadline = time.monotonic() + 60
-    while (
-        sum(
-            n["gpus"]
-            for n in api.get(url + "/api/v1/nodes/", timeout=5).json()["results"]
-            if n["state"] == "up"
-        )
-        < total
-    ):
-        if time.monotonic() > deadline or sup.dead():
-            raise RuntimeError("the agents did not register; see var/logs/agent-*.log")
+def _local_nodes(api: requests.Session, url: str, names: list[str]) -> dict[str, dict]:
+    nodes = api.get(url + "/api/v1/nodes/", params={"page_size": 1000}, timeout=5).json()
+    return {n["name"]: n for n in nodes["results"] if n["name"] in names}
+
+
+def _registered(node: dict | None, since: datetime) -> bool:
+    """Registered by this run's agent: its last word came after the agents were started (an
+    earlier run's node row may still say `up` for a heartbeat timeout after it stopped)."""
+    return node is not None and datetime.fromisoformat(node["last_heartbeat_at"]) >= since
+
+
+def node_report(nodes: dict[str, dict], names: list[str], since: datetime, log_dir: Path) -> str:
+    """One line per local node with its true state: not registered (and where its log is),
+    or registered and up, cordoned, draining or down, with the reason."""
+    lines = []
+    for name in names:
+        node = nodes.get(name)
+        if not _registered(node, since):
+            lines.append(f"  {name}: not registered; see {log_dir / f'agent-{name}.log'}")
+        elif node["state"] == "up":
+            lines.append(f"  {name}: registered, up ({node['gpus']} GPUs)")
+        else:
+            reason = f": {node['state_reason']}" if node["state_reason"] else ""
+            lines.append(f"  {name}: registered but {node['state']}{reason}")
+    return "\n".join(lines)
+
+
+def _wait_for_agents(
+    api: requests.Session, url: str, names: list[str], since: datetime, sup: Supervisor, log_dir
+) -> dict[str, dict]:
+    """Until every local agent has registered (whatever state its node is in)."""
+    deadline = time.monotonic() + AGENTS_TIMEOUT_S
+    while True:
+        nodes = _local_nodes(api, url, names)
+        if all(_registered(nodes.get(name), since) for name in names):
+            return nodes
+        dead = sup.dead()
+        if dead or time.monotonic() > deadline:
+            why = f"{', '.join(dead)} exited" if dead else f"not within {AGENTS_TIMEOUT_S:.0f}s"
+            raise RuntimeError(
+                f"the agents did not all register ({why}):\n"
+                + node_report(nodes, names, since, log_dir)
+            )
         time.sleep(0.5)
 
 
-def _submit_demo_job(api: requests.Session, url: str, total: int) -> None:
+def _release_automatic_cordons(py: str, env: dict, names: list[str]) -> None:
+    """Demo nodes cordoned by the strikes of up's own earlier runs (each restart of an agent
+    with a job on it counted as a failure) are uncordoned, with a node.uncordoned event; an
+    admin's cordon or drain stays."""
+    if not names:
+        return
+    done = subprocess.run(
+        [
+            py,
+            "manage.py",
+            "release_automatic_cordons",
+            "--by",
+            "lockstep up",
+            "--reason",
+            "a local demo node of lockstep up; its strikes came from earlier runs of up",
+            *names,
+        ],
+        env=env,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    for line in done.stdout.strip().splitlines()[:-1]:
+        print(f"  {line}")
+
+
+def _check_nodes(
+    api: requests.Session, url: str, names: list[str], since: datetime, sup: Supervisor, log_dir
+) -> None:
+    """Every local node up, or a warning with the true state of those that are not (a node an
+    admin cordoned stays so; the platform runs, its jobs wait for GPUs)."""
+    deadline = time.monotonic() + 10
+    while True:
+        nodes = _local_nodes(api, url, names)
+        if all(nodes[name]["state"] == "up" for name in names) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if not all(nodes[name]["state"] == "up" for name in names):
+        print(
+            "  warning: not every local node takes work (uncordon one in the console's Nodes "
+            "page or with POST /api/v1/nodes/ID/uncordon/):\n"
+            + node_report(nodes, names, since, log_dir),
+            flush=True,
+        )
+
+
+def _submit_demo_job(api: requests.Session, url: str, total: int, steps: int) -> None:
     """Something live to look at, unless a job already runs (a restarted `make up`)."""
     live = api.get(
         url + "/api/v1/jobs/",
@@ -175,7 +370,7 @@ def _submit_demo_job(api: requests.Session, url: str, total: int) -> None:
                 "name": "demo-addition",
                 "team": "demo",
                 "image": "lockstep/trainer:latest",
-                "command": DEMO_COMMAND,
+                "command": demo_command(steps),
                 "dataset": "synthetic://addition",
                 "gpus": gpus,
             },
@@ -189,14 +384,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=2)
     parser.add_argument("--gpus-per-agent", type=int, default=2)
     parser.add_argument("--no-demo-job", action="store_true")
+    parser.add_argument(
+        "--demo-steps",
+        type=int,
+        default=int(os.environ.get("LOCKSTEP_UP_DEMO_STEPS", DEMO_STEPS)),
+        help="training steps of the demo job (default %(default)s, about five minutes)",
+    )
     args = parser.parse_args(argv)
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    # SIGINT too: a shell that starts us in the background sets SIGINT to "ignore".
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
     var = Path(os.environ.get("LOCKSTEP_VAR_DIR", ROOT / "var")).resolve()
     var.mkdir(parents=True, exist_ok=True)
     env = dict(
@@ -207,19 +401,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     env["LOCKSTEP_AGENT_TOKEN"] = _agent_token(var)
     sup = Supervisor(var / "logs")
+    # SIGINT too: a shell that starts us in the background sets SIGINT to "ignore".
+    signal.signal(signal.SIGTERM, sup.on_signal)
+    signal.signal(signal.SIGINT, sup.on_signal)
     py = sys.executable
     url = f"http://127.0.0.1:{args.port}"
     try:
         demo = _prepare(py, env, var, sup)
         _start_platform(py, env, args.port, sup)
         _wait_http(url + "/login/", 60, sup)
-        _start_agents(py, env, url, args, var, sup)
         api = requests.Session()
         api.headers["Authorization"] = f"Bearer {demo['alice_token']}"
+        names = _agent_names(args.agents)
+        since = datetime.now(UTC)
+        _start_agents(py, env, url, args, var, sup)
+        _wait_for_agents(api, url, names, since, sup, var / "logs")
+        _release_automatic_cordons(py, env, names)
+        _check_nodes(api, url, names, since, sup, var / "logs")
         total = args.agents * args.gpus_per_agent
-        _wait_for_agents(api, url, total, sup)
         if not args.no_demo_job:
-            _submit_demo_job(api, url, total)
+            _submit_demo_job(api, url, total, args.demo_steps)
         print(
             f"""
 Lockstep is up: {url}
@@ -237,13 +438,14 @@ Logs in {var / "logs"}. Ctrl-C stops everything.""",
                 return 1
             time.sleep(1)
     except KeyboardInterrupt:
-        print("\nstopping...")
+        print("\nstopping... (Ctrl-C again kills what is left)", flush=True)
         return 0
     except (RuntimeError, subprocess.CalledProcessError, requests.RequestException) as exc:
         print(f"lockstep up: {exc}", file=sys.stderr)
         return 1
     finally:
         sup.stop_all()
+        print("stopped", flush=True)
 
 
 if __name__ == "__main__":  # `lockstep up` hands over to `python -m portal.up`

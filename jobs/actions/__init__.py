@@ -23,6 +23,7 @@ from jobs.actions.nodes import (
     do_mark_node_lost,
     do_node_leaving,
     do_register_node,
+    do_release_automatic_cordon,
     do_uncordon_node,
 )
 from jobs.actions.preemption import (
@@ -52,6 +53,7 @@ __all__ = [
     "do_propose_preemption",
     "do_register_model_version",
     "do_register_node",
+    "do_release_automatic_cordon",
     "do_request_stack_dump",
     "do_requeue_job",
     "do_set_job_priority",

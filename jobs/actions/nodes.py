@@ -1,5 +1,6 @@
 """Nodes: registration (an agent's restart included), a planned restart (the agent says it is
-leaving), lost, cordon, drain and uncordon."""
+leaving), lost, cordon, drain and uncordon, and the release of an automatic (strike) cordon by
+the operator tool that runs the node."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from jobs.event_kinds import EventKind
 from jobs.models import (
     GPU,
     Attempt,
+    Event,
     Node,
 )
 from jobs.queries import stopped_state
@@ -228,3 +230,37 @@ def do_uncordon_node(node: Node, *, actor, reason: str = "") -> Node:
     )
     wake("node uncordoned")
     return node
+
+
+def cordoned_automatically(node: Node) -> bool:
+    """Whether the node's cordon is the strikes' own (strikes.strike_node), not an admin's: the
+    latest cordon or drain event of the node says `automatic`."""
+    if node.state != Node.State.CORDONED:
+        return False
+    last = (
+        Event.objects.filter(node=node, kind__in=[EventKind.NODE_CORDONED, EventKind.NODE_DRAINING])
+        .order_by("-id")
+        .first()
+    )
+    return last is not None and bool(last.data.get("automatic"))
+
+
+@transaction.atomic
+def do_release_automatic_cordon(node: Node, *, by: str, reason: str) -> bool:
+    """Uncordon a node that the strikes cordoned automatically (never one an admin cordoned or
+    is draining); `by` names the tool that asks (`lockstep up` for its local demo nodes, whose
+    strikes come from its own earlier runs). Returns whether the node was released."""
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
+    if not cordoned_automatically(node):
+        return False
+    was = node.state_reason
+    node.state, node.state_reason = Node.State.UP, ""
+    node.save(update_fields=["state", "state_reason"])
+    record_event(
+        EventKind.NODE_UNCORDONED,
+        f"node {node.name} uncordoned by {by}: {reason} (it was cordoned automatically: {was})",
+        node=node,
+        data={"automatic_cordon_released": True, "by": by, "was": was},
+    )
+    wake("node uncordoned")
+    return True

@@ -1,0 +1,349 @@
+"""`lockstep up` as a newcomer runs it: the whole platform in one command, stopped with Ctrl-C
+(once, or twice in a hurry) and started again over the state it left.
+
+Each test runs the real `lockstep up` in a process of its own, on a free port (never 8000) and
+a var directory of its own (its own SQLite file and embedded Redis), so the suite can run while
+someone uses `make up`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from django.utils import timezone
+
+from jobs import actions
+from jobs.actions.strikes import strike_node
+from jobs.event_kinds import EventKind
+from jobs.models import Event, Node
+from portal.up import descendants, node_report
+from tests.live import free_port, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+# A bound on one start: migrations, daphne, the agents' registration (2 cores, a cold cache).
+START_TIMEOUT_S = 120
+# "Within a few seconds": one Ctrl-C waits for the agents to stop their workers, then for the
+# platform; two kill what is left at once.
+STOP_TIMEOUT_S = 15
+TWO_SIGNALS_STOP_S = 6
+
+
+class Up:
+    """One `lockstep up` process and what it printed."""
+
+    def __init__(self, var: Path, port: int, *args: str, env: dict[str, str] | None = None):
+        self.var, self.port = var, port
+        self.url = f"http://127.0.0.1:{port}"
+        env_over = env
+        env = dict(os.environ, LOCKSTEP_VAR_DIR=str(var), PYTHONUNBUFFERED="1")
+        # Its own embedded Redis and SQLite file, as on a laptop; never the suite's.
+        env.pop("REDIS_URL", None)
+        env.pop("DATABASE_URL", None)
+        env.update(
+            LOCKSTEP_RESTART_BACKOFF_S="1",
+            LOCKSTEP_SCHEDULER_TICK_S="1",
+            LOCKSTEP_THROTTLE_AUTH_FAILURES="1000000/min",
+            # Rendezvous ports apart from a `make up` on the same machine.
+            LOCKSTEP_MASTER_PORT_BASE=str(20000 + port % 9000),
+            LOCKSTEP_MASTER_PORT_SPAN="3000",
+        )
+        env.update(env_over or {})
+        lockstep = Path(sys.executable).parent / "lockstep"
+        argv = [str(lockstep), "up"] if lockstep.exists() else [sys.executable, "-m", "portal.up"]
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [*argv, "--port", str(port), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # a signal for it alone, as Ctrl-C is for the terminal's
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_up(self) -> requests.Session:
+        """Until it says it is up; returns an API session with alice's token."""
+
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"lockstep up exited with {self.proc.returncode}:\n{self}")
+            return "Lockstep is up" in self.output
+
+        wait_for(ready, START_TIMEOUT_S, f"lockstep up to start:\n{self}")
+        token = re.search(r"alice's API token: (\S+)", self.output).group(1)
+        api = requests.Session()
+        api.headers["Authorization"] = f"Bearer {token}"
+        return api
+
+    def get(self, api: requests.Session, path: str, **params):
+        answer = api.get(self.url + path, params=params, timeout=15)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    def interrupt(self, times: int = 1, gap_s: float = 0.2) -> dict[int, int]:
+        """Ctrl-C `times` times; returns every process it had running below it (pid -> start
+        time) just before."""
+        below = descendants(self.proc.pid)
+        for i in range(times):
+            if i:
+                time.sleep(gap_s)
+            self.proc.send_signal(signal.SIGINT)
+        return below
+
+    def __str__(self) -> str:
+        logs = "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
+            for p in sorted((self.var / "logs").glob("*.log"))
+        )
+        return f"{self.output}\n{logs}"
+
+
+def _alive(processes: dict[int, int]) -> list[str]:
+    """Those of `processes` still alive (same pid and start time, not a zombie)."""
+    left = []
+    for pid, start in processes.items():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[19]) == start and fields[0] != "Z":
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            left.append(f"{pid} {cmdline.decode(errors='replace')[:120]}")
+    return left
+
+
+def _port_free(port: int) -> bool:
+    """Whether a new portal could listen on the port (as daphne does, with SO_REUSEADDR: the
+    old connections' TIME_WAIT does not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+        return True
+
+
+def _stop(up: Up, *, times: int = 1, within: float = STOP_TIMEOUT_S) -> float:
+    """Stop it with `times` SIGINTs; assert everything it ran is gone and its port is free
+    within `within` seconds; returns how long it took."""
+    started = time.monotonic()
+    below = up.interrupt(times)
+    assert below, "lockstep up had no processes running"
+    try:
+        up.proc.wait(timeout=within)
+    except subprocess.TimeoutExpired as exc:
+        up.proc.kill()
+        message = f"lockstep up still running {within:.0f}s after SIGINT:\n{up}"
+        raise AssertionError(message) from exc
+    took = time.monotonic() - started
+    assert _alive(below) == [], f"left behind after {took:.1f}s:\n{_alive(below)}\n{up}"
+    assert _port_free(up.port), f"port {up.port} still taken after the stop"
+    assert took < within
+    return took
+
+
+def _demo_job(up: Up, api, job_id: int | None = None) -> dict:
+    """The demo job (the first one up submitted, unless `job_id` names it)."""
+    if job_id is None:
+        jobs = up.get(api, "/api/v1/jobs/")["results"]
+        job_id = min(j["id"] for j in jobs if j["name"] == "demo-addition")
+    return up.get(api, f"/api/v1/jobs/{job_id}/")
+
+
+def _nodes(up: Up, api) -> dict[str, dict]:
+    return {n["name"]: n for n in up.get(api, "/api/v1/nodes/")["results"]}
+
+
+@pytest.mark.e2e
+def test_two_ctrl_c_in_quick_succession_leave_no_process_behind(tmp_path):
+    """A second Ctrl-C during the stop kills what is left instead of interrupting the stop:
+    every process it started (workers of the agents included) is gone and the port free."""
+    up = Up(tmp_path / "var", free_port())
+    try:
+        api = up.wait_up()
+        # The demo job's workers are running too: the deepest processes it has.
+        wait_for(lambda: _demo_job(up, api)["state"] == "RUNNING", 90, "the demo job to run")
+        took = _stop(up, times=2, within=TWO_SIGNALS_STOP_S)
+        assert "killing what is left" in up.output
+        print(f"stopped with two SIGINTs in {took:.1f}s")
+    finally:
+        if up.proc.poll() is None:
+            os.killpg(up.proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.e2e
+def test_restarted_four_times_while_the_demo_job_runs(tmp_path):
+    """Stopped and started four times while the demo job runs, `lockstep up` comes up every
+    time with both nodes taking work and the demo job running again from its checkpoint.
+
+    Each restart of an agent with the job on it gives its node a strike; two strikes cordon a
+    node here (three in a day do by default, and the strikes fall on whichever agent registers
+    first), so a node is cordoned by up's own earlier runs at some start, and up uncordons it."""
+    var, port = tmp_path / "var", free_port()
+    resumed: list[str] = []  # what went wrong with the job's resume, restart by restart
+    job_id = checkpoint_step = None
+    released = 0
+    for cycle in range(5):  # the first start, then four restarts
+        up = Up(var, port, env={"LOCKSTEP_STRIKES_TO_CORDON": "2"})
+        try:
+            api = up.wait_up()
+            nodes = _nodes(up, api)
+            states = {name: nodes[name]["state"] for name in ("local-a", "local-b")}
+            assert states == {"local-a": "up", "local-b": "up"}, f"start {cycle}: {nodes}\n{up}"
+            assert "warning" not in up.output and "did not" not in up.output, up.output
+            released += up.output.count("uncordoned (it was cordoned automatically)")
+            if cycle == 0:
+                job_id = _demo_job(up, api)["id"]
+                # A checkpoint to resume from before the first restart.
+                checkpoint_step = wait_for(
+                    functools.partial(_checkpoint_step, up, api, job_id),
+                    120,
+                    "the demo job's first checkpoint",
+                )
+            else:
+                try:
+                    job = wait_for(
+                        functools.partial(_running_again, up, api, job_id, cycle),
+                        90,
+                        f"the demo job to run again after restart {cycle}",
+                    )
+                    latest = job["attempts"][0]
+                    if (latest["resumed_from_step"] or 0) < checkpoint_step:
+                        resumed.append(f"restart {cycle}: resumed from {latest}")
+                except AssertionError as exc:
+                    job = _demo_job(up, api, job_id)
+                    resumed.append(f"restart {cycle}: {exc}; job {job['state']}: {job['reason']}")
+            took = _stop(up)
+            print(f"start {cycle}: up, nodes {states}; stopped in {took:.1f}s")
+        finally:
+            if up.proc.poll() is None:
+                os.killpg(up.proc.pid, signal.SIGKILL)
+    assert released >= 1, "no start found a node cordoned by the strikes of the restarts"
+    if resumed:
+        # Each restart of an agent still ends its attempt as lost and uses one of the job's
+        # restarts (3 by default) until a planned stop is told apart from a failure.
+        pytest.xfail(
+            "needs the planned-restart change of branch issue17-agent: " + "; ".join(resumed)
+        )
+
+
+def _running_again(up: Up, api, job_id: int, cycle: int) -> dict | None:
+    job = _demo_job(up, api, job_id)
+    if job["state"] in ("FAILED", "SUCCEEDED", "CANCELLED"):
+        raise AssertionError(f"job {job['state']}")
+    attempts = job["attempts"]
+    latest = max(attempts, key=lambda a: a["number"]) if attempts else None
+    if job["state"] == "RUNNING" and latest and latest["number"] > cycle:
+        job["attempts"] = [latest]
+        return job
+    return None
+
+
+def _checkpoint_step(up: Up, api, job_id: int) -> int | None:
+    return (_demo_job(up, api, job_id)["latest_checkpoint"] or {}).get("step")
+
+
+def _cordon_by_strikes(node: Node, settings) -> None:
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "STRIKES_TO_CORDON": 1}
+    strike_node(node, "agent on it restarted", now=timezone.now())
+    node.refresh_from_db()
+    assert node.state == "cordoned"
+
+
+@pytest.mark.django_db
+def test_only_an_automatic_cordon_is_released_with_an_event(make_nodes, make_user, settings):
+    """What up does at start for its nodes: the strikes' cordon goes, with a node.uncordoned
+    event saying by whom and why; an admin's cordon or drain stays."""
+    auto, by_admin, drained, fine = make_nodes(4, 2)
+    _cordon_by_strikes(auto, settings)
+    admin = make_user("root", staff=True)
+    actions.do_cordon_node(by_admin, actor=admin, reason="bad fan", now=timezone.now())
+    actions.do_cordon_node(drained, actor=admin, reason="rma", drain=True, now=timezone.now())
+    # Cordoned automatically once, uncordoned, then cordoned by an admin: the admin's.
+    _cordon_by_strikes(fine, settings)
+    actions.do_uncordon_node(fine, actor=admin)
+    actions.do_cordon_node(fine, actor=admin, reason="testing", now=timezone.now())
+
+    released = {
+        node.name: actions.do_release_automatic_cordon(node, by="lockstep up", reason="demo")
+        for node in (auto, by_admin, drained, fine)
+    }
+    assert released == {
+        auto.name: True,
+        by_admin.name: False,
+        drained.name: False,
+        fine.name: False,
+    }
+    states = dict(Node.objects.values_list("name", "state"))
+    assert states == {
+        auto.name: "up",
+        by_admin.name: "cordoned",
+        drained.name: "draining",
+        fine.name: "cordoned",
+    }
+    event = Event.objects.filter(node=auto, kind=EventKind.NODE_UNCORDONED).get()
+    assert "uncordoned by lockstep up: demo" in event.message
+    assert "cordoned automatically" in event.message and event.data["automatic_cordon_released"]
+
+
+@pytest.mark.django_db
+def test_the_release_command_reports_every_node(make_nodes, settings, capsys):
+    from django.core.management import call_command
+
+    auto, other = make_nodes(2, 2)
+    _cordon_by_strikes(auto, settings)
+    call_command("release_automatic_cordons", "--by", "lockstep up", auto.name, other.name, "x")
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report == {
+        auto.name: {"state": "up", "reason": "", "released": True},
+        other.name: {"state": "up", "reason": "", "released": False},
+        "x": {"state": None, "reason": "not registered", "released": False},
+    }
+
+
+def test_the_node_report_says_each_nodes_true_state(tmp_path):
+    from datetime import UTC, datetime, timedelta
+
+    since = datetime.now(UTC)
+    fresh, stale = (since + timedelta(seconds=1)).isoformat(), (since - timedelta(60)).isoformat()
+    nodes = {
+        "local-a": {
+            "state": "cordoned",
+            "state_reason": "3 failures in 24h",
+            "gpus": 2,
+            "last_heartbeat_at": fresh,
+        },
+        "local-b": {"state": "up", "state_reason": "", "gpus": 2, "last_heartbeat_at": stale},
+        "local-d": {"state": "up", "state_reason": "", "gpus": 2, "last_heartbeat_at": fresh},
+    }
+    report = node_report(nodes, ["local-a", "local-b", "local-c", "local-d"], since, tmp_path)
+    assert report.splitlines() == [
+        "  local-a: registered but cordoned: 3 failures in 24h",
+        f"  local-b: not registered; see {tmp_path / 'agent-local-b.log'}",
+        f"  local-c: not registered; see {tmp_path / 'agent-local-c.log'}",
+        "  local-d: registered, up (2 GPUs)",
+    ]
