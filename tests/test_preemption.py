@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 from django.db import OperationalError
+from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -327,3 +328,33 @@ def test_the_live_safety_stop_refuses_a_looping_preemption_and_alerts_admins_onc
     # A day later the count is spent: it may be reclaimed again.
     later = now + timedelta(hours=22)
     assert take_snapshot(later).running[0].preemptions == 0
+
+
+@pytest.mark.django_db
+def test_the_console_queue_shows_the_safety_stops_alert_to_admins(two_teams, make_user, settings):
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "PREEMPT_MAX_PER_DAY": 1}
+    (owner, olga), (guest, gus), node, root = two_teams
+    borrowed = submit(guest, gus, gpus=2)
+    run_pass()
+    claimant = submit(owner, olga, gpus=2)
+    now = timezone.now()
+    PreemptionRequest.objects.create(
+        victim=borrowed,
+        claimant=claimant,
+        kind="reclaim",
+        state="executed",
+        reason="earlier",
+        created_at=now - timedelta(hours=1),
+        executed_at=now - timedelta(hours=1),
+    )
+    assert (
+        preemption_actions.do_propose_preemption(
+            victim_id=borrowed.id, claimant_id=claimant.id, kind="reclaim", reason="x", now=now
+        )
+        is None
+    )
+    client = Client()
+    client.force_login(make_user("root", staff=True))
+    html = client.get("/console/queue/").content.decode()
+    alerts = html.split('id="scheduler-alerts"')[1].split("</div>")[0]
+    assert f"job {borrowed.id}" in alerts and "preemption loop" in alerts

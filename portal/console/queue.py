@@ -9,11 +9,13 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 
 from jobs import actions, queries
+from jobs.event_kinds import EventKind
 from jobs.models import (
     PRIORITY_RANK,
     Job,
     Priority,
 )
+from jobs.queries import SAFETY_WINDOW
 from jobs.reports.estimates import band_text, estimate_bands
 from jobs.scheduling.vocab import WaitReason
 from portal.console.access import console_view
@@ -83,6 +85,13 @@ def queue(request, scope):
             return redirect("console_queue")
         failed, status = form, 400
     now = timezone.now()
+    # The scheduler's alerts of the last day: preemptions its safety stop refused (a policy
+    # that would have looped). An admin should look at who claims the job and at quotas.
+    alerts = list(
+        scope.events()
+        .filter(kind=EventKind.PREEMPTION_SAFETY_STOP, created_at__gte=now - SAFETY_WINDOW)
+        .order_by("-created_at")[:20]
+    )
     rows = list(jobs.select_related("team", "owner"))
     rows.sort(
         key=lambda j: (
@@ -124,6 +133,7 @@ def queue(request, scope):
         "console_queue.html",
         {
             "rows": table,
+            "alerts": alerts,
             "reservations": reservations,
             "orphan": orphan,
             "scope": scope,
