@@ -445,13 +445,16 @@ def test_guaranteed_reclaims_go_before_starvation_claims_in_a_pass():
     assert [(x.victim_job_id, x.claimant_job_id, x.kind) for x in p.preemptions] == [
         (11, 1, "starvation")
     ]
-    # On one node the starving head reserves it, and reclaims may not stop jobs on the
-    # head's reservation: the head does not take there what the guaranteed job could not.
+    # On one node the starving head reserves it. The head borrows (its team's quota is 0),
+    # so its reservation does not keep the owner from its quota: the reclaim takes the lent
+    # GPUs there, and the head takes nothing.
     only = [running(10, n1, range(8), team_id=lender.id, ends_in=7200, checkpoint_age=600)]
     lender = dataclasses.replace(lender, used=8, quota=0)
     teams = [lender, starver, owner]
     p = plan(snapshot([n1], [starving, job(2, 8, team_id=owner.id)], teams, only))
-    assert p.preemptions == ()
+    assert [(x.victim_job_id, x.claimant_job_id, x.kind) for x in p.preemptions] == [
+        (10, 2, "reclaim")
+    ]
     p = plan(snapshot([n1], [starving], teams, only))
     assert [(x.victim_job_id, x.kind) for x in p.preemptions] == [(10, "starvation")]
 

@@ -103,6 +103,7 @@ class SchedulingPass:
         self.starving: list[tuple[JobView, TeamView]] = []  # blocked past STARVING_CLAIM_STRETCH
         self.guaranteed_waiting = False  # a job within its team's quota found no victims
         self.settled: set[int] = set()  # claimants placed or waiting on their claim
+        self.head_borrowing = False  # the reservation's head job is beyond its team's quota
         # GPUs of jobs already told to stop are as good as gone: a reclaim must not count them
         # again as the owner's lent GPUs (it would take the owner below its quota).
         lent: dict[int, int] = defaultdict(int)
@@ -424,6 +425,20 @@ class SchedulingPass:
             guaranteed=guaranteed,
             allow_priority=holder is None,
         )
+        if claimed is None and guaranteed and self.head_borrowing:
+            # A borrowing head's reservation does not keep a team from its quota: its nodes
+            # run lent GPUs a reclaim must take back (with quarter- and half-cluster borrowers
+            # at the head, reclaims otherwise waited hours on generated traces). Only where
+            # the nodes outside the reservation would not do.
+            outside = {n.id for n in self.reservations.claimable}
+            head = [n for n in self.nodes if n.id in self.reservations.head_nodes]
+            claimed = self.victims.claim(
+                job,
+                team,
+                self.reservations.claimable + [n for n in head if n.id not in outside],
+                guaranteed=True,
+                allow_priority=False,
+            )
         if claimed is None:
             self.claim_failed.add(attempt)
         return claimed
@@ -456,6 +471,8 @@ class SchedulingPass:
 
     def _reserve(self, job: JobView, free_now: int) -> None:
         """The first blocked job holds the reservation."""
+        team = self.teams[job.team_id]
+        self.head_borrowing = self.used[team.id] + job.gpus > team.quota
         self.reservations.reserve_head(job)
         reserved = sorted(self.reservations.reserved, key=self.names.get)
         self.wait(

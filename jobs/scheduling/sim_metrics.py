@@ -123,7 +123,19 @@ def _preemptions_per_job(self) -> dict:
         "p99": _r(pct_sorted(counts, 99), 2),
         "jobs_preempted": len(hit),
         "mean_of_preempted": _r(_mean(hit), 2),
+        # Within any one day: what the safety stop bounds (SimConfig.safety_stop).
+        "max_in_a_day": max((_most_in_a_day(times) for times in self.stopped_at), default=0),
     }
+
+
+def _most_in_a_day(times: list[float]) -> int:
+    """The most of `times` (ascending) within any 24 hours."""
+    most, first = 0, 0
+    for last, t in enumerate(times):
+        while t - times[first] >= 86400.0:
+            first += 1
+        most = max(most, last - first + 1)
+    return most
 
 
 def _config_metrics(self) -> dict:
