@@ -265,3 +265,22 @@ class Api:
 
     def post(self, path: str, json=None):
         return self.session.post(self.url + path, json=json, timeout=15)
+
+
+def submit_training(api: Api, name: str, team: str, command: list[str], gpus: int = 4) -> int:
+    """Submit a job of the reference trainer on the synthetic dataset (two restarts allowed);
+    its id."""
+    response = api.post(
+        "/api/v1/jobs/",
+        {
+            "name": name,
+            "team": team,
+            "image": "lockstep/trainer:latest",
+            "command": command,
+            "dataset": "synthetic://addition",
+            "gpus": gpus,
+            "max_restarts": 2,
+        },
+    )
+    assert response.status_code == 201, response.text
+    return response.json()["id"]

@@ -14,7 +14,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from tests.live import Api, LiveCluster, wait_for, worker_pids
+from tests.live import Api, LiveCluster, submit_training, wait_for, worker_pids
 
 pytestmark = pytest.mark.e2e
 
@@ -50,20 +50,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def job(cluster):
-    response = cluster.alice.post(
-        "/api/v1/jobs/",
-        {
-            "name": "e2e-addition",
-            "team": "e2e",
-            "image": "lockstep/trainer:latest",
-            "command": TRAIN,
-            "dataset": "synthetic://addition",
-            "gpus": 4,
-            "max_restarts": 2,
-        },
-    )
-    assert response.status_code == 201, response.text
-    job_id = response.json()["id"]
+    job_id = submit_training(cluster.alice, "e2e-addition", "e2e", TRAIN)
 
     def training():
         cluster.check_alive()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.live import Api, LiveCluster, wait_for
+from tests.live import Api, LiveCluster, submit_training, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -60,20 +60,7 @@ def _node(cluster, name):
 
 def test_a_sigtermed_agent_leaves_no_strike_and_its_job_resumes_from_its_checkpoint(cluster):
     api = cluster.alice
-    response = api.post(
-        "/api/v1/jobs/",
-        {
-            "name": "planned-restart",
-            "team": "ops",
-            "image": "lockstep/trainer:latest",
-            "command": TRAIN,
-            "dataset": "synthetic://addition",
-            "gpus": 4,
-            "max_restarts": 2,
-        },
-    )
-    assert response.status_code == 201, response.text
-    job = response.json()["id"]
+    job = submit_training(api, "planned-restart", "ops", TRAIN)
 
     def detail():
         cluster.check_alive()

@@ -282,6 +282,19 @@ def test_a_starving_job_stops_its_own_teams_long_job_at_once_and_runs(two_teams)
     assert [c.preemption for c in long_job.checkpoints.order_by("step")] == [False, True]
 
 
+def _executed_earlier(victim, claimant, at):
+    """A reclaim of `victim` carried out at `at` (the safety stop counts these)."""
+    PreemptionRequest.objects.create(
+        victim=victim,
+        claimant=claimant,
+        kind="reclaim",
+        state="executed",
+        reason="earlier",
+        created_at=at,
+        executed_at=at,
+    )
+
+
 @pytest.mark.django_db
 def test_the_live_safety_stop_refuses_a_looping_preemption_and_alerts_admins_once(
     two_teams, settings
@@ -297,15 +310,7 @@ def test_the_live_safety_stop_refuses_a_looping_preemption_and_alerts_admins_onc
     claimant = submit(owner, olga, gpus=2)
     now = timezone.now()
     for hours_ago in (5, 3):  # two executed preemptions today
-        PreemptionRequest.objects.create(
-            victim=borrowed,
-            claimant=claimant,
-            kind="reclaim",
-            state="executed",
-            reason="earlier",
-            created_at=now - timedelta(hours=hours_ago),
-            executed_at=now - timedelta(hours=hours_ago),
-        )
+        _executed_earlier(borrowed, claimant, now - timedelta(hours=hours_ago))
     for _ in range(2):
         refused = preemption_actions.do_propose_preemption(
             victim_id=borrowed.id, claimant_id=claimant.id, kind="reclaim", reason="x", now=now
@@ -338,15 +343,7 @@ def test_the_console_queue_shows_the_safety_stops_alert_to_admins(two_teams, mak
     run_pass()
     claimant = submit(owner, olga, gpus=2)
     now = timezone.now()
-    PreemptionRequest.objects.create(
-        victim=borrowed,
-        claimant=claimant,
-        kind="reclaim",
-        state="executed",
-        reason="earlier",
-        created_at=now - timedelta(hours=1),
-        executed_at=now - timedelta(hours=1),
-    )
+    _executed_earlier(borrowed, claimant, now - timedelta(hours=1))
     assert (
         preemption_actions.do_propose_preemption(
             victim_id=borrowed.id, claimant_id=claimant.id, kind="reclaim", reason="x", now=now
