@@ -22,6 +22,7 @@ from typing import Any
 
 import requests
 
+from nodeagent.leaving import Leaving, bearer, short_error
 from nodeagent.supervisor import RankWorker, WorkerSupervisor
 from nodeagent.tail import LogTail, MetricsTail
 from nodeagent.telemetry import Telemetry
@@ -30,7 +31,6 @@ logger = logging.getLogger("nodeagent")
 
 REGISTER_PATH = "/api/v1/agent/register/"
 HEARTBEAT_PATH = "/api/v1/agent/heartbeat/"
-LEAVING_PATH = "/api/v1/agent/leaving/"
 HTTP_TIMEOUT_S = 10.0
 POLL_INTERVAL_S = 0.25  # how often workers are reaped and deadlines checked between beats
 MAX_REGISTER_BACKOFF_S = 30.0
@@ -70,7 +70,7 @@ class _Tracked:
     dump_log_ends: dict[int, int] | None = None
 
 
-class Agent:
+class Agent(Leaving):
     """One node's agent. `run()` is the whole life of the process; `register()` and
     `heartbeat()` are single exchanges with the portal, usable on their own."""
 
@@ -150,11 +150,11 @@ class Agent:
             resp = self._http.post(
                 self.portal + REGISTER_PATH,
                 json=body,
-                headers=_bearer(self.cluster_token),
+                headers=bearer(self.cluster_token),
                 timeout=self.http_timeout_s,
             )
         except requests.RequestException as exc:
-            self._last_register_error = f"cannot reach {self.portal}: {_short(exc)}"
+            self._last_register_error = f"cannot reach {self.portal}: {short_error(exc)}"
             return False
         if resp.status_code in (401, 403):
             raise AgentFatal(
@@ -194,11 +194,11 @@ class Agent:
             resp = self._http.post(
                 self.portal + HEARTBEAT_PATH,
                 json=body,
-                headers=_bearer(self.node_token),
+                headers=bearer(self.node_token),
                 timeout=self.http_timeout_s,
             )
         except requests.RequestException as exc:
-            self._beat_failed(f"cannot reach {self.portal}: {_short(exc)}")
+            self._beat_failed(f"cannot reach {self.portal}: {short_error(exc)}")
             return False
         if resp.status_code == 401:
             self.log.warning("the portal no longer knows this node's token; re-registering")
@@ -233,46 +233,6 @@ class Agent:
         for attempt_id in exits:
             self._tracked[attempt_id].exit_reported = True
         self.apply(data)
-        return True
-
-    def tell_leaving(self) -> bool:
-        """Tell the portal this agent is stopping on purpose (a planned restart): it
-        checkpoint-stops the node's attempts and requeues their jobs without counting a
-        failure. True once the portal has it (or refused it: retrying would not help)."""
-        if self.node_token is None:
-            return False
-        remaining = (
-            max(0.0, self._leave_deadline - time.monotonic())
-            if self._leave_deadline is not None
-            else self.leave_timeout_s
-        )
-        why = (
-            signal.Signals(self._stop_signal).name
-            if self._stop_signal is not None
-            else "stop requested"
-        )
-        try:
-            resp = self._http.post(
-                self.portal + LEAVING_PATH,
-                json={"boot_id": self.boot_id, "reason": why, "grace_s": round(remaining, 1)},
-                headers=_bearer(self.node_token),
-                timeout=min(self.http_timeout_s, max(remaining, 1.0)),
-            )
-        except requests.RequestException as exc:
-            self._portal_gone = isinstance(exc, requests.ConnectionError)
-            self.log.warning("could not tell the portal this node is leaving: %s", _short(exc))
-            return False
-        self._portal_gone = False
-        if resp.status_code != 200:
-            self.log.warning(
-                "the portal did not take this node's leaving: HTTP %s %r",
-                resp.status_code,
-                resp.text[:200],
-            )
-            # A refusal (an unknown token or boot, a portal without this call) is final;
-            # only a server error or a timeout is worth another try.
-            return 400 <= resp.status_code < 500 and resp.status_code not in (408, 429)
-        self.log.info("told the portal this node is leaving (a planned restart, %s)", why)
         return True
 
     # -- the loop ------------------------------------------------------------------------------
@@ -355,49 +315,6 @@ class Agent:
         retry_at = now + self._backoff
         self._backoff = min(MAX_REGISTER_BACKOFF_S, self._backoff * 2)
         return retry_at
-
-    def _begin_leave(self, now: float) -> None:
-        self._leave_deadline = now + self.leave_timeout_s
-        ids = self.supervisor.attempt_ids()
-        for attempt_id in ids:
-            # Checkpoint-and-stop, as for a preemption; survivors get SIGKILL at the deadline.
-            self.supervisor.stop(attempt_id, self.leave_timeout_s)
-        self.log.info(
-            "leaving (planned restart): checkpoint-and-stop sent to attempt(s) %s; waiting up "
-            "to %.0f s for them to exit (a second signal kills them now)",
-            ids,
-            self.leave_timeout_s,
-        )
-
-    def _left(self, now: float) -> bool:
-        """True when a leaving agent may exit: its workers are gone and the portal heard of
-        their exits (or it never had the portal's ear), or the deadline passed. Past the
-        deadline it kills what is left and reports that once more, best effort."""
-        ids = self.supervisor.attempt_ids()
-        if self.node_token is None or self._portal_gone:
-            if all(self.supervisor.all_exited(a) for a in ids):
-                return True
-        elif self._leave_told and all(
-            self.supervisor.all_exited(a) and self._tracked[a].exit_reported for a in ids
-        ):
-            return True
-        if self._leave_deadline is None or now < self._leave_deadline:
-            return False
-        if self.supervisor.kill_all():
-            for attempt_id in ids:
-                self.supervisor.wait(attempt_id, 2.0)
-        if self.node_token is not None:
-            if not self._leave_told:
-                self._leave_told = self.tell_leaving()
-            self.heartbeat()
-        self.log.warning("leave deadline passed; exiting")
-        return True
-
-    def request_leave(self, signum: int | None = None) -> None:
-        """A planned stop: checkpoint-and-stop the workers, tell the portal the node is
-        leaving, wait up to `leave_timeout_s` for them, then return from `run()`."""
-        self._stop_signal = signum
-        self._leave.set()
 
     def request_stop(self, signum: int | None = None) -> None:
         """Ask `run()` to return after its current exchange (at most one HTTP timeout)."""
@@ -589,10 +506,6 @@ class Agent:
             )
 
 
-def _bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
 def _number(value: Any, default: float) -> float:
     try:
         number = float(value)
@@ -606,16 +519,6 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def _short(exc: Exception) -> str:
-    # requests wraps urllib3 errors several layers deep; the innermost reason is the useful one.
-    reason: BaseException = exc
-    for _ in range(10):
-        if reason.__context__ is None:
-            break
-        reason = reason.__context__
-    return f"{type(reason).__name__}: {reason}"[:200]
 
 
 def default_work_dir(name: str) -> Path:
