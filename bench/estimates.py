@@ -4,8 +4,9 @@ the target's shape and on slices of the real traces; each job that waited was pr
 live scheduler's estimate at submit and again an hour on (jobs.scheduling.promises), and the
 error is its actual first start minus the promise.
 
-    .venv/bin/python bench/estimates.py                 # every scenario (~10-15 min, 2 cores)
+    .venv/bin/python bench/estimates.py                 # every scenario (about 7 min, 2 cores)
     .venv/bin/python bench/estimates.py --only gen-0.9-s0 --jobs 1
+    .venv/bin/python bench/estimates.py --figure        # redraw from the JSON (matplotlib)
 
 Writes bench/results/estimates.json (per scenario and per group: count, median and p90 |error|,
 bias and coverage by size class, at submit and after 1 h; the cost of tracking), the figure
@@ -188,7 +189,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma list of scenarios: " + ", ".join(SCENARIOS))
     parser.add_argument("--jobs", type=int, default=2, help="scenarios run in parallel")
+    parser.add_argument(
+        "--figure", action="store_true", help="only redraw the figure from the results JSON"
+    )
     args = parser.parse_args()
+    if args.figure:
+        print(figure(json.loads((RESULTS / "estimates.json").read_text())["groups"]))
+        return 0
     names = [n.strip() for n in (args.only or ",".join(SCENARIOS)).split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
