@@ -76,6 +76,34 @@ def _print_simulation(m: dict) -> None:
             f"{s['jct_mean_s']:>12}"
         )
     print()
+    if "estimates" in m:
+        _print_estimates(m["estimates"])
+
+
+def _print_estimates(e: dict) -> None:
+    """Start estimates against actual starts (error = start - promise; + is late)."""
+    print(
+        f"start estimates: {e['placed_at_once']} jobs placed at once (no promise); "
+        f"{e['estimate_calls']} estimates in {e['estimate_time_s']} s"
+    )
+    head = ("promise", "size", "waited", "covered", "median |err| s", "p90 |err| s", "bias s")
+    print("{:>9} {:>6} {:>7} {:>8} {:>15} {:>12} {:>9}".format(*head))
+    for moment in ("at_submit", "after_1h"):
+        rows = {"all": e[moment], **e[moment]["by_size"]}
+        for cls, s in rows.items():
+            if not s["waited"]:
+                continue
+            cover = "-" if s["coverage"] is None else f"{s['coverage']:.0%}"
+            print(
+                f"{moment:>9} {cls:>6} {s['waited']:>7} {cover:>8} "
+                f"{_or_dash(s['median_abs_s']):>15} {_or_dash(s['p90_abs_s']):>12} "
+                f"{_or_dash(s['bias_s']):>9}"
+            )
+    print()
+
+
+def _or_dash(x) -> str:
+    return "-" if x is None else f"{x:g}"
 
 
 def cmd_simulate(args) -> int:
@@ -112,6 +140,7 @@ def cmd_simulate(args) -> int:
         checkpoint_on_stop=args.checkpoint_on_stop,
         approval_delay_s=args.approval_delay_s,
         reclaim_backoff_s=args.reclaim_backoff_s,
+        track_promises=args.estimates,
     )
 
     def progress(status: dict) -> None:
@@ -186,6 +215,11 @@ def _add_simulate(sub) -> None:
         type=float,
         default=300.0,
         help="a team whose GPUs were reclaimed may not borrow for this long",
+    )
+    sim.add_argument(
+        "--estimates",
+        action="store_true",
+        help="compare each job's start estimate at submit and 1 h on with its start (slower)",
     )
     sim.add_argument("--progress", action="store_true", help="status lines on stderr")
 

@@ -11,12 +11,23 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import datetime, timedelta
 
+from jobs.scheduling.order import job_order_key
 from jobs.scheduling.policy import plan
 from jobs.scheduling.snapshot import RunningView, Snapshot
 from jobs.scheduling.vocab import AUTOMATIC_KINDS
 from jobs.settings_table import DEFAULTS
 
 DEFAULT_RUNTIME_S = 3600.0
+ESTIMATE_HEAD = 300  # queued jobs given a start estimate each pass (in policy order)
+
+
+def head_of_queue(snapshot: Snapshot, head: int = ESTIMATE_HEAD) -> Snapshot:
+    """The snapshot with only the first `head` queued jobs: estimates replay plan() many
+    times, so they are kept to the jobs people are waiting on first. The live scheduler and
+    the simulator's promises (jobs.scheduling.promises) both estimate on this."""
+    teams = {t.id: t for t in snapshot.teams}
+    ordered = sorted(snapshot.queued, key=lambda j: job_order_key(j, teams, snapshot.now))
+    return replace(snapshot, queued=tuple(ordered[:head]))
 
 
 def estimate_starts(
@@ -45,7 +56,9 @@ def estimate_starts(
     for _ in range(max_events):
         if not queued:
             break
-        view = Snapshot(
+        # replace(): the replay keeps the snapshot's protection and safety-stop settings.
+        view = replace(
+            snapshot,
             now=clock,
             nodes=tuple(nodes.values()),
             queued=tuple(queued),

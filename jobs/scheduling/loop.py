@@ -6,7 +6,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import redis
@@ -20,9 +20,8 @@ from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Job, Node, PreemptionRequest
 from jobs.scheduling.apply import ApplyResult, apply_plan
 from jobs.scheduling.detect import detect_hangs, detect_stragglers
-from jobs.scheduling.estimate import estimate_starts
+from jobs.scheduling.estimate import estimate_starts, head_of_queue
 from jobs.scheduling.leader import LeaderLease
-from jobs.scheduling.order import job_order_key
 from jobs.scheduling.policy import plan
 from jobs.scheduling.reader import take_snapshot
 from jobs.scheduling.wake import subscriber
@@ -123,17 +122,6 @@ def housekeeping(now) -> None:
             now=now,
             reason="stop deadline passed; workers killed",
         )
-
-
-ESTIMATE_HEAD = 300  # queued jobs given a start estimate each pass (in policy order)
-
-
-def head_of_queue(snapshot):
-    """The snapshot with only the first ESTIMATE_HEAD queued jobs: estimates replay plan()
-    many times, so they are kept to the jobs people are waiting on first."""
-    teams = {t.id: t for t in snapshot.teams}
-    ordered = sorted(snapshot.queued, key=lambda j: job_order_key(j, teams, snapshot.now))
-    return replace(snapshot, queued=tuple(ordered[:ESTIMATE_HEAD]))
 
 
 def run_pass(now=None) -> tuple[PassReport, ApplyResult]:

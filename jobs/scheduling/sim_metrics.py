@@ -47,7 +47,7 @@ def engine_metrics(self, t0: float, t_end: float, wall: float) -> dict:
     all_reclaims = [r for rs in reclaims.values() for r in rs]
     teams = _team_metrics(self, team_waits, by_team, reclaims)
     gpus = cfg.gpus
-    return {
+    out = {
         "policy": self.name,
         "gpus": gpus,
         "nodes": len(self.node_ids),
@@ -112,6 +112,9 @@ def engine_metrics(self, t0: float, t_end: float, wall: float) -> dict:
         "wall_s": _r(wall, 2),
         "config": _config_metrics(self),
     }
+    if self.promises is not None:  # SimConfig.track_promises (jobs.scheduling.promises)
+        out["estimates"] = self.promises.summary([j.gpus for j in self.jobs], self.first_start)
+    return out
 
 
 def _preemptions_per_job(self) -> dict:

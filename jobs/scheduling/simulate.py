@@ -23,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 
 from jobs.scheduling.baselines import backfill, fifo
 from jobs.scheduling.policy import plan
+from jobs.scheduling.promises import PromiseBook
 from jobs.scheduling.protection import DEFAULT_RESTART_S, min_run_s
 from jobs.scheduling.sim_metrics import engine_metrics
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
@@ -75,6 +76,9 @@ class SimConfig:
     restart_s: float = DEFAULT_RESTART_S
     preempt_exempt_s: float = 600.0  # the least minimum run (LOCKSTEP PREEMPT_EXEMPT_S)
     safety_stop: int = 5  # preemptions of one job in a day before no one may take it (live too)
+    # Record each job's start estimate at submit and an hour on as promises, and their error
+    # (jobs.scheduling.promises; metrics "estimates"). Costly: an estimate replays plan().
+    track_promises: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +113,8 @@ class SimResult:
     records: list[tuple[str, float, int, float | None, float | None, int]] = field(
         default_factory=list
     )
+    # with track_promises: (job index, GPUs, promise at submit, after 1 h, first start)
+    promises: list[tuple] = field(default_factory=list)
 
     def starts(self) -> dict[str, float | None]:
         return {r[0]: r[3] for r in self.records}
@@ -243,6 +249,11 @@ class _Engine:
         self.series_t: list[float] = []
         self.series_busy: list[int] = []
         self.series_queued: list[int] = []
+        self.promises = (
+            PromiseBook(EPOCH, stop_grace_s=cfg.grace_s, approval_delay_s=cfg.approval_delay_s)
+            if cfg.track_promises
+            else None
+        )
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -286,6 +297,8 @@ class _Engine:
                 # _WAKE: only makes the planner run (borrowing resumes)
             while arr < n and jobs[arr].submit_s <= t:
                 self._enqueue(arr + 1, t)
+                if self.promises:
+                    self.promises.arrived(arr + 1)
                 arr += 1
             if self.queue:
                 self._reclaim_clocks(t)
@@ -463,6 +476,9 @@ class _Engine:
         for proposal in plan.preemptions:
             self._preempt(proposal, t)
         self._expire_claims()
+        if self.promises:  # the live scheduler's estimate, from the snapshot it planned on
+            for due in self.promises.after_pass(snap, self.queue, self.first_start, t):
+                self._push(due, _WAKE, 0, 0)
 
     def _expire_claims(self) -> None:
         """A claim ends when its claimant starts, or after the first pass that saw all of its
@@ -687,6 +703,9 @@ class _Engine:
                 )
                 for i, j in enumerate(self.jobs)
             ],
+            promises=self.promises.records([j.gpus for j in self.jobs], self.first_start)
+            if self.promises
+            else [],
         )
 
     def _waits_by_class(self) -> dict[str, list[float]]:
