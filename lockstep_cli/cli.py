@@ -1,7 +1,7 @@
 """The `lockstep` command: run the platform (`up`, `agent`, `scheduler`), use it (`submit`,
 `jobs`, `status`, `wait`, `logs`, `cancel`, `checkpoints`, `models`, `tokens`:
-lockstep_cli/commands.py), plan a run's memory (`plan`) and replay traces through the scheduler
-(`simulate`)."""
+lockstep_cli/commands.py), plan a run's memory (`plan`), generate traces in the target's
+shape (`trace`) and replay traces through the scheduler (`simulate`)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,11 @@ def _print_simulation(m: dict) -> None:
         (
             "preemptions",
             f"{m['preemptions']['executed']} executed, {m['preempted_gpu_hours']} GPU-hours lost",
+        ),
+        (
+            "preemptions of one job",
+            "max {max}, p99 {p99}, most in a day {max_in_a_day}".format(**m["preemptions_per_job"])
+            + (f"; safety stop refused {m['safety_stops']} job(s)" if m["safety_stops"] else ""),
         ),
         ("starved", f"{m['starved']} ({m['never_started']} never started)"),
         (
@@ -224,6 +229,78 @@ def _add_simulate(sub) -> None:
     sim.add_argument("--progress", action="store_true", help="status lines on stderr")
 
 
+def cmd_trace(args) -> int:
+    """Write a generated trace in the target's shape (jobs.scheduling.generate) as CSV, and the
+    teams' quotas beside it; `lockstep simulate --trace ... --quotas ...` replays them."""
+    from jobs.scheduling.generate import TraceShape, generate, to_csv
+
+    try:
+        sizes = dict(_pair(item) for item in args.sizes.split(",")) if args.sizes else None
+        shares = tuple(float(x) for x in args.shares.split(",")) if args.shares else None
+        shape = TraceShape(
+            gpus=args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            teams=args.teams,
+            shares=shares,
+            jobs=args.jobs,
+            **({"sizes": sizes} if sizes else {}),
+            high=args.high,
+            low=args.low,
+            duration_median_s=args.duration_median_s,
+            duration_sigma=args.duration_sigma,
+            load=args.load,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        print(f"lockstep trace: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    text = to_csv(generate(shape))
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w") as f:
+            f.write(text)
+    if args.quotas_out:
+        with open(args.quotas_out, "w") as f:
+            f.write("team,quota,borrow_limit,weight\n")
+            for name, q in shape.quotas().items():
+                f.write(f"{name},{q.quota},{q.borrow_limit},{q.weight}\n")
+    return 0
+
+
+def _pair(item: str) -> tuple[str, float]:
+    key, sep, weight = item.partition("=")
+    if not sep:
+        raise ValueError(f"sizes: {item!r} is not SIZE=WEIGHT (e.g. 8=0.5,half=0.1)")
+    return key.strip(), float(weight)
+
+
+def _add_trace(sub) -> None:
+    t = sub.add_parser(
+        "trace",
+        help="generate a trace in the target's shape (CSV) for `lockstep simulate`",
+        description=cmd_trace.__doc__,
+    )
+    t.add_argument("--gpus", type=int, default=1024)
+    t.add_argument("--gpus-per-node", type=int, default=8)
+    t.add_argument("--teams", type=int, default=8)
+    t.add_argument("--shares", help="relative quotas, one per team: 1,1,2,...")
+    t.add_argument("--jobs", type=int, default=3000)
+    t.add_argument(
+        "--sizes",
+        help="GPU counts or quarter/half/whole with weights: 8=.34,16=.26,32=.2,64=.15,"
+        "quarter=.03,half=.02 (the default)",
+    )
+    t.add_argument("--high", type=float, default=0.10, help="share of high-priority jobs")
+    t.add_argument("--low", type=float, default=0.20, help="share of low-priority jobs")
+    t.add_argument("--duration-median-s", type=float, default=7200.0)
+    t.add_argument("--duration-sigma", type=float, default=1.0, help="of the log-normal")
+    t.add_argument("--load", type=float, default=1.15, help="offered load, 1.0 = the cluster")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("-o", "--output", help="trace CSV (default: stdout)")
+    t.add_argument("--quotas-out", help="also write the teams' quotas CSV here")
+
+
 def cmd_plan(args) -> int:
     """Per-GPU memory and traffic of each parallel layout; pure arithmetic, no portal needed."""
     import math
@@ -326,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     scheduler.add_argument("--once", action="store_true")
     handlers = commands.add_commands(sub)
     _add_simulate(sub)
+    _add_trace(sub)
     _add_plan(sub)
     args = parser.parse_args(argv)
     if args.cmd == "submit" and args.command[:1] == ["--"]:
@@ -337,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         _hand_over("django", ["run_scheduler", "--skip-checks", *(["--once"] if args.once else [])])
     if args.cmd in handlers:
         return commands.run(handlers[args.cmd], args)
-    return {"simulate": cmd_simulate, "plan": cmd_plan}[args.cmd](args)
+    return {"simulate": cmd_simulate, "trace": cmd_trace, "plan": cmd_plan}[args.cmd](args)
 
 
 if __name__ == "__main__":

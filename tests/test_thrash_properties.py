@@ -7,10 +7,17 @@ half-cluster gangs, 10 % high and 20 % low priority, log-normal durations around
 that two dozen seeds run in the suite; loads from 80 % to 150 %. The 1,024-GPU trace of the
 issue runs in bench/thrash.py (docs/simulator.md)."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from jobs.scheduling.generate import TraceShape, generate
 from jobs.scheduling.simulate import SimConfig, run
+from jobs.scheduling.trace import load_quotas, load_trace
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SEEDS = range(24)
 LOADS = (0.8, 1.0, 1.15, 1.3, 1.5)
@@ -82,3 +89,46 @@ def test_the_generator_makes_the_shape_it_is_asked_for():
         TraceShape(teams=2, shares=(1.0,))
     with pytest.raises(ValueError, match="sizes"):
         TraceShape(sizes={"eleventy": 1.0})
+
+
+def test_the_cli_writes_a_generated_trace_and_quotas_that_simulate_replays(tmp_path):
+    trace, quotas = tmp_path / "t.csv", tmp_path / "q.csv"
+    cli = [sys.executable, "-m", "lockstep_cli.cli"]
+    generated = [
+        "trace",
+        "--gpus",
+        "64",
+        "--teams",
+        "2",
+        "--jobs",
+        "40",
+        "--seed",
+        "5",
+        "-o",
+        str(trace),
+        "--quotas-out",
+        str(quotas),
+    ]
+    subprocess.run(cli + generated, cwd=ROOT, check=True, timeout=60)
+    shape = TraceShape(gpus=64, teams=2, jobs=40, seed=5)
+    assert load_trace(trace) == generate(shape)  # the CSV round-trips, priorities included
+    assert load_quotas(quotas) == shape.quotas()
+    out = subprocess.run(
+        cli + ["simulate", "--trace", str(trace), "--quotas", str(quotas), "--gpus", "64"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert "preemptions of one job" in out and "most in a day" in out
+    # Bad input: a clear message, exit 2, nothing written.
+    bad = subprocess.run(
+        cli + ["trace", "--sizes", "8=1,huge=2", "-o", str(tmp_path / "bad.csv")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "'huge' is not a GPU count" in bad.stderr
+    assert not (tmp_path / "bad.csv").exists()
