@@ -65,6 +65,7 @@ def test_a_band_is_the_90th_percentile_error_of_this_clusters_promises(lab, tmp_
     assert bands["2-8"] == {"band_s": 1800.0, "samples": 1, "source": "simulator"}
     assert bands["1"]["band_s"] is None and band_text(1, bands) == ""
     assert band_text(4, bands) == "usually within 30 min"
+    assert band_text(128, bands).startswith("at the earliest")  # a lower bound, not a band
     # Enough of its own: errors of 1..20 minutes (early or late alike) -> p90 = 18 min.
     for minutes in range(2, MIN_SAMPLES + 1):
         _started(team, user, 4, (-1 if minutes % 2 else 1) * minutes * 60, now)

@@ -61,7 +61,11 @@ def estimate_bands(now: datetime, days: int = REPORT_DAYS) -> dict[str, dict]:
 
 
 def band_text(gpus: int, bands: dict[str, dict]) -> str:
-    """'usually within 25 min' for a job of `gpus`, '' where no band is known."""
+    """'usually within 25 min' for a job of `gpus`, '' where no band is known. Jobs above 64
+    GPUs get no band: they wait for whole nodes to drain and every job ordered ahead of them
+    pushes that back, so in the simulator they always started late (docs/simulator.md)."""
+    if size_class(gpus) == ">64":
+        return "at the earliest (jobs this large usually start later)"
     band = bands.get(size_class(gpus), {}).get("band_s")
     if band is None:
         return ""
