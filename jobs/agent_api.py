@@ -206,6 +206,8 @@ class AgentLeavingView(APIView):
     authentication_classes: list = []
     permission_classes = [AllowAny]
 
+    serializer_class = LeavingSerializer  # for the schema (drf-spectacular)
+
     @extend_schema(request=LeavingSerializer)
     def post(self, request):
         node = _node_of(request)

@@ -69,6 +69,15 @@ with transaction.atomic():
 """
 
 
+AGE_RUNNING = """
+from datetime import timedelta
+from django.db.models import F
+from jobs.models import Attempt
+earlier = F("created_at") - timedelta(hours=2)
+Attempt.objects.filter(ended_at__isnull=True).update(created_at=earlier)
+"""
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """One agent with 2 GPUs, the demo team (quota 4), and two 2-GPU jobs of alice's: the
@@ -100,6 +109,9 @@ def cluster(tmp_path_factory):
             90,
             "the first job to run",
         )
+        # Past its minimum run (jobs.scheduling.protection), so that a priority claim may take
+        # it: the preemption test below needs one.
+        live.manage("shell", "-c", AGE_RUNNING)
         yield live
     finally:
         live.stop()

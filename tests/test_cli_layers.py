@@ -12,7 +12,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lockstep_cli"
 FORBIDDEN = ("django", "rest_framework", "channels", "portal", "teams", "jobs")
 # The pure scheduling modules `lockstep simulate` runs; the rest of jobs/ is the Django domain.
-PURE_JOBS = ("jobs.scheduling.simulate", "jobs.scheduling.trace", "jobs.scheduling.report")
+PURE_JOBS = (
+    "jobs.scheduling.simulate",
+    "jobs.scheduling.trace",
+    "jobs.scheduling.generate",
+    "jobs.scheduling.report",
+)
 # Modules of jobs/ outside jobs/scheduling/ that name no Django (they say so) and that the
 # pure modules load: the settings table's defaults (start estimates, via promises).
 PURE_DOMAIN = ("jobs.settings_table",)
