@@ -14,20 +14,31 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nodeagent.container import (
+    EXIT_ENGINE,
+    ContainerAttempt,
+    ContainerRank,
+    Engine,
+    ImageError,
+    container_name,
+    prepare_dirs,
+    run_argv,
+)
+from nodeagent.contract import (
+    build_worker_env,
+    container_base_env,
+    inheritable_env,
+    resolve_command,
+)
 from nodeagent.zygote import ForkedWorker, Zygote, ZygoteError, can_fork
 
 logger = logging.getLogger("nodeagent.supervisor")
-
-# Network settings an operator configures for the agent that workers need for NCCL/gloo.
-# Workers inherit the agent's whole environment anyway; naming them documents the contract.
-PASSTHROUGH_NETWORK_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
 # Exit codes reported for ranks whose process could not be started, following the shell's
 # convention so "command not found" reads the same as it would from a terminal.
@@ -55,90 +66,6 @@ def detect_gpu_kind(requested: str = "auto") -> str:
     return "cuda" if os.path.exists("/dev/nvidia0") else "cpu"
 
 
-def resolve_command(command: list[str]) -> list[str]:
-    """Run `python ...` commands with the agent's own interpreter.
-
-    The agent is started from the project's virtual environment; a bare `python` on PATH may be
-    the system interpreter, without torch or the trainer installed, or another Python version.
-    Using sys.executable makes `python -m trainer` import exactly what the agent can import.
-    """
-    argv = [str(part) for part in command]
-    if argv and argv[0] in ("python", "python3"):
-        argv[0] = sys.executable
-    return argv
-
-
-# What a worker must not inherit from the agent: workers run users' code, and these hold the
-# cluster agent token (which registers nodes), the agent's own settings, and, under
-# `lockstep up`, the portal's database, Redis and Django settings.
-PRIVATE_PREFIXES = ("LOCKSTEP_", "DJANGO_")
-PRIVATE_NAMES = frozenset({"DATABASE_URL", "REDIS_URL"})
-# Trainer settings an operator may set on a node's agent for every worker there.
-WORKER_SETTINGS = frozenset({"LOCKSTEP_PG_TIMEOUT_S"})
-
-
-def inheritable_env(base_env: Mapping[str, str]) -> dict[str, str]:
-    return {
-        k: v
-        for k, v in base_env.items()
-        if k in WORKER_SETTINGS or (not k.startswith(PRIVATE_PREFIXES) and k not in PRIVATE_NAMES)
-    }
-
-
-def build_worker_env(
-    launch: Mapping[str, Any],
-    rank: Mapping[str, Any],
-    *,
-    attempt_id: int,
-    metrics_path: Path,
-    gpu_kind: str,
-    base_env: Mapping[str, str],
-) -> dict[str, str]:
-    """The environment of one worker: the agent's (less its own secrets and configuration, see
-    `inheritable_env`), plus launch.env, plus the launch contract.
-
-    Contract variables are applied last so a user's env cannot fake another rank's identity.
-    """
-    env = inheritable_env(base_env)
-    env.update({str(k): str(v) for k, v in (launch.get("env") or {}).items()})
-    world_size = int(launch["world_size"])
-    local_world_size = int(launch["local_world_size"])
-    resume_from = launch.get("resume_from") or ""
-    contract = {
-        "RANK": rank["rank"],
-        "LOCAL_RANK": rank["local_rank"],
-        "WORLD_SIZE": world_size,
-        "LOCAL_WORLD_SIZE": local_world_size,
-        "GROUP_RANK": launch["group_rank"],
-        "GROUP_WORLD_SIZE": launch["group_world_size"],
-        "ROLE_RANK": rank["rank"],
-        "ROLE_WORLD_SIZE": world_size,
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": launch["master_addr"],
-        "MASTER_PORT": launch["master_port"],
-        "TORCHELASTIC_RUN_ID": launch["run_id"],
-        "TORCHELASTIC_RESTART_COUNT": launch.get("restart_count", 0),
-        "TORCHELASTIC_MAX_RESTARTS": launch.get("max_restarts", 0),
-        "LOCKSTEP_JOB_ID": launch["job_id"],
-        "LOCKSTEP_ATTEMPT": launch["attempt"],
-        "LOCKSTEP_ATTEMPT_ID": attempt_id,
-        "LOCKSTEP_CHECKPOINT_DIR": launch.get("checkpoint_dir") or "",
-        "LOCKSTEP_RESUME_FROM": resume_from,
-        "LOCKSTEP_DATASET": launch.get("dataset") or "",
-        "LOCKSTEP_JOB_GPUS": launch.get("job_gpus") or world_size,
-        "LOCKSTEP_METRICS_PATH": metrics_path,
-        "LOCKSTEP_DEVICE": gpu_kind,
-    }
-    env.update({k: str(v) for k, v in contract.items()})
-    # Several ranks on one host each spawning a thread per core oversubscribes the CPU badly;
-    # torchrun applies the same default.
-    if local_world_size > 1 and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = "1"
-    if gpu_kind == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = str(rank["gpu_index"])
-    return env
-
-
 @dataclass
 class RankWorker:
     """One worker process (one rank) of an attempt."""
@@ -148,7 +75,7 @@ class RankWorker:
     gpu_index: int
     log_path: Path
     metrics_path: Path
-    popen: subprocess.Popen[bytes] | ForkedWorker | None
+    popen: subprocess.Popen[bytes] | ForkedWorker | ContainerRank | None
     state: str = "starting"  # starting -> running -> exited
     exit_code: int | None = None
     # Wall-clock time the exit was seen (the agent polls every 0.25 s), so the portal can tell
@@ -185,6 +112,13 @@ class AttemptWorkers:
     stop_deadline: float | None = None  # clock() time after which survivors get SIGKILL
     killed: bool = False
     dump_sent_at: float | None = None  # clock() time the stack-dump signal went out (once)
+    # The container holding the ranks (container runtime); None for plain processes.
+    container: ContainerAttempt | None = None
+    # Why the attempt could not start at all on this node (a missing image): reported to the
+    # portal, which fails the job at once instead of restarting it into the same wall.
+    error: dict[str, str] | None = None
+    image_digest: str = ""  # the image id the container ran (container runtime)
+    pull_s: float = 0.0  # seconds spent pulling its image before the start
 
     @property
     def all_exited(self) -> bool:
@@ -211,9 +145,16 @@ class WorkerSupervisor:
         clock: Callable[[], float] = time.monotonic,
         log: logging.Logger | logging.LoggerAdapter[logging.Logger] | None = None,
         warm_start: bool = False,
+        engine: Engine | None = None,
+        node: str = "local",
+        pull_policy: str = "if-not-present",
     ) -> None:
         self.work_dir = Path(work_dir).resolve()
         self.gpu_kind = detect_gpu_kind(gpu_kind)
+        # The container runtime when an engine is given; plain processes (not isolated) else.
+        self.engine = engine
+        self.node = node
+        self.pull_policy = pull_policy
         self._base_env = base_env
         self._clock = clock
         self._log = log or logger
@@ -221,7 +162,7 @@ class WorkerSupervisor:
         # Warm start (nodeagent/zygote.py): workers forked from a process that has imported
         # torch already; started now, so it is warm before the first job arrives.
         self._zygote: Zygote | None = None
-        if warm_start:
+        if warm_start and engine is None:
             # The zygote never holds what workers may not see, either.
             agent_env = os.environ if base_env is None else base_env
             self._zygote = Zygote(
@@ -262,6 +203,8 @@ class WorkerSupervisor:
         """
         if attempt_id in self._attempts:
             raise ValueError(f"attempt {attempt_id} already has workers on this node")
+        if self.engine is not None:
+            return self._launch_container(attempt_id, launch)
         command = resolve_command(list(launch["command"]))
         if not command:
             raise ValueError(f"attempt {attempt_id}: empty command")
@@ -349,6 +292,99 @@ class WorkerSupervisor:
         )
         return attempt
 
+    def _launch_container(self, attempt_id: int, launch: Mapping[str, Any]) -> AttemptWorkers:
+        """All of the attempt's local ranks in one container of the job's image
+        (nodeagent/container.py). A missing or refused image ends every rank with 125 and sets
+        `error`, which the heartbeat carries so the portal fails the job at once."""
+        assert self.engine is not None
+        attempt_dir = self.attempt_dir(attempt_id)
+        agent_env = os.environ if self._base_env is None else self._base_env
+        ranks = sorted(launch["ranks"], key=lambda r: int(r["local_rank"]))
+        gpu_indices = sorted(int(r.get("gpu_index", r["local_rank"])) for r in ranks)
+        workers, specs = [], []
+        for entry in ranks:
+            rank = int(entry["rank"])
+            metrics_path = attempt_dir / f"rank-{rank}.metrics.jsonl"
+            env = build_worker_env(
+                launch,
+                entry,
+                attempt_id=attempt_id,
+                metrics_path=metrics_path,
+                gpu_kind=self.gpu_kind,
+                base_env=container_base_env(agent_env),
+            )
+            gpu_index = int(entry.get("gpu_index", entry["local_rank"]))
+            if self.gpu_kind == "cuda":
+                # Only the allocated GPUs are in the container, numbered from 0 in bus order.
+                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+                env["CUDA_VISIBLE_DEVICES"] = str(gpu_indices.index(gpu_index))
+            log_path = attempt_dir / f"rank-{rank}.log"
+            workers.append(
+                RankWorker(rank, int(entry["local_rank"]), gpu_index, log_path, metrics_path, None)
+            )
+            specs.append({"rank": rank, "env": env, "log": str(log_path)})
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        attempt = AttemptWorkers(attempt_id=attempt_id, launch=dict(launch), dir=attempt_dir)
+        self._attempts[attempt_id] = attempt
+        for worker in workers:
+            worker.metrics_path.unlink(missing_ok=True)
+            worker.log_path.unlink(missing_ok=True)
+        try:
+            pulled_s = self.engine.ensure_image(launch["image"], self.pull_policy)
+        except ImageError as exc:
+            self._log.error("attempt %s: %s", attempt_id, exc)
+            attempt.error = {"kind": "image", "message": str(exc)}
+            for worker in workers:
+                worker.log_path.write_text(f"lockstep agent: {exc}\n")
+                worker.state, worker.exit_code, worker.exited_at = (
+                    "exited",
+                    EXIT_ENGINE,
+                    time.time(),
+                )
+            attempt.workers = workers
+            return attempt
+        prepare_dirs(launch, attempt_dir)
+        status_path = attempt_dir / "ranks.json"
+        spec_path = attempt_dir / "launch.json"
+        status_path.unlink(missing_ok=True)
+        spec_path.write_text(
+            json.dumps({"command": launch["command"], "status": str(status_path), "ranks": specs})
+        )
+        prepare_dirs(launch, attempt_dir)  # the spec too: the launcher reads it as the team
+        argv = run_argv(
+            self.engine,
+            node=self.node,
+            attempt_id=attempt_id,
+            launch=launch,
+            attempt_dir=attempt_dir,
+            spec_path=spec_path,
+            gpu_indices=gpu_indices,
+            gpu_kind=self.gpu_kind,
+        )
+        with open(attempt_dir / "engine.log", "wb") as engine_log:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=engine_log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        name = container_name(self.node, attempt_id)
+        attempt.container = ContainerAttempt(self.engine, name, status_path, popen)
+        attempt.image_digest = self.engine.image_digest(launch["image"])
+        attempt.pull_s = pulled_s
+        for worker in workers:
+            worker.popen = ContainerRank(attempt.container, worker.rank)
+        attempt.workers = workers
+        self._log.info(
+            "attempt %s: container %s (%s) started for ranks %s",
+            attempt_id,
+            name,
+            launch["image"],
+            [w.rank for w in workers],
+        )
+        return attempt
+
     # -- polling -----------------------------------------------------------------------------
 
     def poll(self) -> None:
@@ -367,7 +403,8 @@ class WorkerSupervisor:
                 # Popen child's is this poll's (at most POLL_INTERVAL_S late).
                 worker.exited_at = getattr(worker.popen, "exited_at", None) or time.time()
                 # Leftover children of a finished worker (data loaders, a stray shell) would
-                # hold GPU memory the scheduler already considers free.
+                # hold GPU memory the scheduler already considers free. (In a container, the
+                # launcher does this.)
                 self._signal_group(worker, signal.SIGKILL)
                 self._log.info(
                     "attempt %s rank %s (pid %s) exited with %s",
@@ -384,6 +421,8 @@ class WorkerSupervisor:
                         attempt.attempt_id,
                         [w.rank for w in survivors],
                     )
+                    if attempt.container is not None:
+                        attempt.container.kill()
                     for worker in survivors:
                         self._signal_group(worker, signal.SIGKILL)
                 attempt.stop_deadline = None
@@ -411,7 +450,10 @@ class WorkerSupervisor:
         if attempt.stopping:
             return
         attempt.stop_deadline = self._clock() + max(0.0, float(deadline_s))
-        for worker in attempt.workers:
+        if attempt.container is not None:
+            # The container's init forwards it to the launcher, which forwards it to each rank.
+            attempt.container.signal(signal.SIGTERM)
+        for worker in attempt.workers if attempt.container is None else ():
             if worker.alive and worker.popen is not None:
                 # Only the worker itself: the trainer turns SIGTERM into "checkpoint at the next
                 # step boundary", while its helpers would simply die and break that save.
@@ -431,7 +473,10 @@ class WorkerSupervisor:
             return
         attempt.dump_sent_at = self._clock()
         signalled = []
-        for worker in attempt.workers:
+        if attempt.container is not None:
+            attempt.container.signal(DUMP_SIGNAL)
+            signalled = [w.rank for w in attempt.workers if w.alive]
+        for worker in attempt.workers if attempt.container is None else ():
             if worker.alive and worker.popen is not None:
                 # The worker only, not its process group: its helpers (data loaders, a shell)
                 # have no handler for it, and SIGUSR1's default action would kill them.
@@ -455,6 +500,8 @@ class WorkerSupervisor:
         attempt = self._attempts[attempt_id]
         attempt.killed = True
         attempt.stop_deadline = None
+        if attempt.container is not None and not attempt.all_exited:
+            attempt.container.kill()
         for worker in attempt.workers:
             if worker.alive:
                 self._signal_group(worker, signal.SIGKILL)
@@ -481,7 +528,8 @@ class WorkerSupervisor:
         del self._attempts[attempt_id]
 
     def _signal_group(self, worker: RankWorker, sig: int) -> None:
-        if worker.popen is None:
+        if worker.popen is None or isinstance(worker.popen, ContainerRank):
+            # A container rank's pid is in the container's namespace: never signal it here.
             return
         # start_new_session made the worker the leader of a group whose id is its pid. Linux
         # does not reuse a pid while it still names a live process group, so this cannot hit
@@ -500,6 +548,23 @@ class WorkerSupervisor:
         (attempt.dir / WORKERS_FILE).write_text(
             json.dumps({"boot_id": _kernel_boot_id(), "workers": entries})
         )
+
+    def remove_stale_containers(self, keep: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+        """Remove every container of this node whose attempt is not in `keep`: those an
+        earlier agent process left (it crashed, was killed, or was declared lost and its
+        attempts given away). Done before anything else, so a zombie never trains beside the
+        attempt that replaced it. Returns how many were removed."""
+        if self.engine is None:
+            return 0
+        removed = 0
+        for found in self.engine.containers(self.node):
+            attempt_id = int(found["attempt"]) if found["attempt"].isdigit() else None
+            if attempt_id in keep or attempt_id in self._attempts:
+                continue
+            self.engine.remove(found["name"])
+            removed += 1
+            self._log.warning("removed stale container %s", found["name"])
+        return removed
 
     def reap_orphans(self) -> int:
         """SIGKILL the process groups of workers left running by an earlier agent process on

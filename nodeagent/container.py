@@ -1,0 +1,350 @@
+"""The container runtime: each attempt's local ranks run inside the job's own image.
+
+One container per attempt and node holds all of that node's ranks (as Slurm's pyxis/enroot do),
+started by an OCI engine's CLI: podman, or Docker (same command shape). The container gets what
+multi-node training needs on bare metal (host network for the rendezvous and NCCL, host IPC,
+exactly the allocated GPUs, explicit ulimits) and nothing a job should not see: it runs as the
+team's uid with no capabilities, sees only its own job's checkpoint directory and its attempt's
+log and metrics directory, and inherits none of the agent's environment. docs/runtime.md has the
+whole picture; nodeagent/launch.py is what runs inside.
+
+The supervisor (nodeagent/supervisor.py) treats a container attempt's ranks like processes:
+`ContainerRank.poll()` reads the launcher's status file, and signals go to the container, whose
+init forwards them to the launcher, which forwards them to the ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("nodeagent.container")
+
+LAUNCHER = Path(__file__).with_name("launch.py")
+LAUNCHER_IN_CONTAINER = "/opt/lockstep-agent/launch.py"
+LABEL = "lockstep.attempt"  # every container the agent starts carries it
+# An engine that cannot run the container at all (bad image, refused pull) exits 125, as
+# `podman run` and `docker run` do; the ranks are reported with it.
+EXIT_ENGINE = 125
+ENGINE_TIMEOUT_S = 60.0
+PULL_POLICIES = ("if-not-present", "always", "never")
+# A job's processes run as TEAM_UID_BASE + team id: never root, and never the uid of another
+# team, so files one team writes are not another's to read.
+TEAM_UID_BASE = 200_000
+# Upper bounds for the ulimits the container asks for; the agent's own hard limits cap them
+# (an unprivileged engine cannot raise a limit above its own).
+NOFILE_WANTED = 1_048_576
+# (65,536 failed to start here, under a hard limit of 96,362: the engine itself runs with less.)
+NPROC_WANTED = 32_768
+
+
+class ImageError(Exception):
+    """The job's image cannot be run on this node: missing, refused, or not allowed. Restarting
+    the job elsewhere would fail the same way, so it fails at once."""
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An OCI engine's CLI. `name` is podman or docker."""
+
+    name: str
+    binary: str
+
+    @classmethod
+    def detect(cls, wanted: str = "auto") -> Engine | None:
+        """The engine to use, or None where none works (the process runtime's case). `auto`
+        tries podman, then Docker if its daemon answers (its CLI alone runs nothing)."""
+        names = ("podman", "docker") if wanted == "auto" else (wanted,)
+        for name in names:
+            binary = shutil.which(name)
+            if binary is None:
+                continue
+            engine = cls(name, binary)
+            if engine.works():
+                return engine
+        return None
+
+    def works(self) -> bool:
+        try:
+            done = self._run(["info", "--format", "{{.Host.OCIRuntime.Name}}"], timeout=30)
+            if self.name == "docker":
+                done = self._run(["info", "--format", "{{.ServerVersion}}"], timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return done.returncode == 0
+
+    def _run(
+        self, args: list[str], timeout: float = ENGINE_TIMEOUT_S
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [self.binary, *args], capture_output=True, text=True, timeout=timeout, check=False
+        )
+
+    # -- images --------------------------------------------------------------------------------
+
+    def image_present(self, image: str) -> bool:
+        return self._run(["image", "inspect", "--format", "{{.Id}}", image]).returncode == 0
+
+    def image_digest(self, image: str) -> str:
+        """The image's content id (what this attempt ran, whatever its tag points to later)."""
+        done = self._run(["image", "inspect", "--format", "{{.Id}}", image])
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    def ensure_image(self, image: str, policy: str) -> float:
+        """Make the image available per the pull policy; returns the seconds spent pulling.
+        Raises ImageError with the engine's own words when it cannot."""
+        if policy not in PULL_POLICIES:
+            raise ImageError(f"unknown pull policy {policy!r} (one of {', '.join(PULL_POLICIES)})")
+        present = self.image_present(image)
+        if policy == "never" or (policy == "if-not-present" and present):
+            if not present:
+                raise ImageError(f"image {image} is not on this node and the pull policy is never")
+            return 0.0
+        started = time.monotonic()
+        try:
+            done = self._run(["pull", "--quiet", image], timeout=30 * 60)
+        except subprocess.TimeoutExpired as exc:
+            raise ImageError(f"pulling {image} took longer than 30 min") from exc
+        if done.returncode != 0:
+            words = (done.stderr or done.stdout).strip().splitlines()
+            raise ImageError(f"cannot pull image {image}: {words[-1] if words else 'failed'}")
+        return time.monotonic() - started
+
+    # -- containers ----------------------------------------------------------------------------
+
+    def signal(self, name: str, sig: int) -> None:
+        sig_name = signal.Signals(sig).name.removeprefix("SIG")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._run(["kill", "--signal", sig_name, name], timeout=30)
+
+    def remove(self, name: str) -> None:
+        """Kill and remove at once (fencing, a stop's deadline, an orphan)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._run(["rm", "--force", "--time", "0", name], timeout=60)
+
+    def containers(self, node: str) -> list[dict[str, str]]:
+        """Every container this node's agents started: {"name", "attempt"} each."""
+        done = self._run(
+            [
+                "ps",
+                "--all",
+                "--filter",
+                f"label=lockstep.node={node}",
+                "--format",
+                f'{{{{.Names}}}} {{{{index .Labels "{LABEL}"}}}}',
+            ]
+        )
+        found = []
+        for line in done.stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 2:
+                found.append({"name": parts[0], "attempt": parts[1]})
+        return found
+
+
+def team_uid(team_id: int) -> int:
+    return TEAM_UID_BASE + int(team_id)
+
+
+def container_name(node: str, attempt_id: int) -> str:
+    return f"lockstep-{node}-a{attempt_id}"
+
+
+def _limit(which: int, wanted: int | None) -> str:
+    """`wanted` (None: unlimited) capped by the agent's own hard limit, as the engine's
+    --ulimit takes it: an engine cannot give a container more than it has itself."""
+    _soft, hard = resource.getrlimit(which)
+    if hard == resource.RLIM_INFINITY:
+        return "-1" if wanted is None else str(wanted)
+    return str(hard if wanted is None else min(hard, wanted))
+
+
+def run_argv(
+    engine: Engine,
+    *,
+    node: str,
+    attempt_id: int,
+    launch: Mapping[str, Any],
+    attempt_dir: Path,
+    spec_path: Path,
+    gpu_indices: list[int],
+    gpu_kind: str,
+) -> list[str]:
+    """The `podman run` / `docker run` command line of one attempt on this node."""
+    uid = team_uid(launch["team_id"])
+    checkpoint_dir = Path(launch["checkpoint_dir"])
+    # The job's directory, not the attempt's: a restart resumes from an earlier attempt's
+    # save. Other jobs' and other teams' directories are not mounted at all.
+    job_checkpoints = checkpoint_dir.parent
+    # Unlimited locked memory where the node allows it: RDMA (InfiniBand) registers pinned
+    # buffers, and NCCL fails with a low memlock limit.
+    memlock = _limit(resource.RLIMIT_MEMLOCK, None)
+    nofile = _limit(resource.RLIMIT_NOFILE, NOFILE_WANTED)
+    # Given explicitly: once any --ulimit is on the command line, the engine's defaults for the
+    # others may exceed what the node allows, and the container fails to start.
+    nproc = _limit(resource.RLIMIT_NPROC, NPROC_WANTED)
+    argv = [
+        engine.binary,
+        "run",
+        "--rm",
+        "--name",
+        container_name(node, attempt_id),
+        "--label",
+        f"lockstep.node={node}",
+        "--label",
+        f"{LABEL}={attempt_id}",
+        "--label",
+        f"lockstep.job={launch['job_id']}",
+        "--label",
+        f"lockstep.team={launch['team_id']}",
+        # Bare-metal networking for the rendezvous and NCCL/gloo; host IPC for NCCL's shared
+        # memory transport and DataLoader workers (a 64 MB /dev/shm breaks both).
+        "--network",
+        "host",
+        "--ipc",
+        "host",
+        # An init as PID 1 forwards SIGTERM/SIGUSR1 to the launcher and reaps zombies.
+        "--init",
+        "--user",
+        f"{uid}:{uid}",
+        "--cap-drop",
+        "all",
+        "--security-opt",
+        "no-new-privileges",
+        "--ulimit",
+        f"nofile={nofile}:{nofile}",
+        "--ulimit",
+        f"memlock={memlock}:{memlock}",
+        "--ulimit",
+        f"nproc={nproc}:{nproc}",
+        "--pull",
+        "never",  # pulled (or refused) before, by ensure_image, with the job's policy
+        "--volume",
+        f"{job_checkpoints}:{job_checkpoints}:rw",
+        "--volume",
+        f"{attempt_dir}:{attempt_dir}:rw",
+        "--volume",
+        f"{LAUNCHER}:{LAUNCHER_IN_CONTAINER}:ro",
+    ]
+    resume = launch.get("resume_from") or ""
+    if resume and not Path(resume).resolve().is_relative_to(job_checkpoints):
+        argv += ["--volume", f"{resume}:{resume}:ro"]
+    dataset = dataset_path(launch.get("dataset") or "")
+    if dataset is not None and dataset.exists():
+        # Read-only at the same path, so LOCKSTEP_DATASET means the same inside and out.
+        argv += ["--volume", f"{dataset}:{dataset}:ro"]
+    if gpu_kind == "cuda":
+        if engine.name == "docker":
+            argv += ["--gpus", '"device=' + ",".join(str(i) for i in gpu_indices) + '"']
+        else:
+            # CDI names (nvidia-ctk cdi generate): exactly the allocated devices.
+            for index in gpu_indices:
+                argv += ["--device", f"nvidia.com/gpu={index}"]
+    argv += [launch["image"], "python3", LAUNCHER_IN_CONTAINER, str(spec_path)]
+    return argv
+
+
+def dataset_path(dataset: str) -> Path | None:
+    """The local path a dataset URI names (file:// or a bare absolute path), else None."""
+    if dataset.startswith("file://"):
+        return Path(dataset.removeprefix("file://"))
+    if dataset.startswith("/"):
+        return Path(dataset)
+    return None
+
+
+def prepare_dirs(launch: Mapping[str, Any], attempt_dir: Path) -> None:
+    """Owned by the team's uid and closed to everyone else, so the job (not root) can write
+    its saves, logs and metrics, and other teams' jobs cannot read them."""
+    uid = team_uid(launch["team_id"])
+    job_checkpoints = Path(launch["checkpoint_dir"]).parent
+    job_checkpoints.mkdir(parents=True, exist_ok=True)
+    for path in (job_checkpoints, attempt_dir):
+        os.chown(path, uid, uid)
+        path.chmod(0o700)
+    for child in job_checkpoints.rglob("*"):
+        # Saves of earlier attempts (an earlier runtime may have written them as root).
+        with contextlib.suppress(OSError):
+            if child.stat().st_uid != uid:
+                os.chown(child, uid, uid, follow_symlinks=False)
+
+
+class ContainerAttempt:
+    """One running container and what its launcher last said about its ranks."""
+
+    def __init__(
+        self, engine: Engine, name: str, status_path: Path, popen: subprocess.Popen
+    ) -> None:
+        self.engine = engine
+        self.name = name
+        self.status_path = status_path
+        self.popen = popen
+        self._status: dict[str, Any] = {}
+        self._read_at = -1.0
+
+    def status(self, *, fresh: bool = False) -> dict[str, Any]:
+        now = time.monotonic()
+        if fresh or now - self._read_at >= 0.05:
+            self._read_at = now
+            with contextlib.suppress(OSError, ValueError):
+                self._status = json.loads(self.status_path.read_text())
+        return self._status
+
+    def engine_exit(self) -> int | None:
+        """The `podman run` client's exit code once the container is gone, else None."""
+        return self.popen.poll()
+
+    def signal(self, sig: int) -> None:
+        self.engine.signal(self.name, sig)
+
+    def kill(self) -> None:
+        self.engine.remove(self.name)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=30)
+
+
+class ContainerRank:
+    """One rank inside a container, with the part of Popen's shape the supervisor uses."""
+
+    def __init__(self, container: ContainerAttempt, rank: int) -> None:
+        self.container = container
+        self.rank = rank
+        self.exited_at: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The rank's pid inside the container's PID namespace (None until it started)."""
+        entry = self.container.status().get("ranks", {}).get(str(self.rank))
+        return entry.get("pid") if entry else None
+
+    def poll(self) -> int | None:
+        entry = self.container.status().get("ranks", {}).get(str(self.rank))
+        if entry and entry.get("state") == "exited":
+            self.exited_at = entry.get("exited_at")
+            return int(entry["exit_code"])
+        engine_exit = self.container.engine_exit()
+        if engine_exit is None:
+            return None
+        # The container is gone and the launcher never said this rank ended: killed with it
+        # (a stop's deadline, fencing), or the engine could not start it at all.
+        # One last read: the launcher may have written the rank's end just before it exited.
+        entry = self.container.status(fresh=True).get("ranks", {}).get(str(self.rank))
+        if entry and entry.get("state") == "exited":
+            self.exited_at = entry.get("exited_at")
+            return int(entry["exit_code"])
+        if entry is None and engine_exit != 0:
+            # The launcher never ran: the engine could not create the container (its reason
+            # is in the attempt's engine.log); report the engine's own exit code.
+            return engine_exit
+        return -signal.SIGKILL

@@ -1,0 +1,109 @@
+"""The launch contract: the environment every rank starts with (docs/agent-protocol.md).
+
+Built by the agent for both runtimes: a plain process inherits the agent's environment less
+its secrets; a container inherits nothing of the agent's but the network settings an operator
+configured, on top of its image's own environment.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# Network settings an operator configures for the agent that workers need for NCCL/gloo.
+# A plain process inherits them with the rest of the agent's environment; a container gets
+# exactly these.
+PASSTHROUGH_NETWORK_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
+def resolve_command(command: list[str]) -> list[str]:
+    """Run `python ...` commands with the agent's own interpreter.
+
+    The agent is started from the project's virtual environment; a bare `python` on PATH may be
+    the system interpreter, without torch or the trainer installed, or another Python version.
+    Using sys.executable makes `python -m trainer` import exactly what the agent can import.
+    """
+    argv = [str(part) for part in command]
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
+# What a worker must not inherit from the agent: workers run users' code, and these hold the
+# cluster agent token (which registers nodes), the agent's own settings, and, under
+# `lockstep up`, the portal's database, Redis and Django settings.
+PRIVATE_PREFIXES = ("LOCKSTEP_", "DJANGO_")
+PRIVATE_NAMES = frozenset({"DATABASE_URL", "REDIS_URL"})
+# Trainer settings an operator may set on a node's agent for every worker there.
+WORKER_SETTINGS = frozenset({"LOCKSTEP_PG_TIMEOUT_S"})
+
+
+def inheritable_env(base_env: Mapping[str, str]) -> dict[str, str]:
+    return {
+        k: v
+        for k, v in base_env.items()
+        if k in WORKER_SETTINGS or (not k.startswith(PRIVATE_PREFIXES) and k not in PRIVATE_NAMES)
+    }
+
+
+def build_worker_env(
+    launch: Mapping[str, Any],
+    rank: Mapping[str, Any],
+    *,
+    attempt_id: int,
+    metrics_path: Path,
+    gpu_kind: str,
+    base_env: Mapping[str, str],
+) -> dict[str, str]:
+    """The environment of one worker: the agent's (less its own secrets and configuration, see
+    `inheritable_env`), plus launch.env, plus the launch contract.
+
+    Contract variables are applied last so a user's env cannot fake another rank's identity.
+    """
+    env = inheritable_env(base_env)
+    env.update({str(k): str(v) for k, v in (launch.get("env") or {}).items()})
+    world_size = int(launch["world_size"])
+    local_world_size = int(launch["local_world_size"])
+    resume_from = launch.get("resume_from") or ""
+    contract = {
+        "RANK": rank["rank"],
+        "LOCAL_RANK": rank["local_rank"],
+        "WORLD_SIZE": world_size,
+        "LOCAL_WORLD_SIZE": local_world_size,
+        "GROUP_RANK": launch["group_rank"],
+        "GROUP_WORLD_SIZE": launch["group_world_size"],
+        "ROLE_RANK": rank["rank"],
+        "ROLE_WORLD_SIZE": world_size,
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": launch["master_addr"],
+        "MASTER_PORT": launch["master_port"],
+        "TORCHELASTIC_RUN_ID": launch["run_id"],
+        "TORCHELASTIC_RESTART_COUNT": launch.get("restart_count", 0),
+        "TORCHELASTIC_MAX_RESTARTS": launch.get("max_restarts", 0),
+        "LOCKSTEP_JOB_ID": launch["job_id"],
+        "LOCKSTEP_ATTEMPT": launch["attempt"],
+        "LOCKSTEP_ATTEMPT_ID": attempt_id,
+        "LOCKSTEP_CHECKPOINT_DIR": launch.get("checkpoint_dir") or "",
+        "LOCKSTEP_RESUME_FROM": resume_from,
+        "LOCKSTEP_DATASET": launch.get("dataset") or "",
+        "LOCKSTEP_JOB_GPUS": launch.get("job_gpus") or world_size,
+        "LOCKSTEP_METRICS_PATH": metrics_path,
+        "LOCKSTEP_DEVICE": gpu_kind,
+    }
+    env.update({k: str(v) for k, v in contract.items()})
+    # Several ranks on one host each spawning a thread per core oversubscribes the CPU badly;
+    # torchrun applies the same default.
+    if local_world_size > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"
+    if gpu_kind == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = str(rank["gpu_index"])
+    return env
+
+
+def container_base_env(agent_env: Mapping[str, str]) -> dict[str, str]:
+    """What a container's ranks take from the agent: the operator's network and trainer
+    settings only. Everything else (the image's PATH, ...) comes from the image."""
+    names = set(PASSTHROUGH_NETWORK_VARS) | WORKER_SETTINGS
+    return {k: v for k, v in agent_env.items() if k in names or k.startswith("NCCL_")}
