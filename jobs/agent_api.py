@@ -35,6 +35,10 @@ class RegisterSerializer(serializers.Serializer):
     rack = serializers.CharField(max_length=64, required=False, default="default")
     boot_id = serializers.CharField(max_length=64, required=False, allow_blank=True, default="")
     killed_orphans = serializers.IntegerField(min_value=0, required=False, default=0)
+    runtime = serializers.ChoiceField(choices=["container", "process"], default="process")
+    engine = serializers.ChoiceField(
+        choices=["", "podman", "docker"], required=False, allow_blank=True, default=""
+    )
 
 
 MAX_RANK = 100_000
@@ -107,8 +111,22 @@ class RecordListField(ObjectListField):
     pass
 
 
+class AttemptErrorSerializer(serializers.Serializer):
+    """Why the attempt could not start on the node at all (a missing or refused image)."""
+
+    kind = serializers.ChoiceField(choices=["image"])
+    message = serializers.CharField(max_length=2000)
+
+
+class ImageReportSerializer(serializers.Serializer):
+    digest = serializers.CharField(max_length=128)
+    pull_s = serializers.FloatField(min_value=0, max_value=86_400)
+
+
 class AttemptReportSerializer(serializers.Serializer):
     attempt_id = serializers.IntegerField()
+    error = AttemptErrorSerializer(required=False)
+    image = ImageReportSerializer(required=False)
     ranks = RankReportSerializer(many=True, required=False, default=list)
     records = RecordListField(required=False, default=list)
     logs = LogReportSerializer(many=True, required=False, default=list)

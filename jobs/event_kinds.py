@@ -29,6 +29,7 @@ class EventKind(StrEnum):
     ATTEMPT_PREEMPTED = "attempt.preempted"
     ATTEMPT_CANCELLED = "attempt.cancelled"
     ATTEMPT_CAUSE_REVISED = "attempt.cause_revised"
+    ATTEMPT_IMAGE = "attempt.image"
     ATTEMPT_HANG_DETECTED = "attempt.hang_detected"
     ATTEMPT_STRAGGLER = "attempt.straggler"
     ATTEMPT_TRAINER_STARTED = "attempt.trainer_started"

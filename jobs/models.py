@@ -36,12 +36,20 @@ class Node(models.Model):
     # for an upgrade, Ctrl-C); cleared when an agent registers with a new boot. Its return is
     # then no crash: no strike, and its checkpoint-stopped attempts were requeued, not lost.
     leaving_at = models.DateTimeField(null=True, blank=True)
+    # How its agent runs jobs: "container" (each job in its own image, isolated; `engine` is
+    # podman or docker) or "process" (plain processes of the agent's user: not isolated).
+    runtime = models.CharField(max_length=16, default="process")
+    engine = models.CharField(max_length=16, blank=True)
 
     class Meta:
         ordering = ["name"]
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def isolated(self) -> bool:
+        return self.runtime == "container"
 
 
 class GPU(models.Model):
@@ -171,6 +179,10 @@ class Attempt(models.Model):
     failed_at = models.DateTimeField(
         null=True, blank=True, help_text="When the failure happened (ended_at: when detected)"
     )
+    # The image the attempt's containers ran (its content id, whatever the tag points to
+    # later) and the seconds its pull took; empty under the process runtime.
+    image_digest = models.CharField(max_length=128, blank=True)
+    pull_s = models.FloatField(null=True, blank=True)
     dump_requested_at = models.DateTimeField(
         null=True, blank=True, help_text="Hang detected: stacks requested before the kill"
     )

@@ -50,6 +50,8 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
     checkpoint_dir = attempt_dir(lockstep_setting("CHECKPOINT_ROOT"), job.id, attempt.number)
     return {
         "job_id": job.id,
+        "team_id": job.team_id,
+        "image": job.image,
         "attempt": attempt.number,
         "command": list(job.command),
         # The job's checkpoint interval rides in the env the trainer reads (users may not set

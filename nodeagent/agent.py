@@ -22,6 +22,7 @@ from typing import Any
 
 import requests
 
+from nodeagent.container import Engine
 from nodeagent.leaving import Leaving, bearer, short_error
 from nodeagent.supervisor import RankWorker, WorkerSupervisor
 from nodeagent.tail import LogTail, MetricsTail
@@ -38,6 +39,19 @@ DEFAULT_STOP_DEADLINE_S = 30.0
 # How long a stopping agent (first SIGTERM/SIGINT) waits for its workers to checkpoint and exit
 # and for the portal to hear of it, before it kills what is left and exits.
 DEFAULT_LEAVE_TIMEOUT_S = 30.0
+
+
+def pick_engine(runtime: str) -> Engine | None:
+    """The engine for `runtime`: "container" needs one (podman, else Docker), "process" uses
+    none, "auto" the container runtime where an engine works and plain processes elsewhere."""
+    if runtime == "process":
+        return None
+    if runtime not in ("auto", "container", "podman", "docker"):
+        raise ValueError(f"runtime must be auto, container, podman, docker or process: {runtime!r}")
+    engine = Engine.detect(runtime if runtime in ("podman", "docker") else "auto")
+    if engine is None and runtime != "auto":
+        raise AgentFatal(f"runtime {runtime!r}: no working container engine (podman or docker)")
+    return engine
 
 
 class AgentFatal(Exception):
@@ -89,6 +103,8 @@ class Agent(Leaving):
         http_timeout_s: float = HTTP_TIMEOUT_S,
         warm_start: bool = False,
         leave_timeout_s: float = DEFAULT_LEAVE_TIMEOUT_S,
+        runtime: str = "process",
+        pull_policy: str = "if-not-present",
     ) -> None:
         if gpus < 1:
             raise ValueError("gpus must be at least 1")
@@ -106,8 +122,16 @@ class Agent(Leaving):
         self.node_id: int | None = None
         self.node_token: str | None = None
         self.log = _NodeLog(logger, {"node": name})
+        self.engine = pick_engine(runtime)
+        self.runtime = "process" if self.engine is None else "container"
         self.supervisor = WorkerSupervisor(
-            work_dir, gpu_kind=gpu_kind, log=self.log, warm_start=warm_start
+            work_dir,
+            gpu_kind=gpu_kind,
+            log=self.log,
+            warm_start=warm_start,
+            engine=self.engine,
+            node=name,
+            pull_policy=pull_policy,
         )
         self.telemetry = Telemetry(gpus, self.supervisor.gpu_kind, log=self.log)
         self._http = requests.Session()
@@ -145,6 +169,9 @@ class Agent(Leaving):
             # Workers an earlier agent process left behind are killed, not re-adopted (their
             # pipes and deadlines died with it); the portal records that this happened.
             "killed_orphans": self.killed_orphans,
+            # "process": jobs run as the agent's user beside each other (not isolated).
+            "runtime": self.runtime,
+            "engine": self.engine.name if self.engine is not None else "",
         }
         try:
             resp = self._http.post(
@@ -248,7 +275,10 @@ class Agent(Leaving):
             self.supervisor.gpu_kind,
             self.supervisor.work_dir,
         )
-        orphans = self.killed_orphans = self.supervisor.reap_orphans()
+        # Before anything else: no container or worker of an earlier agent process may train
+        # beside the attempts the portal has since given to others.
+        orphans = self.supervisor.remove_stale_containers() + self.supervisor.reap_orphans()
+        self.killed_orphans = orphans
         if orphans:
             self.log.warning("killed %d worker(s) left by an earlier agent process", orphans)
         self._backoff = 1.0
@@ -384,6 +414,11 @@ class Agent(Leaving):
             }
             if dump_shipped:
                 report["dumped"] = True
+            workers = self.supervisor.get(attempt_id)
+            if workers is not None and workers.error:
+                report["error"] = workers.error
+            if workers is not None and workers.image_digest:
+                report["image"] = {"digest": workers.image_digest, "pull_s": workers.pull_s}
             attempts.append(report)
             if all_exited and drained:
                 exits.append(attempt_id)

@@ -43,6 +43,21 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def read_token_file(parser: argparse.ArgumentParser, path: Path) -> str:
+    """The token in `path`, which must be readable by its owner only: a token file that other
+    users (a job of the process runtime, say) can read is no secret."""
+    try:
+        mode = path.stat().st_mode
+        token = path.read_text().strip()
+    except OSError as exc:
+        parser.error(f"cannot read the token file {path}: {exc.strerror}")
+    if mode & 0o077:
+        parser.error(f"the token file {path} is readable by others: chmod 600 {path}")
+    if not token:
+        parser.error(f"the token file {path} is empty")
+    return token
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lockstep agent",
@@ -55,9 +70,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="portal base URL (default: $LOCKSTEP_PORTAL or %(default)s)",
     )
     parser.add_argument(
+        "--token-file",
+        type=Path,
+        default=os.environ.get("LOCKSTEP_AGENT_TOKEN_FILE"),
+        help="file holding the cluster agent token, readable by the agent only (default: "
+        "$LOCKSTEP_AGENT_TOKEN_FILE); it only bootstraps the node, which then holds a token "
+        "of its own",
+    )
+    parser.add_argument(
         "--token",
         default=os.environ.get("LOCKSTEP_AGENT_TOKEN"),
-        help="cluster agent token (default: $LOCKSTEP_AGENT_TOKEN)",
+        help="the token itself (default: $LOCKSTEP_AGENT_TOKEN); prefer --token-file: a "
+        "command line is visible to every process on the node",
+    )
+    parser.add_argument(
+        "--runtime",
+        choices=("auto", "container", "podman", "docker", "process"),
+        default=os.environ.get("LOCKSTEP_AGENT_RUNTIME", "auto"),
+        help="how jobs run: in their own image with a container engine (podman, else Docker), "
+        "or as plain processes of the agent's user (not isolated); auto: a container engine "
+        "where one works (default: $LOCKSTEP_AGENT_RUNTIME or auto)",
+    )
+    parser.add_argument(
+        "--pull-policy",
+        choices=("if-not-present", "always", "never"),
+        default=os.environ.get("LOCKSTEP_AGENT_PULL_POLICY", "if-not-present"),
+        help="when the container runtime pulls a job's image (default: if-not-present)",
     )
     parser.add_argument(
         "--gpus",
@@ -115,11 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.token_file is not None:
+        args.token = read_token_file(parser, args.token_file)
     if not args.token:
         parser.error(
-            "no agent token: pass --token or set LOCKSTEP_AGENT_TOKEN "
-            "(the cluster agent token created in the portal)"
+            "no agent token: pass --token-file (or --token, or set LOCKSTEP_AGENT_TOKEN) "
+            "with the cluster agent token created in the portal"
         )
+    # Nothing the agent starts may inherit it (process runtime; containers inherit nothing).
+    os.environ.pop("LOCKSTEP_AGENT_TOKEN", None)
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
@@ -138,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         gpu_kind=args.gpu_kind,
         warm_start=not args.cold_start,
         leave_timeout_s=args.leave_timeout_s,
+        runtime=args.runtime,
+        pull_policy=args.pull_policy,
     )
     agent.install_signal_handlers()
     return agent.run()

@@ -178,15 +178,19 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _agent_token(var: Path) -> str:
-    token = os.environ.get("LOCKSTEP_AGENT_TOKEN")
-    if token:
-        return token
+def _agent_token_file(var: Path) -> Path:
+    """The cluster agent token's file (mode 600), made on the first run. The portal and the
+    agents read it from there (LOCKSTEP_AGENT_TOKEN_FILE, --token-file): the token itself is
+    never on a command line or in an environment a job could read. A token given in
+    $LOCKSTEP_AGENT_TOKEN is moved into the file."""
     path = var / "agent_token"
-    if not path.exists():
-        path.write_text(secrets.token_urlsafe(32))
+    given = os.environ.pop("LOCKSTEP_AGENT_TOKEN", None)
+    if given or not path.exists():
+        path.touch(mode=0o600)
         path.chmod(0o600)
-    return path.read_text().strip()
+        path.write_text(given or secrets.token_urlsafe(32))
+    path.chmod(0o600)
+    return path
 
 
 def _wait_http(url: str, timeout: float, sup: Supervisor) -> None:
@@ -248,8 +252,8 @@ def _start_agents(py: str, env: dict, url: str, args, var: Path, sup: Supervisor
                 "nodeagent",
                 "--portal",
                 url,
-                "--token",
-                env["LOCKSTEP_AGENT_TOKEN"],
+                "--token-file",
+                env["LOCKSTEP_AGENT_TOKEN_FILE"],
                 "--gpus",
                 str(args.gpus_per_agent),
                 "--name",
@@ -399,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         PYTHONUNBUFFERED="1",
         LOCKSTEP_VAR_DIR=str(var),
     )
-    env["LOCKSTEP_AGENT_TOKEN"] = _agent_token(var)
+    env["LOCKSTEP_AGENT_TOKEN_FILE"] = str(_agent_token_file(var))
+    env.pop("LOCKSTEP_AGENT_TOKEN", None)
     sup = Supervisor(var / "logs")
     # SIGINT too: a shell that starts us in the background sets SIGINT to "ignore".
     signal.signal(signal.SIGTERM, sup.on_signal)

@@ -52,13 +52,15 @@ def do_end_attempt(
     failed_at: datetime | None = None,
     blame_node: Node | None = None,
     data: dict | None = None,
+    final: bool = False,
 ) -> Attempt:
     """End a live attempt, release its GPUs, and move the job on (restart, finish or fail).
 
     `failed_at` is when the failure happened (for a hang: the last progress; for a lost node:
     its last heartbeat), so time to detect = now - failed_at. `blame_node` is the node the
     failure is attributed to: it gets a strike, unless the attempt never made a step (then the
-    job's own code is the likelier cause).
+    job's own code is the likelier cause). `final`: a failure any restart would repeat (its
+    image cannot be run): the job fails at once, with no restart used.
     """
     with transaction.atomic():
         attempt = Attempt.objects.select_for_update(no_key=True).get(pk=attempt.pk)
@@ -118,6 +120,16 @@ def do_end_attempt(
                 f"requeued: {reason}"
                 if reason.startswith((GROW_REASON, LEAVING_REASON))
                 else f"requeued after preemption: {reason}"
+            )
+        elif final and state == Attempt.State.FAILED:
+            job.state, job.finished_at = Job.State.FAILED, now
+            job.reason = f"{reason} (not restarted: every attempt would fail the same way)"
+            record_event(
+                EventKind.JOB_FAILED,
+                job.reason,
+                job=job,
+                team_id=job.team_id,
+                data={"class": "user_error", **(data or {})},
             )
         elif early:
             # Several attempts in a row died before their first step: the job's command,

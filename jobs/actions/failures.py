@@ -292,3 +292,34 @@ def do_flag_straggler(
         data={"rank": rank, "compute_s": seconds, "gang_compute_s": gang_seconds},
     )
     strike_node(node, f"job {attempt.job_id}: {message}", now=now)
+
+
+def record_image(attempt: Attempt, node: Node, image: dict) -> None:
+    """The image an attempt's container ran on a node (first report wins: every node of a
+    gang runs the same tag, and the job page shows one digest per attempt)."""
+    attempt.image_digest = str(image["digest"])[:128]
+    attempt.pull_s = float(image["pull_s"])
+    attempt.save(update_fields=["image_digest", "pull_s"])
+    pulled = f", pulled in {attempt.pull_s:.1f} s" if attempt.pull_s >= 0.05 else ""
+    record_event(
+        EventKind.ATTEMPT_IMAGE,
+        f"attempt {attempt.number} runs {attempt.job.image} ({attempt.image_digest[:19]}){pulled}",
+        job_id=attempt.job_id,
+        attempt=attempt,
+        node=node,
+        data={"digest": attempt.image_digest, "pull_s": attempt.pull_s},
+    )
+
+
+def fail_at_start(attempt: Attempt, node: Node, error: dict, *, now: datetime) -> None:
+    """The node could not start the attempt at all (its image is missing or its pull was
+    refused): the job fails at once with the agent's message. No strike (the node did nothing
+    wrong) and no restart (every node would fail the same way)."""
+    do_end_attempt(
+        attempt,
+        state=Attempt.State.FAILED,
+        now=now,
+        reason=f"{error['kind']} error on {node.name}: {error['message']}",
+        data={"error": error["kind"]},
+        final=True,
+    )

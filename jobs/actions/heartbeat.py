@@ -9,7 +9,13 @@ from django.db import transaction
 
 from jobs.actions.attempts import do_mark_attempt_running
 from jobs.actions.base import record_event, wake
-from jobs.actions.failures import agent_time, record_exits, revise_cause
+from jobs.actions.failures import (
+    agent_time,
+    fail_at_start,
+    record_exits,
+    record_image,
+    revise_cause,
+)
 from jobs.actions.ingest import ingest_records
 from jobs.conf import lockstep_setting
 from jobs.event_kinds import EventKind
@@ -100,6 +106,11 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
                 ):
                     do_mark_attempt_running(attempt, now=now)
                     attempt.refresh_from_db()
+            if report.get("image") and not attempt.image_digest:
+                record_image(attempt, node, report["image"])
+            if report.get("error"):
+                fail_at_start(attempt, node, report["error"], now=now)
+                continue
             exits = {
                 int(r["rank"]): (int(r["exit_code"]), agent_time(r.get("exited_at"), now))
                 for r in ranks

@@ -34,6 +34,8 @@ def do_register_node(
     gpu_kind: str = "cpu",
     boot_id: str = "",
     killed_orphans: int = 0,
+    runtime: str = "process",
+    engine: str = "",
     now: datetime,
 ) -> tuple[Node, str]:
     """Create or re-bind a node; returns it with a fresh node token (shown once)."""
@@ -46,6 +48,8 @@ def do_register_node(
             hostname=hostname,
             rack=rack,
             gpu_kind=gpu_kind,
+            runtime=runtime,
+            engine=engine,
             token_digest=token_digest(raw),
             boot_id=boot_id,
             registered_at=now,
@@ -91,6 +95,7 @@ def do_register_node(
         # The leaving process itself registering again (it lost its token) is still leaving.
         was_down = node.state == Node.State.DOWN and (new_boot or not planned)
         node.address, node.hostname, node.rack, node.gpu_kind = address, hostname, rack, gpu_kind
+        node.runtime, node.engine = runtime, engine
         node.token_digest, node.boot_id = token_digest(raw), boot_id
         node.registered_at = node.last_heartbeat_at = now
         if was_down:
