@@ -4,10 +4,19 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test lint format venv clean test-ci
+.PHONY: up test lint format venv clean test-ci image
 
+# Where podman is installed, jobs run in the trainer's image (built here, offline, if it is
+# missing or stale); elsewhere as plain processes, which the banner says are not isolated.
 up: $(STAMP)
+	@if command -v podman >/dev/null 2>&1; then \
+	  PY=$(PY) trainer/image/build.sh podman || echo "make up: the trainer image did not build; jobs will run as plain processes"; \
+	fi
 	$(VENV)/bin/lockstep up
+
+# localhost/lockstep/trainer:<version> (docs/runtime.md); ENGINE=docker for Docker.
+image: $(STAMP)
+	PY=$(PY) trainer/image/build.sh $(or $(ENGINE),podman)
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -95,6 +95,8 @@ class AttemptSerializer(serializers.ModelSerializer):
             "ended_at",
             "ended",
             "last_step",
+            "image_digest",
+            "pull_s",
         ]
 
     def get_nodes(self, attempt) -> list[str]:
@@ -285,5 +287,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "state",
             "state_reason",
             "gpus",
+            "runtime",
+            "engine",
             "last_heartbeat_at",
         ]

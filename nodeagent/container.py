@@ -99,7 +99,10 @@ class Engine:
     def image_digest(self, image: str) -> str:
         """The image's content id (what this attempt ran, whatever its tag points to later)."""
         done = self._run(["image", "inspect", "--format", "{{.Id}}", image])
-        return done.stdout.strip() if done.returncode == 0 else ""
+        if done.returncode != 0:
+            return ""
+        found = done.stdout.strip()
+        return found if found.startswith("sha256:") else f"sha256:{found}"
 
     def ensure_image(self, image: str, policy: str) -> float:
         """Make the image available per the pull policy; returns the seconds spent pulling.

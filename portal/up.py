@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -238,11 +239,42 @@ def _start_platform(py: str, env: dict, port: int, sup: Supervisor) -> None:
     sup.start("scheduler", [py, "manage.py", "run_scheduler"], env)
 
 
+DEMO_IMAGE = "lockstep/trainer:latest"
+
+
+def _agent_runtime() -> str:
+    """How the local agents run jobs: $LOCKSTEP_AGENT_RUNTIME if set; else in containers of
+    the trainer's image where podman has it (`make up` builds it when podman is installed),
+    else as plain processes (not isolated; the banner says so)."""
+    wanted = os.environ.get("LOCKSTEP_AGENT_RUNTIME")
+    if wanted:
+        return wanted
+    podman = shutil.which("podman")
+    if podman is None:
+        return "process"
+    found = subprocess.run(
+        [podman, "image", "inspect", DEMO_IMAGE], capture_output=True, check=False, timeout=60
+    )
+    return "auto" if found.returncode == 0 else "process"
+
+
+def _runtime_line(nodes: dict[str, dict]) -> str:
+    runtimes = {(n.get("runtime"), n.get("engine")) for n in nodes.values()}
+    if runtimes and all(runtime == "container" for runtime, _ in runtimes):
+        engines = ", ".join(sorted({engine for _, engine in runtimes}))
+        return f"jobs run in their own images ({engines} containers, isolated)"
+    return (
+        "jobs run as plain processes of this user: NOT isolated (no container engine or no "
+        f"{DEMO_IMAGE} image; install podman and run `make image`, see docs/runtime.md)"
+    )
+
+
 def _agent_names(count: int) -> list[str]:
     return [f"local-{chr(ord('a') + i)}" for i in range(count)]
 
 
 def _start_agents(py: str, env: dict, url: str, args, var: Path, sup: Supervisor) -> None:
+    runtime = _agent_runtime()
     for name in _agent_names(args.agents):
         sup.start(
             f"agent-{name}",
@@ -254,6 +286,8 @@ def _start_agents(py: str, env: dict, url: str, args, var: Path, sup: Supervisor
                 url,
                 "--token-file",
                 env["LOCKSTEP_AGENT_TOKEN_FILE"],
+                "--runtime",
+                runtime,
                 "--gpus",
                 str(args.gpus_per_agent),
                 "--name",
@@ -420,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         names = _agent_names(args.agents)
         since = datetime.now(UTC)
         _start_agents(py, env, url, args, var, sup)
-        _wait_for_agents(api, url, names, since, sup, var / "logs")
+        nodes = _wait_for_agents(api, url, names, since, sup, var / "logs")
         _release_automatic_cordons(py, env, names)
         _check_nodes(api, url, names, since, sup, var / "logs")
         total = args.agents * args.gpus_per_agent
@@ -433,6 +467,7 @@ Lockstep is up: {url}
   alice / {demo["alice_password"]}   (researcher in team demo)
   alice's API token: {demo["alice_token"]}
   try:  LOCKSTEP_TOKEN={demo["alice_token"]} .venv/bin/lockstep jobs
+  {_runtime_line(nodes)}
 Logs in {var / "logs"}. Ctrl-C stops everything.""",
             flush=True,
         )

@@ -1,11 +1,18 @@
 """Shared fixtures: database objects made through the real actions."""
 
+import os
+
 import pytest
 from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from jobs import actions
 from teams.actions import do_add_member, do_create_team, do_issue_token
+
+# Agents the suite starts run jobs as plain processes (their test jobs use the suite's own
+# interpreter), whatever engine the machine has; tests/test_container_runtime.py asks for
+# containers by name.
+os.environ.setdefault("LOCKSTEP_AGENT_RUNTIME", "process")
 
 # Test files that check nothing specific to a database or a channel layer, and why: `make test`
 # (SQLite, embedded Redis) runs them, and .ci/run's PostgreSQL leg deselects them with
@@ -30,6 +37,7 @@ ONE_LEG = {
     "test_protection.py": "the pure policy's preemption protection",
     "test_thrash_properties.py": "the pure policy on generated workloads",
     "test_estimate_accuracy.py": "the pure simulator's start promises",
+    "test_container_runtime.py": "jobs in podman containers; the database part is e2e's",
     "test_up.py": "lockstep up on its embedded defaults (SQLite, its own Redis) in any leg",
     "test_layers.py": "the code's own imports",
     "test_cli_layers.py": "the CLI package's imports",

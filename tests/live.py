@@ -87,6 +87,7 @@ class LiveCluster:
         gpus_per_agent: int = 2,
         env: dict[str, str] | None = None,
         agent_heartbeat_s: float = 0.5,
+        runtime: str = "process",
     ):
         """`env` is applied over the test settings below (e.g. production defaults for a
         benchmark); `agent_heartbeat_s` is the agents' --heartbeat-s (the portal's
@@ -96,6 +97,11 @@ class LiveCluster:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.agent_token = "test-agent-token"
+        # In a file only its owner reads, as an operator would keep it (nodeagent --token-file).
+        work.mkdir(parents=True, exist_ok=True)
+        self.agent_token_file = work / "agent_token"
+        self.agent_token_file.write_text(self.agent_token)
+        self.agent_token_file.chmod(0o600)
         self.procs: dict[str, subprocess.Popen] = {}
         self.agent_names = [f"e2e-{chr(ord('a') + i)}" for i in range(agents)]
         self.gpus_per_agent = gpus_per_agent
@@ -105,7 +111,9 @@ class LiveCluster:
             DJANGO_SETTINGS_MODULE="portal.settings",
             DATABASE_URL=self.database.url,
             REDIS_URL=settings.REDIS_URL,
-            LOCKSTEP_AGENT_TOKEN=self.agent_token,
+            LOCKSTEP_AGENT_TOKEN_FILE=str(self.agent_token_file),
+            # Plain processes unless a test asks for containers (tests/test_container_runtime.py).
+            LOCKSTEP_AGENT_RUNTIME=runtime,
             LOCKSTEP_CHECKPOINT_ROOT=str(work / "checkpoints"),
             LOCKSTEP_MODEL_ROOT=str(work / "models"),
             # The failed-auth counters live in the shared Redis per address, and every test
@@ -207,8 +215,8 @@ class LiveCluster:
                 "nodeagent",
                 "--portal",
                 self.url,
-                "--token",
-                self.agent_token,
+                "--token-file",
+                str(self.agent_token_file),
                 "--gpus",
                 str(self.gpus_per_agent),
                 "--name",

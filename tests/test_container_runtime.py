@@ -1,0 +1,403 @@
+"""Jobs in their own images, with a real engine (podman): a live cluster of two agents whose
+runtime is the container one (nodeagent/container.py), and the trainer's image that `make
+image` builds (trainer/image/). No fakes: the containers, the rendezvous over the host network,
+the checkpoints on disk and the isolation probes are real.
+
+Skipped only where no engine or no image exists, saying so; .ci/run installs podman and builds
+the image first, so CI skips none of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from nodeagent.container import Engine, run_argv, team_uid
+from tests.live import Api, LiveCluster, wait_for, worker_pids
+
+IMAGE = "localhost/lockstep/trainer:latest"
+THIRD_PARTY_IMAGE = "localhost/lockstep-test/plain-ddp:1"
+ENGINE = Engine.detect("podman")
+
+
+def _image_present(name: str) -> bool:
+    return ENGINE is not None and ENGINE.image_present(name)
+
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(ENGINE is None, reason="no working podman on this machine"),
+    pytest.mark.skipif(
+        not _image_present(IMAGE), reason=f"no {IMAGE}: run `make image` (.ci/run does)"
+    ),
+]
+
+TRAIN = ["python", "-m", "trainer", "--steps", "3000", "--checkpoint-every", "10"]
+
+# A plain torchrun-style DDP script, no Lockstep in it: baked into an image of its own.
+PLAIN_DDP = textwrap.dedent(
+    """
+    import os, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(20):
+        loss = model(torch.ones(4, 8)).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    print(f"plain-ddp rank {dist.get_rank()}/{dist.get_world_size()} uid {os.getuid()} "
+          f"sum {total.item():.0f}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+# Run inside a team's container: everything a rival job would try, each outcome recorded.
+PROBE = textwrap.dedent(
+    """
+    import json, os, signal
+    out = {"uid": os.getuid()}
+    def attempt(name, fn):
+        try:
+            out[name] = "allowed: " + repr(fn())[:80]
+        except Exception as exc:
+            out[name] = "refused: " + type(exc).__name__
+    attempt("other_team_checkpoints", lambda: os.listdir(os.environ["OTHER_CKPT"]))
+    attempt("agent_token_file", lambda: open(os.environ["TOKEN_FILE"]).read())
+    attempt("signal_other_job", lambda: os.kill(int(os.environ["OTHER_PID"]), signal.SIGTERM))
+    attempt("signal_agent", lambda: os.kill(int(os.environ["AGENT_PID"]), signal.SIGTERM))
+    seen = []
+    # Every other process it can see (its own environment holds TOKEN: the test passed it).
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            seen.append(open(f"/proc/{pid}/cmdline", "rb").read())
+            seen.append(open(f"/proc/{pid}/environ", "rb").read())
+        except OSError:
+            pass
+    out["token_visible"] = any(os.environ["TOKEN"].encode() in blob for blob in seen)
+    out["token_in_env"] = sum(os.environ["TOKEN"] in v for v in os.environ.values()) > 1
+    out["processes_seen"] = len(seen) // 2
+    print("PROBE " + json.dumps(out), flush=True)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    live = LiveCluster(tmp_path_factory.mktemp("containers"), runtime="podman")
+    try:
+        live.start()
+        live.alice = Api(live.url, live.token("alice", "--team", "ops", "--quota", "4"))
+        live.bob = Api(live.url, live.token("bob", "--team", "rivals", "--quota", "4"))
+        wait_for(
+            lambda: (
+                [n["runtime"] for n in live.alice.get("/api/v1/nodes/").json()["results"]]
+                == ["container", "container"]
+            ),
+            90,
+            "both agents to register with the container runtime",
+        )
+        yield live
+    finally:
+        live.stop()
+        for name in live.agent_names:
+            for found in ENGINE.containers(name):
+                ENGINE.remove(found["name"])
+
+
+def _submit(api: Api, team: str, command: list[str], *, gpus: int, image=IMAGE, env=None) -> int:
+    response = api.post(
+        "/api/v1/jobs/",
+        {
+            "name": "in-a-container",
+            "team": team,
+            "image": image,
+            "command": command,
+            "dataset": "synthetic://addition",
+            "gpus": gpus,
+            "max_restarts": 2,
+            "env": env or {},
+        },
+    )
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def _job(api: Api, job: int) -> dict:
+    return api.get(f"/api/v1/jobs/{job}/").json()
+
+
+def _containers(label: str) -> list[dict]:
+    done = subprocess.run(
+        ["podman", "ps", "--all", "--filter", f"label={label}", "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout or "[]")
+
+
+def _logs(api: Api, job: int, ranks=(0,)) -> str:
+    text = []
+    for rank in ranks:
+        answer = api.get(f"/api/v1/jobs/{job}/logs/", params={"rank": rank, "tail": 1000}).json()
+        text += [*answer["lines"], answer["partial"]]
+    return "\n".join(text)
+
+
+def _finish(api: Api, job: int, cluster, timeout=240) -> dict:
+    def ended():
+        cluster.check_alive()
+        detail = _job(api, job)
+        return detail if detail["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") else None
+
+    return wait_for(ended, timeout, f"job {job} to end")
+
+
+def _cancel(api: Api, job: int) -> None:
+    api.post(f"/api/v1/jobs/{job}/cancel/")
+
+
+def test_run_argv_gives_the_container_what_training_needs_and_nothing_more(tmp_path):
+    launch = {
+        "job_id": 9,
+        "team_id": 4,
+        "image": IMAGE,
+        "checkpoint_dir": str(tmp_path / "ckpt" / "job-9" / "attempt-2"),
+        "resume_from": str(tmp_path / "ckpt" / "job-9" / "attempt-1" / "step-000010"),
+        "dataset": f"file://{tmp_path}",
+    }
+    argv = run_argv(
+        ENGINE,
+        node="n1",
+        attempt_id=77,
+        launch=launch,
+        attempt_dir=tmp_path / "attempt-77",
+        spec_path=tmp_path / "attempt-77" / "launch.json",
+        gpu_indices=[3, 5],
+        gpu_kind="cuda",
+    )
+    pairs = list(zip(argv, argv[1:], strict=False))
+    assert ("--network", "host") in pairs and ("--ipc", "host") in pairs and "--init" in argv
+    assert ("--user", f"{team_uid(4)}:{team_uid(4)}") in pairs and team_uid(4) != 0
+    assert ("--cap-drop", "all") in pairs
+    assert ("--label", "lockstep.attempt=77") in pairs and ("--label", "lockstep.job=9") in pairs
+    # Exactly the allocated GPUs, by their CDI names.
+    assert [b for a, b in pairs if a == "--device"] == ["nvidia.com/gpu=3", "nvidia.com/gpu=5"]
+    volumes = [b for a, b in pairs if a == "--volume"]
+    job_dir = tmp_path / "ckpt" / "job-9"
+    assert f"{job_dir}:{job_dir}:rw" in volumes  # the job's own saves, earlier attempts included
+    assert f"{tmp_path}:{tmp_path}:ro" in volumes  # the dataset, read-only at the same path
+    assert not any(v.startswith(f"{tmp_path / 'ckpt'}:") for v in volumes)  # not the root
+    assert {a for a, _ in pairs if a.startswith("--ulimit")} == {"--ulimit"}
+    limits = {b.split("=")[0] for a, b in pairs if a == "--ulimit"}
+    assert limits == {"nofile", "memlock", "nproc"}
+    assert argv[-4:] == [IMAGE, "python3", "/opt/lockstep-agent/launch.py", str(argv[-1])]
+
+
+def test_a_two_node_job_trains_in_its_image_loses_a_rank_and_resumes(cluster):
+    api = cluster.alice
+    job = _submit(api, "ops", TRAIN, gpus=4)
+    try:
+        running = wait_for(
+            lambda: (
+                cluster.check_alive()
+                or (
+                    (d := _job(api, job))["state"] == "RUNNING"
+                    and api.get(f"/api/v1/jobs/{job}/checkpoints/").json()
+                    and d
+                )
+            ),
+            240,
+            "the job to train in containers on both nodes and commit a checkpoint",
+        )
+        (first,) = running["attempts"]
+        assert sorted(first["nodes"]) == ["e2e-a", "e2e-b"]
+        containers = _containers(f"lockstep.job={job}")
+        assert len(containers) == 2 and {c["Labels"]["lockstep.node"] for c in containers} == {
+            "e2e-a",
+            "e2e-b",
+        }
+        # The ranks run as the team's uid, in the container's own PID namespace.
+        pids = worker_pids(first["id"])
+        assert len(pids) == 4
+        uids = {_uid(pid) for pid in pids.values()}
+        assert len(uids) == 1 and uids.pop() >= 200_000
+
+        os.kill(pids[3], signal.SIGKILL)  # a rank dies inside its container
+        resumed = wait_for(
+            lambda: (
+                cluster.check_alive()
+                or (
+                    len((d := _job(api, job))["attempts"]) == 2
+                    and d["attempts"][1]["state"] == "running"
+                    and d
+                )
+            ),
+            240,
+            "the job to restart from its checkpoint",
+        )
+        second = resumed["attempts"][1]
+        assert resumed["restart_count"] == 1
+        assert (second.get("resumed_from_step") or 0) > 0, second
+        assert "rank 3" in resumed["attempts"][0]["ended"]["reason"], resumed["attempts"][0]
+        # The image each attempt ran, by content: the tag may move, the record does not.
+        digest = ENGINE.image_digest(IMAGE)
+        assert digest.startswith("sha256:") and len(digest) == 71
+        assert [a["image_digest"] for a in resumed["attempts"]] == [digest, digest]
+        # The failed attempt's containers are gone; the new one's run.
+        wait_for(lambda: not _containers(f"lockstep.attempt={first['id']}"), 30, "old containers")
+        assert len(_containers(f"lockstep.attempt={second['id']}")) == 2
+    finally:
+        _cancel(api, job)
+
+
+def test_a_bad_image_fails_the_job_at_once_with_the_engine_message(cluster):
+    api = cluster.alice
+    job = _submit(api, "ops", TRAIN, gpus=1, image="localhost/lockstep-test/no-such-image:1")
+    done = _finish(api, job, cluster, timeout=120)
+    assert done["state"] == "FAILED"
+    assert "image error" in done["reason"] and "no-such-image" in done["reason"], done["reason"]
+    assert "not restarted" in done["reason"]
+    assert done["restart_count"] == 0 and len(done["attempts"]) == 1
+
+
+def test_a_rival_teams_job_cannot_reach_checkpoints_the_token_or_other_processes(cluster):
+    victim = _submit(cluster.bob, "rivals", TRAIN, gpus=1)
+    try:
+        running = wait_for(
+            lambda: (
+                cluster.check_alive()
+                or (
+                    (d := _job(cluster.bob, victim))["state"] == "RUNNING"
+                    and cluster.bob.get(f"/api/v1/jobs/{victim}/checkpoints/").json()
+                    and d
+                )
+            ),
+            180,
+            "team rivals' job to save a checkpoint",
+        )
+        victim_ckpt = Path(cluster.env["LOCKSTEP_CHECKPOINT_ROOT"]) / f"job-{victim}"
+        assert any(victim_ckpt.iterdir())
+        (victim_pid,) = worker_pids(running["attempts"][0]["id"]).values()
+        agent_pid = cluster.procs["agent-e2e-a"].pid
+        probe = _submit(
+            cluster.alice,
+            "ops",
+            ["python", "-c", PROBE],
+            gpus=1,
+            env={
+                "OTHER_CKPT": str(victim_ckpt),
+                "TOKEN_FILE": str(cluster.agent_token_file),
+                "TOKEN": cluster.agent_token,
+                "OTHER_PID": str(victim_pid),
+                "AGENT_PID": str(agent_pid),
+            },
+        )
+        done = _finish(cluster.alice, probe, cluster)
+        line = next((x for x in _logs(cluster.alice, probe).splitlines() if "PROBE " in x), None)
+        assert line is not None, (done, _logs(cluster.alice, probe))
+        seen = json.loads(line.split("PROBE ", 1)[1])
+        assert seen["uid"] == team_uid(_team_id(cluster, "ops")) != 0
+        tries = ("other_team_checkpoints", "agent_token_file", "signal_other_job", "signal_agent")
+        for what in tries:
+            assert seen[what].startswith("refused"), (what, seen)
+        assert seen["token_visible"] is False and seen["token_in_env"] is False
+        assert seen["processes_seen"] <= 2  # its init and the launcher: no one else's
+        assert _job(cluster.bob, victim)["state"] == "RUNNING"  # untouched
+    finally:
+        _cancel(cluster.bob, victim)
+
+
+def _uid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[0])
+
+
+def _team_id(cluster, name: str) -> int:
+    out = cluster.manage(
+        "shell", "-c", f"from teams.models import Team; print(Team.objects.get(name='{name}').id)"
+    )
+    return int(out.strip().splitlines()[-1])
+
+
+def test_an_unmodified_plain_ddp_script_baked_into_an_image_runs_as_a_two_node_job(
+    cluster, tmp_path
+):
+    context = tmp_path / "image"
+    context.mkdir()
+    (context / "train.py").write_text(PLAIN_DDP)
+    (context / "Containerfile").write_text(f"FROM {IMAGE}\nCOPY train.py /app/train.py\n")
+    subprocess.run(
+        ["podman", "build", "--quiet", "--tag", THIRD_PARTY_IMAGE, str(context)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    try:
+        job = _submit(
+            cluster.alice, "ops", ["python", "/app/train.py"], gpus=4, image=THIRD_PARTY_IMAGE
+        )
+        done = _finish(cluster.alice, job, cluster)
+        assert done["state"] == "SUCCEEDED", (done, cluster.logs())
+        assert sorted(done["attempts"][0]["nodes"]) == ["e2e-a", "e2e-b"]
+        logs = _logs(cluster.alice, job, ranks=range(4))
+        assert logs.count("plain-ddp rank") == 4 and "/4 uid 2" in logs and "sum 6" in logs
+    finally:
+        subprocess.run(["podman", "rmi", "--force", THIRD_PARTY_IMAGE], capture_output=True)
+
+
+def test_an_agent_that_comes_back_removes_its_stale_containers_first(cluster):
+    """Last: it kills and restarts an agent. SIGKILL leaves the agent's container running (its
+    engine client is in a session of its own); the agent started again removes it before it
+    registers, and the portal, which had given the GPUs away, gets them back clean."""
+    api = cluster.alice
+    job = _submit(api, "ops", TRAIN, gpus=2)
+    try:
+        running = wait_for(
+            lambda: cluster.check_alive() or ((d := _job(api, job))["state"] == "RUNNING" and d),
+            180,
+            "a 2-GPU job on one node",
+        )
+        (node,) = running["attempts"][0]["nodes"]
+        attempt_id = running["attempts"][0]["id"]
+        agent = cluster.procs.pop(f"agent-{node}")
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait(timeout=10)
+        time.sleep(1)
+        assert [c["State"] for c in _containers(f"lockstep.attempt={attempt_id}")] == ["running"]
+        cluster.start_agent(node)
+        wait_for(
+            lambda: not _containers(f"lockstep.attempt={attempt_id}"),
+            60,
+            "the restarted agent to remove its stale container",
+        )
+        log = (cluster.work / f"agent-{node}.log").read_text()
+        removed_at = log.index("removed stale container")
+        assert removed_at < log.rindex("registered with")  # before anything else
+        assert not worker_pids(attempt_id)
+    finally:
+        _cancel(api, job)
+
+
+def test_no_engine_means_no_container_runtime_and_the_agent_says_so(tmp_path):
+    from nodeagent.agent import AgentFatal, pick_engine
+
+    assert pick_engine("process") is None
+    env_path = os.environ["PATH"]
+    try:
+        os.environ["PATH"] = str(tmp_path)  # no podman, no docker
+        assert shutil.which("podman") is None
+        assert pick_engine("auto") is None
+        with pytest.raises(AgentFatal, match="no working container engine"):
+            pick_engine("podman")
+    finally:
+        os.environ["PATH"] = env_path
