@@ -1,6 +1,7 @@
 """Warm start benchmark: how long a restarted 4-rank job takes from launch to its first step,
 with workers forked from the agent's zygote (nodeagent/zygote.py) against fresh interpreters,
-in the same run.
+and (with --container) in the trainer's image under podman (nodeagent/container.py: one
+container per node, fresh interpreters inside), in the same run.
 
 Two WorkerSupervisors play two agents with 2 ranks each (the chaos benchmark's shape). A short
 run first leaves a committed checkpoint; every timed launch then resumes from it, as a restart
@@ -8,7 +9,7 @@ does. Rounds alternate cold, warm, cold, warm, ... so load drift hits both. For 
 seconds from launch to every rank's `start` record (the trainer is up: imports done, process
 group joined, checkpoint loaded) and to the last rank's first `step` record.
 
-    .venv/bin/python bench/warm_start.py [--rounds 4]
+    .venv/bin/python bench/warm_start.py [--rounds 4] [--container]
     # writes bench/results/warm_start.json and docs/figures/warm_start.png
 """
 
@@ -27,7 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from nodeagent.container import Engine  # noqa: E402
 from nodeagent.supervisor import WorkerSupervisor  # noqa: E402
+
+IMAGE = "localhost/lockstep/trainer:latest"
+COLOURS = {"cold": "#b45309", "warm": "#15803d", "container": "#1d4ed8"}
 
 COMMAND = ["python", "-m", "trainer", "--log-every", "1", "--checkpoint-every", "0"]
 
@@ -42,6 +47,8 @@ def launch(ckpt: Path, steps: int, resume: str, node: int, port: int) -> dict:
     ranks = [{"rank": node * 2 + i, "local_rank": i, "gpu_index": i} for i in range(2)]
     return {
         "job_id": 1,
+        "team_id": 1,
+        "image": IMAGE,
         "attempt": 1,
         "command": [*COMMAND, "--steps", str(steps)],
         "env": {},
@@ -93,7 +100,13 @@ def run_gang(agents, attempt_id: int, ckpt: Path, steps: int, resume: str) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--container", action="store_true", help="also in the trainer's image (make image)"
+    )
     args = parser.parse_args()
+    engine = Engine.detect("podman") if args.container else None
+    if args.container and (engine is None or not engine.image_present(IMAGE)):
+        raise SystemExit(f"--container needs podman and {IMAGE} (make image)")
     base = {k: v for k, v in os.environ.items() if not k.startswith(("LOCKSTEP_", "OMP_"))}
     base["PYTHONPATH"] = str(ROOT)
     with tempfile.TemporaryDirectory(prefix="warm-start-") as tmp:
@@ -103,16 +116,25 @@ def main() -> None:
             WorkerSupervisor(tmp / f"warm{i}", gpu_kind="cpu", base_env=base, warm_start=True)
             for i in (0, 1)
         ]
+        modes = [("cold", cold), ("warm", warm)]
+        if engine is not None:
+            boxed = [
+                WorkerSupervisor(tmp / f"box{i}", gpu_kind="cpu", engine=engine, node=f"bench{i}")
+                for i in (0, 1)
+            ]
+            modes.append(("container", boxed))
         for agent in warm:
             assert agent._zygote.wait_ready(120), agent._zygote.failed
-        ckpt = tmp / "ckpt"
-        run_gang(cold, 1, ckpt, 3, "")  # leaves step-000003 to resume from
-        resume = str(ckpt / "step-000003")
+        # One job directory, an attempt directory each (as the portal lays them out): a
+        # container mounts the job's directory, so every attempt can resume from the first.
+        ckpt = tmp / "job-1"
+        run_gang(cold, 1, ckpt / "attempt-1", 3, "")  # leaves step-000003 to resume from
+        resume = str(ckpt / "attempt-1" / "step-000003")
         rounds = []
         attempt = 2
         for number in range(args.rounds):
-            for mode, agents in (("cold", cold), ("warm", warm)):
-                result = run_gang(agents, attempt, tmp / f"ckpt-{attempt}", 5, resume)
+            for mode, agents in modes:
+                result = run_gang(agents, attempt, ckpt / f"attempt-{attempt}", 5, resume)
                 attempt += 1
                 rounds.append({"round": number + 1, "mode": mode, **result})
                 print(f"round {number + 1} {mode}: up {result['up_s']:.2f} s, first step "
@@ -120,7 +142,7 @@ def main() -> None:
         for agent in (*cold, *warm):
             agent.close()
     summary = {}
-    for mode in ("cold", "warm"):
+    for mode in [m for m, _ in modes]:
         rows = [r for r in rounds if r["mode"] == mode]
         summary[mode] = {
             "up_s_median": statistics.median(r["up_s"] for r in rows),
@@ -129,6 +151,10 @@ def main() -> None:
     summary["first_step_saved_s"] = (
         summary["cold"]["first_step_s_median"] - summary["warm"]["first_step_s_median"]
     )
+    if "container" in summary:
+        summary["container_over_warm_s"] = (
+            summary["container"]["first_step_s_median"] - summary["warm"]["first_step_s_median"]
+        )
     result = {
         "config": {
             "command": COMMAND,
@@ -157,17 +183,20 @@ def plot(rounds: list[dict], path: Path) -> None:
         print("matplotlib not installed: no figure", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    for offset, mode, colour in ((-0.18, "cold", "#b45309"), (0.18, "warm", "#15803d")):
+    modes = list(dict.fromkeys(r["mode"] for r in rounds))
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        offset, colour = (i - (len(modes) - 1) / 2) * width, COLOURS[mode]
         rows = [r for r in rounds if r["mode"] == mode]
         xs = [r["round"] + offset for r in rows]
-        ax.bar(xs, [r["first_step_s"] for r in rows], width=0.34, color=colour, alpha=0.5,
-               label=f"{mode}: launch to first step")  # fmt: skip
-        ax.bar(xs, [r["up_s"] for r in rows], width=0.34, color=colour,
+        ax.bar(xs, [r["first_step_s"] for r in rows], width=width * 0.95, color=colour,
+               alpha=0.5, label=f"{mode}: launch to first step")  # fmt: skip
+        ax.bar(xs, [r["up_s"] for r in rows], width=width * 0.95, color=colour,
                label=f"{mode}: launch to trainer up")  # fmt: skip
     ax.set_xticks(sorted({r["round"] for r in rounds}))
     ax.set_xlabel("round")
     ax.set_ylabel("seconds (4 ranks, resuming)")
-    ax.set_title("Restart start-up: fresh interpreters vs forked from the zygote")
+    ax.set_title("Restart start-up: fresh interpreters, forked from the zygote, in a container")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -92,6 +92,16 @@ class Job(models.Model):
     team = models.ForeignKey("teams.Team", on_delete=models.PROTECT, related_name="jobs")
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT)
     image = models.CharField(max_length=255)
+
+    class PullPolicy(models.TextChoices):
+        IF_NOT_PRESENT = "if-not-present"
+        ALWAYS = "always"
+        NEVER = "never"
+
+    # When a container-runtime node pulls the image (docs/runtime.md): Kubernetes' policies.
+    image_pull_policy = models.CharField(
+        max_length=16, choices=PullPolicy.choices, default=PullPolicy.IF_NOT_PRESENT
+    )
     command = models.JSONField(help_text="argv list; never passed through a shell")
     dataset = models.CharField(max_length=1000, blank=True)
     gpus = models.PositiveIntegerField()

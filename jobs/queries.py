@@ -52,6 +52,7 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
         "job_id": job.id,
         "team_id": job.team_id,
         "image": job.image,
+        "image_pull_policy": job.image_pull_policy,
         "attempt": attempt.number,
         "command": list(job.command),
         # The job's checkpoint interval rides in the env the trainer reads (users may not set

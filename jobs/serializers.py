@@ -28,6 +28,12 @@ class JobCreateSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=100)
     team = serializers.CharField(max_length=64)
     image = serializers.CharField(max_length=255, validators=[_django(validation.validate_image)])
+    image_pull_policy = serializers.ChoiceField(
+        choices=Job.PullPolicy.choices,
+        default=Job.PullPolicy.IF_NOT_PRESENT,
+        help_text="When a node pulls the image: if-not-present (default), always (a moving "
+        "tag), never (only images already on the nodes).",
+    )
     command = serializers.JSONField(validators=[_django(validation.validate_command)])
     dataset = serializers.CharField(
         max_length=1000,
@@ -130,6 +136,7 @@ class JobSerializer(serializers.ModelSerializer):
             "team",
             "owner",
             "image",
+            "image_pull_policy",
             "command",
             "dataset",
             "gpus",

@@ -55,11 +55,25 @@ TABLE: tuple[Setting, ...] = (
     # TCPStore then dies with EADDRINUSE before its first step.
     Setting("MASTER_PORT_BASE", 29400, "rendezvous ports are drawn from [BASE, BASE + SPAN)"),
     Setting("MASTER_PORT_SPAN", 3000, "see MASTER_PORT_BASE"),
+    # Only what the cluster serves: a scheme no node can read would be accepted at submit and
+    # fail at start, three times, as a "user error".
     Setting(
         "ALLOWED_DATASET_SCHEMES",
-        ["synthetic", "file", "s3", "gs", "hf", "nfs"],
-        "dataset URI schemes a job may name",
-        env=False,
+        ["synthetic", "file"],
+        "dataset URI schemes the cluster serves, comma-separated; a job naming another is "
+        "refused at submit",
+    ),
+    Setting(
+        "DATASET_ROOTS",
+        [],
+        "shared-storage prefixes a file:// dataset must lie under, comma-separated (empty: any "
+        "absolute path); containers get the dataset read-only at the same path",
+    ),
+    Setting(
+        "IMAGE_REGISTRIES",
+        [],
+        "registries a job's image may come from, comma-separated (empty: any; `docker.io` "
+        "for names without a registry, `localhost` for local images)",
     ),
     # Failure detection (DESIGN.md section 8).
     Setting(
@@ -152,6 +166,8 @@ def read_settings(
             values[s.name] = secret(name)
         elif s.under_var:
             values[s.name] = environ.get(name, str(var_dir / s.default))
+        elif s.env and name in environ and isinstance(s.default, list):
+            values[s.name] = [item.strip() for item in environ[name].split(",") if item.strip()]
         elif s.env and name in environ:
             values[s.name] = type(s.default)(environ[name])
         else:

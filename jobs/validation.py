@@ -1,6 +1,7 @@
 """Validation of job fields shared by the REST API and the portal's submit form."""
 
 import re
+from pathlib import PurePosixPath
 from urllib.parse import urlparse
 
 from django.core.exceptions import ValidationError
@@ -36,11 +37,26 @@ RESERVED_ENV = {
 MAX_COMMAND_ITEMS = 256
 
 
+def image_registry(value: str) -> str:
+    """The registry an image reference names, as engines read it: the first path part when
+    it looks like a host (a dot, a port, or localhost), else Docker Hub."""
+    first, slash, _rest = value.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return first
+    return "docker.io"
+
+
 def validate_image(value: str) -> str:
     if not value or len(value) > 255 or not IMAGE_RE.match(value):
         raise ValidationError(
             "Enter a container image reference such as 'lockstep/trainer:latest' or "
             "'registry.example.com:5000/team/image@sha256:<digest>'."
+        )
+    allowed = lockstep_setting("IMAGE_REGISTRIES")
+    if allowed and image_registry(value) not in allowed:
+        raise ValidationError(
+            f"Images from {image_registry(value)} are not allowed on this cluster; use one of "
+            f"the registries {', '.join(allowed)}."
         )
     return value
 
@@ -63,15 +79,30 @@ def validate_command(value) -> list[str]:
 def validate_dataset(value: str) -> str:
     if not value:
         return value
+    if len(value) > 1000:
+        raise ValidationError("Dataset URI is longer than 1000 characters.")
     allowed = lockstep_setting("ALLOWED_DATASET_SCHEMES")
     scheme = urlparse(value).scheme
     if scheme not in allowed:
+        served = ", ".join(f"{s}://" for s in allowed)
         raise ValidationError(
-            f"Dataset must be a URI with one of the schemes {', '.join(allowed)} "
-            f"(for example synthetic://addition or file:///data/corpus.txt)."
+            (f"This cluster does not serve {scheme}:// datasets; " if scheme else "")
+            + f"use one of {served} (for example synthetic://addition or "
+            "file:///data/corpus.txt on shared storage)."
         )
-    if len(value) > 1000:
-        raise ValidationError("Dataset URI is longer than 1000 characters.")
+    if scheme == "file":
+        parsed = urlparse(value)
+        path = PurePosixPath(parsed.path)
+        # file://../x parses as host "..": only file:///path (or file://localhost/path) names
+        # a path on the nodes.
+        if parsed.netloc not in ("", "localhost") or not path.is_absolute() or ".." in path.parts:
+            raise ValidationError("A file:// dataset must be an absolute path without '..'.")
+        roots = lockstep_setting("DATASET_ROOTS")
+        if roots and not any(path.is_relative_to(root) for root in roots):
+            raise ValidationError(
+                f"{path} is not on the cluster's shared storage; datasets must lie under "
+                f"{', '.join(roots)}."
+            )
     return value
 
 

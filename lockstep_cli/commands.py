@@ -25,6 +25,7 @@ SPEC_FIELDS = (
     "name",
     "team",
     "image",
+    "image_pull_policy",
     "command",
     "dataset",
     "gpus",
@@ -436,6 +437,11 @@ def add_commands(sub) -> dict:
     )
     p.add_argument("--image", help=f"default {SPEC_DEFAULTS['image']}")
     p.add_argument("--dataset", help=f"default {SPEC_DEFAULTS['dataset']}")
+    p.add_argument(
+        "--image-pull-policy",
+        choices=["if-not-present", "always", "never"],
+        help="when nodes pull the image (default if-not-present)",
+    )
     p.add_argument("--priority", choices=["low", "normal", "high", "urgent"])
     p.add_argument("--max-restarts", type=int)
     p.add_argument("--checkpoint-interval-s", type=int)

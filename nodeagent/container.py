@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 logger = logging.getLogger("nodeagent.container")
 
@@ -261,7 +262,7 @@ def run_argv(
 def dataset_path(dataset: str) -> Path | None:
     """The local path a dataset URI names (file:// or a bare absolute path), else None."""
     if dataset.startswith("file://"):
-        return Path(dataset.removeprefix("file://"))
+        return Path(urlparse(dataset).path)
     if dataset.startswith("/"):
         return Path(dataset)
     return None

@@ -330,7 +330,8 @@ class WorkerSupervisor:
             worker.metrics_path.unlink(missing_ok=True)
             worker.log_path.unlink(missing_ok=True)
         try:
-            pulled_s = self.engine.ensure_image(launch["image"], self.pull_policy)
+            policy = launch.get("image_pull_policy") or self.pull_policy
+            pulled_s = self.engine.ensure_image(launch["image"], policy)
         except ImageError as exc:
             self._log.error("attempt %s: %s", attempt_id, exc)
             attempt.error = {"kind": "image", "message": str(exc)}

@@ -7,7 +7,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from jobs import validation, whatif
-from jobs.models import Priority
+from jobs.models import Job, Priority
 from teams.models import Team
 
 
@@ -16,6 +16,12 @@ class JobForm(forms.Form):
     team = forms.ModelChoiceField(queryset=Team.objects.none(), to_field_name="name")
     image = forms.CharField(
         max_length=255, initial="lockstep/trainer:latest", validators=[validation.validate_image]
+    )
+    image_pull_policy = forms.ChoiceField(
+        choices=Job.PullPolicy.choices,
+        initial=Job.PullPolicy.IF_NOT_PRESENT,
+        label="Pull the image",
+        help_text="if-not-present: only when a node lacks it; always: every start (a moving tag).",
     )
     command = forms.CharField(
         max_length=4000,
@@ -102,6 +108,7 @@ def job_spec(job) -> dict:
         "name": job.name,
         "team": job.team.name,
         "image": job.image,
+        "image_pull_policy": job.image_pull_policy,
         "command": list(job.command),
         "dataset": job.dataset,
         "gpus": job.gpus,

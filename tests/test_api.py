@@ -59,7 +59,13 @@ def test_submit_creates_a_queued_job_with_an_event(nlp):
         ({"command": []}, "command", "non-empty list of strings"),
         ({"team": "nope"}, "team", "Unknown team 'nope'."),
         ({"image": "Not An Image!"}, "image", "container image reference"),
-        ({"dataset": "ftp://x/y"}, "dataset", "Dataset must be a URI"),
+        ({"dataset": "ftp://x/y"}, "dataset", "does not serve ftp:// datasets"),
+        # Schemes no node reads are refused at submit, not failed three times at start.
+        ({"dataset": "s3://bucket/corpus"}, "dataset", "does not serve s3:// datasets"),
+        ({"dataset": "hf://org/set"}, "dataset", "use one of synthetic://, file://"),
+        ({"dataset": "nfs://filer/x"}, "dataset", "does not serve nfs://"),
+        ({"dataset": "file://../etc/passwd"}, "dataset", "absolute path without '..'"),
+        ({"dataset": "file:///data/../etc/shadow"}, "dataset", "absolute path without '..'"),
         ({"env": {"RANK": "3"}}, "env", "set by Lockstep's launch contract"),
         ({"env": {"1BAD": "x"}}, "env", "not a valid environment variable name"),
         ({"name": ""}, "name", "may not be blank"),
@@ -78,6 +84,37 @@ def test_bad_input_is_a_400_with_a_message_on_the_field_and_creates_nothing(
     assert any(message in m for m in errors[field]), errors[field]
     assert Job.objects.count() == 0
     assert Event.objects.count() == events_before
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("change", "field", "message"),
+    [
+        ({"image": "docker.io/library/python:3.11"}, "image", "docker.io are not allowed"),
+        ({"image": "python:3.11"}, "image", "docker.io are not allowed"),  # Docker Hub's
+        ({"image": "evil.example.com/x:1"}, "image", "use one of the registries"),
+        ({"dataset": "file:///home/alice/corpus.txt"}, "dataset", "not on the cluster's shared"),
+    ],
+)
+def test_what_the_cluster_does_not_serve_is_refused_at_submit(
+    nlp, settings, change, field, message
+):
+    _, _, client = nlp
+    settings.LOCKSTEP = {
+        **settings.LOCKSTEP,
+        "IMAGE_REGISTRIES": ["registry.example.org", "localhost"],
+        "DATASET_ROOTS": ["/shared/datasets"],
+    }
+    response = client.post("/api/v1/jobs/", {**GOOD, **change}, format="json")
+    assert response.status_code == 400, response.content
+    assert any(message in m for m in response.json()[field]), response.json()
+    assert Job.objects.count() == 0
+    accepted = {
+        **GOOD,
+        "image": "registry.example.org/nlp/trainer:2",
+        "dataset": "file:///shared/datasets/corpus.txt",
+    }
+    assert client.post("/api/v1/jobs/", accepted, format="json").status_code == 201
 
 
 @pytest.mark.django_db

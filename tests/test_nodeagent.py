@@ -612,6 +612,8 @@ def test_agent_runs_reports_and_forgets_an_attempt(portal, running_agent):
         "rack": "r1",
         "boot_id": running_agent.boot_id,
         "killed_orphans": 0,
+        "runtime": "process",  # the Agent's default: plain processes
+        "engine": "",
     }
     first = portal.accepted[0]
     assert [t["index"] for t in first["telemetry"]] == [0, 1]
@@ -813,6 +815,8 @@ def _agent_env(clean_env: dict[str, str]) -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO)
     env.pop("LOCKSTEP_AGENT_TOKEN", None)
     env.pop("LOCKSTEP_PORTAL", None)
+    # These workers are `python -c` scripts of the suite's interpreter: plain processes.
+    env["LOCKSTEP_AGENT_RUNTIME"] = "process"
     return env
 
 

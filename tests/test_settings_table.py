@@ -18,7 +18,8 @@ def test_a_variable_is_read_as_its_defaults_type_and_the_rest_keep_their_default
         "LOCKSTEP_HEARTBEAT_S": "2.5",
         "LOCKSTEP_STRIKES_TO_CORDON": "5",
         "LOCKSTEP_CHECKPOINT_ROOT": "/shared/ckpt",
-        "LOCKSTEP_ALLOWED_DATASET_SCHEMES": "ignored: not read from the environment",
+        "LOCKSTEP_WHATIF_INLINE_MAX_JOBS": "7",  # settings only: not read from the environment
+        "LOCKSTEP_IMAGE_REGISTRIES": " registry.example.org, localhost ,",
     }
 
     def secret(name):
@@ -30,7 +31,9 @@ def test_a_variable_is_read_as_its_defaults_type_and_the_rest_keep_their_default
     assert values["CHECKPOINT_ROOT"] == "/shared/ckpt"
     assert values["MODEL_ROOT"] == str(tmp_path / "models")
     assert values["AGENT_TOKEN"] == "from-a-file" and values["METRICS_TOKEN"] is None
-    assert values["ALLOWED_DATASET_SCHEMES"] == DEFAULTS["ALLOWED_DATASET_SCHEMES"]
+    assert values["WHATIF_INLINE_MAX_JOBS"] == DEFAULTS["WHATIF_INLINE_MAX_JOBS"] == 300
+    assert values["IMAGE_REGISTRIES"] == ["registry.example.org", "localhost"]  # a list, trimmed
+    assert values["ALLOWED_DATASET_SCHEMES"] == ["synthetic", "file"]
     assert values["STOP_GRACE_S"] == DEFAULTS["STOP_GRACE_S"] == 60.0
     assert set(values) == {s.name for s in TABLE}
 
