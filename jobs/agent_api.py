@@ -123,8 +123,17 @@ class ImageReportSerializer(serializers.Serializer):
     pull_s = serializers.FloatField(min_value=0, max_value=86_400)
 
 
+class PullReportSerializer(serializers.Serializer):
+    """An image pull under way on the node, before the attempt's container can start."""
+
+    image = serializers.CharField(max_length=255)
+    elapsed_s = serializers.FloatField(min_value=0, max_value=86_400)
+    detail = serializers.CharField(max_length=500, allow_blank=True, required=False, default="")
+
+
 class AttemptReportSerializer(serializers.Serializer):
     attempt_id = serializers.IntegerField()
+    pull = PullReportSerializer(required=False)
     error = AttemptErrorSerializer(required=False)
     image = ImageReportSerializer(required=False)
     ranks = RankReportSerializer(many=True, required=False, default=list)

@@ -30,6 +30,7 @@ class EventKind(StrEnum):
     ATTEMPT_CANCELLED = "attempt.cancelled"
     ATTEMPT_CAUSE_REVISED = "attempt.cause_revised"
     ATTEMPT_IMAGE = "attempt.image"
+    ATTEMPT_IMAGE_PULL = "attempt.image_pull"
     ATTEMPT_HANG_DETECTED = "attempt.hang_detected"
     ATTEMPT_STRAGGLER = "attempt.straggler"
     ATTEMPT_TRAINER_STARTED = "attempt.trainer_started"

@@ -24,9 +24,10 @@ import requests
 
 from nodeagent.container import Engine
 from nodeagent.leaving import Leaving, bearer, short_error
-from nodeagent.supervisor import RankWorker, WorkerSupervisor
+from nodeagent.supervisor import WorkerSupervisor
 from nodeagent.tail import LogTail, MetricsTail
 from nodeagent.telemetry import Telemetry
+from nodeagent.workers import RankWorker
 
 logger = logging.getLogger("nodeagent")
 
@@ -417,6 +418,12 @@ class Agent(Leaving):
             workers = self.supervisor.get(attempt_id)
             if workers is not None and workers.error:
                 report["error"] = workers.error
+            if workers is not None and workers.pull is not None:
+                report["pull"] = {
+                    "image": workers.pull.image,
+                    "elapsed_s": round(workers.pull.elapsed(), 1),
+                    "detail": workers.pull.detail(),
+                }
             if workers is not None and workers.image_digest:
                 report["image"] = {"digest": workers.image_digest, "pull_s": workers.pull_s}
             attempts.append(report)

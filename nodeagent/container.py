@@ -50,11 +50,6 @@ NOFILE_WANTED = 1_048_576
 NPROC_WANTED = 32_768
 
 
-class ImageError(Exception):
-    """The job's image cannot be run on this node: missing, refused, or not allowed. Restarting
-    the job elsewhere would fail the same way, so it fails at once."""
-
-
 @dataclass(frozen=True)
 class Engine:
     """An OCI engine's CLI. `name` is podman or docker."""
@@ -104,26 +99,6 @@ class Engine:
             return ""
         found = done.stdout.strip()
         return found if found.startswith("sha256:") else f"sha256:{found}"
-
-    def ensure_image(self, image: str, policy: str) -> float:
-        """Make the image available per the pull policy; returns the seconds spent pulling.
-        Raises ImageError with the engine's own words when it cannot."""
-        if policy not in PULL_POLICIES:
-            raise ImageError(f"unknown pull policy {policy!r} (one of {', '.join(PULL_POLICIES)})")
-        present = self.image_present(image)
-        if policy == "never" or (policy == "if-not-present" and present):
-            if not present:
-                raise ImageError(f"image {image} is not on this node and the pull policy is never")
-            return 0.0
-        started = time.monotonic()
-        try:
-            done = self._run(["pull", "--quiet", image], timeout=30 * 60)
-        except subprocess.TimeoutExpired as exc:
-            raise ImageError(f"pulling {image} took longer than 30 min") from exc
-        if done.returncode != 0:
-            words = (done.stderr or done.stdout).strip().splitlines()
-            raise ImageError(f"cannot pull image {image}: {words[-1] if words else 'failed'}")
-        return time.monotonic() - started
 
     # -- containers ----------------------------------------------------------------------------
 

@@ -16,26 +16,13 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeagent.container import (
-    EXIT_ENGINE,
-    ContainerAttempt,
-    ContainerRank,
-    Engine,
-    ImageError,
-    container_name,
-    prepare_dirs,
-    run_argv,
-)
-from nodeagent.contract import (
-    build_worker_env,
-    container_base_env,
-    inheritable_env,
-    resolve_command,
-)
+from nodeagent.container import ContainerRank, Engine
+from nodeagent.container_launch import ContainerLaunch
+from nodeagent.contract import build_worker_env, inheritable_env, resolve_command
+from nodeagent.workers import AttemptWorkers, RankWorker
 from nodeagent.zygote import ForkedWorker, Zygote, ZygoteError, can_fork
 
 logger = logging.getLogger("nodeagent.supervisor")
@@ -66,69 +53,6 @@ def detect_gpu_kind(requested: str = "auto") -> str:
     return "cuda" if os.path.exists("/dev/nvidia0") else "cpu"
 
 
-@dataclass
-class RankWorker:
-    """One worker process (one rank) of an attempt."""
-
-    rank: int
-    local_rank: int
-    gpu_index: int
-    log_path: Path
-    metrics_path: Path
-    popen: subprocess.Popen[bytes] | ForkedWorker | ContainerRank | None
-    state: str = "starting"  # starting -> running -> exited
-    exit_code: int | None = None
-    # Wall-clock time the exit was seen (the agent polls every 0.25 s), so the portal can tell
-    # when a failure happened, not only when a heartbeat carried it.
-    exited_at: float | None = None
-    env: dict[str, str] = field(default_factory=dict, repr=False)
-
-    @property
-    def pid(self) -> int | None:
-        return self.popen.pid if self.popen is not None else None
-
-    @property
-    def alive(self) -> bool:
-        return self.state != "exited"
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "pid": self.pid,
-            "state": self.state,
-            "exit_code": self.exit_code,
-            **({"exited_at": self.exited_at} if self.exited_at is not None else {}),
-        }
-
-
-@dataclass
-class AttemptWorkers:
-    """The local workers of one attempt and how they are being brought down, if they are."""
-
-    attempt_id: int
-    launch: dict[str, Any]
-    dir: Path
-    workers: list[RankWorker] = field(default_factory=list)
-    stop_deadline: float | None = None  # clock() time after which survivors get SIGKILL
-    killed: bool = False
-    dump_sent_at: float | None = None  # clock() time the stack-dump signal went out (once)
-    # The container holding the ranks (container runtime); None for plain processes.
-    container: ContainerAttempt | None = None
-    # Why the attempt could not start at all on this node (a missing image): reported to the
-    # portal, which fails the job at once instead of restarting it into the same wall.
-    error: dict[str, str] | None = None
-    image_digest: str = ""  # the image id the container ran (container runtime)
-    pull_s: float = 0.0  # seconds spent pulling its image before the start
-
-    @property
-    def all_exited(self) -> bool:
-        return all(not w.alive for w in self.workers)
-
-    @property
-    def stopping(self) -> bool:
-        return self.stop_deadline is not None or self.killed
-
-
 class WorkerSupervisor:
     """Owns every worker process on this node, keyed by attempt id.
 
@@ -152,12 +76,23 @@ class WorkerSupervisor:
         self.work_dir = Path(work_dir).resolve()
         self.gpu_kind = detect_gpu_kind(gpu_kind)
         # The container runtime when an engine is given; plain processes (not isolated) else.
+        self._log = log or logger
         self.engine = engine
         self.node = node
-        self.pull_policy = pull_policy
+        self._containers = (
+            None
+            if engine is None
+            else ContainerLaunch(
+                engine,
+                node=node,
+                gpu_kind=self.gpu_kind,
+                pull_policy=pull_policy,
+                agent_env=os.environ if base_env is None else base_env,
+                log=self._log,
+            )
+        )
         self._base_env = base_env
         self._clock = clock
-        self._log = log or logger
         self._attempts: dict[int, AttemptWorkers] = {}
         # Warm start (nodeagent/zygote.py): workers forked from a process that has imported
         # torch already; started now, so it is warm before the first job arrives.
@@ -203,8 +138,10 @@ class WorkerSupervisor:
         """
         if attempt_id in self._attempts:
             raise ValueError(f"attempt {attempt_id} already has workers on this node")
-        if self.engine is not None:
-            return self._launch_container(attempt_id, launch)
+        if self._containers is not None:
+            attempt = self._containers.launch(attempt_id, launch, self.attempt_dir(attempt_id))
+            self._attempts[attempt_id] = attempt
+            return attempt
         command = resolve_command(list(launch["command"]))
         if not command:
             raise ValueError(f"attempt {attempt_id}: empty command")
@@ -292,106 +229,14 @@ class WorkerSupervisor:
         )
         return attempt
 
-    def _launch_container(self, attempt_id: int, launch: Mapping[str, Any]) -> AttemptWorkers:
-        """All of the attempt's local ranks in one container of the job's image
-        (nodeagent/container.py). A missing or refused image ends every rank with 125 and sets
-        `error`, which the heartbeat carries so the portal fails the job at once."""
-        assert self.engine is not None
-        attempt_dir = self.attempt_dir(attempt_id)
-        agent_env = os.environ if self._base_env is None else self._base_env
-        ranks = sorted(launch["ranks"], key=lambda r: int(r["local_rank"]))
-        gpu_indices = sorted(int(r.get("gpu_index", r["local_rank"])) for r in ranks)
-        workers, specs = [], []
-        for entry in ranks:
-            rank = int(entry["rank"])
-            metrics_path = attempt_dir / f"rank-{rank}.metrics.jsonl"
-            env = build_worker_env(
-                launch,
-                entry,
-                attempt_id=attempt_id,
-                metrics_path=metrics_path,
-                gpu_kind=self.gpu_kind,
-                base_env=container_base_env(agent_env),
-            )
-            gpu_index = int(entry.get("gpu_index", entry["local_rank"]))
-            if self.gpu_kind == "cuda":
-                # Only the allocated GPUs are in the container, numbered from 0 in bus order.
-                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-                env["CUDA_VISIBLE_DEVICES"] = str(gpu_indices.index(gpu_index))
-            log_path = attempt_dir / f"rank-{rank}.log"
-            workers.append(
-                RankWorker(rank, int(entry["local_rank"]), gpu_index, log_path, metrics_path, None)
-            )
-            specs.append({"rank": rank, "env": env, "log": str(log_path)})
-        attempt_dir.mkdir(parents=True, exist_ok=True)
-        attempt = AttemptWorkers(attempt_id=attempt_id, launch=dict(launch), dir=attempt_dir)
-        self._attempts[attempt_id] = attempt
-        for worker in workers:
-            worker.metrics_path.unlink(missing_ok=True)
-            worker.log_path.unlink(missing_ok=True)
-        try:
-            policy = launch.get("image_pull_policy") or self.pull_policy
-            pulled_s = self.engine.ensure_image(launch["image"], policy)
-        except ImageError as exc:
-            self._log.error("attempt %s: %s", attempt_id, exc)
-            attempt.error = {"kind": "image", "message": str(exc)}
-            for worker in workers:
-                worker.log_path.write_text(f"lockstep agent: {exc}\n")
-                worker.state, worker.exit_code, worker.exited_at = (
-                    "exited",
-                    EXIT_ENGINE,
-                    time.time(),
-                )
-            attempt.workers = workers
-            return attempt
-        prepare_dirs(launch, attempt_dir)
-        status_path = attempt_dir / "ranks.json"
-        spec_path = attempt_dir / "launch.json"
-        status_path.unlink(missing_ok=True)
-        spec_path.write_text(
-            json.dumps({"command": launch["command"], "status": str(status_path), "ranks": specs})
-        )
-        prepare_dirs(launch, attempt_dir)  # the spec too: the launcher reads it as the team
-        argv = run_argv(
-            self.engine,
-            node=self.node,
-            attempt_id=attempt_id,
-            launch=launch,
-            attempt_dir=attempt_dir,
-            spec_path=spec_path,
-            gpu_indices=gpu_indices,
-            gpu_kind=self.gpu_kind,
-        )
-        with open(attempt_dir / "engine.log", "wb") as engine_log:
-            popen = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=engine_log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        name = container_name(self.node, attempt_id)
-        attempt.container = ContainerAttempt(self.engine, name, status_path, popen)
-        attempt.image_digest = self.engine.image_digest(launch["image"])
-        attempt.pull_s = pulled_s
-        for worker in workers:
-            worker.popen = ContainerRank(attempt.container, worker.rank)
-        attempt.workers = workers
-        self._log.info(
-            "attempt %s: container %s (%s) started for ranks %s",
-            attempt_id,
-            name,
-            launch["image"],
-            [w.rank for w in workers],
-        )
-        return attempt
-
     # -- polling -----------------------------------------------------------------------------
 
     def poll(self) -> None:
         """Reap exited workers and SIGKILL the survivors of stops whose deadline passed."""
         now = self._clock()
         for attempt in list(self._attempts.values()):
+            if attempt.pull is not None and self._containers is not None:
+                self._containers.poll(attempt)
             for worker in attempt.workers:
                 if not worker.alive or worker.popen is None:
                     continue
@@ -451,6 +296,8 @@ class WorkerSupervisor:
         if attempt.stopping:
             return
         attempt.stop_deadline = self._clock() + max(0.0, float(deadline_s))
+        if attempt.pull is not None and self._containers is not None:
+            self._containers.cancel(attempt, -signal.SIGTERM)  # nothing ran: nothing to save
         if attempt.container is not None:
             # The container's init forwards it to the launcher, which forwards it to each rank.
             attempt.container.signal(signal.SIGTERM)
@@ -501,6 +348,8 @@ class WorkerSupervisor:
         attempt = self._attempts[attempt_id]
         attempt.killed = True
         attempt.stop_deadline = None
+        if attempt.pull is not None and self._containers is not None:
+            self._containers.cancel(attempt, -signal.SIGKILL)
         if attempt.container is not None and not attempt.all_exited:
             attempt.container.kill()
         for worker in attempt.workers:

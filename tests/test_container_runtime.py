@@ -114,13 +114,16 @@ def cluster(tmp_path_factory):
                 ENGINE.remove(found["name"])
 
 
-def _submit(api: Api, team: str, command: list[str], *, gpus: int, image=IMAGE, env=None) -> int:
+def _submit(
+    api: Api, team: str, command: list[str], *, gpus: int, image=IMAGE, env=None, pull=None
+) -> int:
     response = api.post(
         "/api/v1/jobs/",
         {
             "name": "in-a-container",
             "team": team,
             "image": image,
+            "image_pull_policy": pull or "if-not-present",
             "command": command,
             "dataset": "synthetic://addition",
             "gpus": gpus,
@@ -261,14 +264,26 @@ def test_a_two_node_job_trains_in_its_image_loses_a_rank_and_resumes(cluster):
         _cancel(api, job)
 
 
-def test_a_bad_image_fails_the_job_at_once_with_the_engine_message(cluster):
+@pytest.mark.parametrize(
+    ("image", "pull", "message"),
+    [
+        # Not on the node: pulled in the background, from a registry that is not there.
+        ("localhost/lockstep-test/no-such-image:1", "if-not-present", "cannot pull image"),
+        # On the node, but the job asks for a fresh pull every start.
+        (IMAGE, "always", "cannot pull image"),
+        ("localhost/lockstep-test/no-such-image:1", "never", "its pull policy is never"),
+    ],
+)
+def test_an_image_the_node_cannot_get_fails_the_job_at_once(cluster, image, pull, message):
     api = cluster.alice
-    job = _submit(api, "ops", TRAIN, gpus=1, image="localhost/lockstep-test/no-such-image:1")
+    job = _submit(api, "ops", TRAIN, gpus=1, image=image, pull=pull)
     done = _finish(api, job, cluster, timeout=120)
     assert done["state"] == "FAILED"
-    assert "image error" in done["reason"] and "no-such-image" in done["reason"], done["reason"]
+    assert "image error" in done["reason"] and message in done["reason"], done["reason"]
     assert "not restarted" in done["reason"]
     assert done["restart_count"] == 0 and len(done["attempts"]) == 1
+    kinds = [e["kind"] for e in api.get(f"/api/v1/jobs/{job}/events/").json()]
+    assert ("attempt.image_pull" in kinds) == (pull != "never"), kinds
 
 
 def test_a_rival_teams_job_cannot_reach_checkpoints_the_token_or_other_processes(cluster):
@@ -353,6 +368,60 @@ def test_an_unmodified_plain_ddp_script_baked_into_an_image_runs_as_a_two_node_j
         assert logs.count("plain-ddp rank") == 4 and "/4 uid 2" in logs and "sum 6" in logs
     finally:
         subprocess.run(["podman", "rmi", "--force", THIRD_PARTY_IMAGE], capture_output=True)
+
+
+def test_a_frozen_agent_declared_lost_removes_its_container_when_it_thaws(cluster):
+    """An agent frozen past the heartbeat timeout (6 s here): its node is down, the attempt
+    lost, the job restarted on the other node from its checkpoint. Thawed, the agent hears
+    the attempt is no longer desired and removes its container before it could train beside
+    the attempt that replaced it."""
+    api = cluster.alice
+    job = _submit(api, "ops", TRAIN, gpus=2)
+    frozen = None
+    try:
+        running = wait_for(
+            lambda: (
+                cluster.check_alive()
+                or (
+                    (d := _job(api, job))["state"] == "RUNNING"
+                    and api.get(f"/api/v1/jobs/{job}/checkpoints/").json()
+                    and d
+                )
+            ),
+            180,
+            "a 2-GPU job on one node with a checkpoint",
+        )
+        (node,) = running["attempts"][0]["nodes"]
+        first = running["attempts"][0]["id"]
+        frozen = cluster.procs[f"agent-{node}"]
+        os.kill(frozen.pid, signal.SIGSTOP)
+        resumed = wait_for(
+            lambda: (
+                len((d := _job(api, job))["attempts"]) == 2
+                and d["attempts"][1]["state"] == "running"
+                and d
+            ),
+            120,
+            "the job to restart on the other node",
+        )
+        assert resumed["attempts"][0]["state"] == "lost"
+        assert resumed["attempts"][1]["nodes"] != [node]
+        assert (resumed["attempts"][1]["resumed_from_step"] or 0) > 0
+        # Still frozen: its container trains on (a zombie), which is what fencing is for.
+        assert [c["State"] for c in _containers(f"lockstep.attempt={first}")] == ["running"]
+        os.kill(frozen.pid, signal.SIGCONT)
+        frozen = None
+        wait_for(
+            lambda: not _containers(f"lockstep.attempt={first}"),
+            60,
+            "the thawed agent to remove the lost attempt's container",
+        )
+        assert not worker_pids(first)
+        assert _job(api, job)["state"] == "RUNNING"
+    finally:
+        if frozen is not None:
+            os.kill(frozen.pid, signal.SIGCONT)
+        _cancel(api, job)
 
 
 def test_an_agent_that_comes_back_removes_its_stale_containers_first(cluster):

@@ -298,7 +298,7 @@ def record_image(attempt: Attempt, node: Node, image: dict) -> None:
     """The image an attempt's container ran on a node (first report wins: every node of a
     gang runs the same tag, and the job page shows one digest per attempt)."""
     attempt.image_digest = str(image["digest"])[:128]
-    attempt.pull_s = float(image["pull_s"])
+    attempt.pull_s = max(float(image["pull_s"]), attempt.pull_s or 0.0)
     attempt.save(update_fields=["image_digest", "pull_s"])
     pulled = f", pulled in {attempt.pull_s:.1f} s" if attempt.pull_s >= 0.05 else ""
     record_event(
@@ -309,6 +309,23 @@ def record_image(attempt: Attempt, node: Node, image: dict) -> None:
         node=node,
         data={"digest": attempt.image_digest, "pull_s": attempt.pull_s},
     )
+
+
+def note_pull(attempt: Attempt, node: Node, pull: dict) -> None:
+    """An image pull under way for the attempt: its time so far is kept (the start timeout
+    counts from the end of the pull; goodput shows it), with an event when it begins."""
+    first = attempt.pull_s is None
+    attempt.pull_s = max(float(pull["elapsed_s"]), attempt.pull_s or 0.0)
+    attempt.save(update_fields=["pull_s"])
+    if first:
+        record_event(
+            EventKind.ATTEMPT_IMAGE_PULL,
+            f"attempt {attempt.number}: pulling {pull['image']} on {node.name}",
+            job_id=attempt.job_id,
+            attempt=attempt,
+            node=node,
+            data={"image": pull["image"], "detail": pull.get("detail", "")},
+        )
 
 
 def fail_at_start(attempt: Attempt, node: Node, error: dict, *, now: datetime) -> None:

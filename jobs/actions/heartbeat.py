@@ -12,6 +12,7 @@ from jobs.actions.base import record_event, wake
 from jobs.actions.failures import (
     agent_time,
     fail_at_start,
+    note_pull,
     record_exits,
     record_image,
     revise_cause,
@@ -106,6 +107,8 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
                 ):
                     do_mark_attempt_running(attempt, now=now)
                     attempt.refresh_from_db()
+            if report.get("pull") and not attempt.image_digest:
+                note_pull(attempt, node, report["pull"])
             if report.get("image") and not attempt.image_digest:
                 record_image(attempt, node, report["image"])
             if report.get("error"):

@@ -41,6 +41,8 @@ def job_goodput(job, now=None) -> dict:
         "effective": None,
         "restarts": job.restart_count,
         "incidents": [],
+        # Time the nodes spent pulling the job's image before its containers could start.
+        "image_pull_s": round(sum(a.pull_s or 0.0 for a in attempts), 1),
     }
     if job.first_started_at is None:
         return result

@@ -105,6 +105,8 @@ def housekeeping(now) -> None:
     for attempt in Attempt.objects.filter(
         ended_at__isnull=True, state=Attempt.State.STARTING, created_at__lt=start_cutoff
     ):
+        if attempt.created_at + timedelta(seconds=attempt.pull_s or 0.0) >= start_cutoff:
+            continue  # its image pull does not count against its start: that comes after
         actions.do_end_attempt(
             attempt,
             state=Attempt.State.FAILED,

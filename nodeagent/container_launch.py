@@ -1,0 +1,210 @@
+"""Starting an attempt's container: its ranks' environments, the image (pulled in the
+background per the job's pull policy), the team's directories, and `podman run`.
+
+The supervisor (nodeagent/supervisor.py) calls `launch()` and then `poll()` as it polls its
+processes; nothing here blocks the agent's loop for longer than an `image inspect`, so a pull
+of many minutes never silences the node's heartbeats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from nodeagent.container import (
+    EXIT_ENGINE,
+    PULL_POLICIES,
+    ContainerAttempt,
+    ContainerRank,
+    Engine,
+    container_name,
+    prepare_dirs,
+    run_argv,
+)
+from nodeagent.contract import build_worker_env, container_base_env
+from nodeagent.workers import AttemptWorkers, Pull, RankWorker
+
+# A pull slower than this is given up and fails the job like a refused one.
+PULL_TIMEOUT_S = 30 * 60.0
+
+
+class ContainerLaunch:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        node: str,
+        gpu_kind: str,
+        pull_policy: str,
+        agent_env: Mapping[str, str],
+        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+    ) -> None:
+        self.engine = engine
+        self.node = node
+        self.gpu_kind = gpu_kind
+        self.pull_policy = pull_policy
+        self.agent_env = agent_env
+        self.log = log
+
+    def launch(
+        self, attempt_id: int, launch: Mapping[str, Any], attempt_dir: Path
+    ) -> AttemptWorkers:
+        """The attempt's workers, their container started at once when the image is here and
+        the policy allows, else after a background pull (`poll`). A missing image under the
+        `never` policy ends every rank with 125 and sets `error` (the job fails at once)."""
+        ranks = sorted(launch["ranks"], key=lambda r: int(r["local_rank"]))
+        gpu_indices = sorted(int(r.get("gpu_index", r["local_rank"])) for r in ranks)
+        attempt = AttemptWorkers(attempt_id=attempt_id, launch=dict(launch), dir=attempt_dir)
+        for entry in ranks:
+            rank = int(entry["rank"])
+            metrics_path = attempt_dir / f"rank-{rank}.metrics.jsonl"
+            env = build_worker_env(
+                launch,
+                entry,
+                attempt_id=attempt_id,
+                metrics_path=metrics_path,
+                gpu_kind=self.gpu_kind,
+                base_env=container_base_env(self.agent_env),
+            )
+            gpu_index = int(entry.get("gpu_index", entry["local_rank"]))
+            if self.gpu_kind == "cuda":
+                # Only the allocated GPUs are in the container, numbered from 0 in bus order.
+                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+                env["CUDA_VISIBLE_DEVICES"] = str(gpu_indices.index(gpu_index))
+            worker = RankWorker(
+                rank,
+                int(entry["local_rank"]),
+                gpu_index,
+                attempt_dir / f"rank-{rank}.log",
+                metrics_path,
+                None,
+                env=env,
+            )
+            attempt.workers.append(worker)
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        for worker in attempt.workers:
+            # A fresh start: tails read from offset 0, so stale bytes would be re-shipped.
+            worker.metrics_path.unlink(missing_ok=True)
+            worker.log_path.unlink(missing_ok=True)
+        image = launch["image"]
+        policy = launch.get("image_pull_policy") or self.pull_policy
+        if policy not in PULL_POLICIES:
+            self.fail(attempt, f"unknown image pull policy {policy!r}")
+            return attempt
+        present = self.engine.image_present(image)
+        if policy == "never" and not present:
+            self.fail(attempt, f"image {image} is not on this node and its pull policy is never")
+        elif present and policy != "always":
+            self.start(attempt)
+        else:
+            log_path = attempt_dir / "pull.log"
+            with open(log_path, "wb") as out:
+                popen = subprocess.Popen(
+                    [self.engine.binary, "pull", image],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            attempt.pull = Pull(image, popen, log_path)
+            self.log.info("attempt %s: pulling %s (policy %s)", attempt_id, image, policy)
+        return attempt
+
+    def poll(self, attempt: AttemptWorkers) -> None:
+        """Carry a background pull on: start the container once it succeeded, fail the
+        attempt if it did not (or took longer than PULL_TIMEOUT_S)."""
+        pull = attempt.pull
+        if pull is None:
+            return
+        code = pull.popen.poll()
+        if code is None and pull.elapsed() < PULL_TIMEOUT_S:
+            return
+        attempt.pull = None
+        attempt.pull_s = pull.elapsed()
+        if code is None:
+            self._kill_pull(pull)
+            self.fail(
+                attempt, f"pulling {pull.image} took longer than {PULL_TIMEOUT_S / 60:.0f} min"
+            )
+        elif code != 0:
+            self.fail(attempt, f"cannot pull image {pull.image}: {pull.detail() or 'failed'}")
+        else:
+            self.log.info(
+                "attempt %s: pulled %s in %.1f s", attempt.attempt_id, pull.image, attempt.pull_s
+            )
+            self.start(attempt)
+
+    def cancel(self, attempt: AttemptWorkers, code: int) -> None:
+        """Stopped or fenced while its image was still being pulled: nothing ever ran."""
+        if attempt.pull is not None:
+            self._kill_pull(attempt.pull)
+            attempt.pull = None
+            for worker in attempt.workers:
+                worker.state, worker.exit_code, worker.exited_at = "exited", code, time.time()
+
+    def fail(self, attempt: AttemptWorkers, message: str) -> None:
+        self.log.error("attempt %s: %s", attempt.attempt_id, message)
+        attempt.error = {"kind": "image", "message": message}
+        for worker in attempt.workers:
+            worker.log_path.write_text(f"lockstep agent: {message}\n")
+            worker.state, worker.exit_code, worker.exited_at = "exited", EXIT_ENGINE, time.time()
+
+    def start(self, attempt: AttemptWorkers) -> None:
+        launch, attempt_dir = attempt.launch, attempt.dir
+        status_path = attempt_dir / "ranks.json"
+        spec_path = attempt_dir / "launch.json"
+        status_path.unlink(missing_ok=True)
+        specs = [{"rank": w.rank, "env": w.env, "log": str(w.log_path)} for w in attempt.workers]
+        spec_path.write_text(
+            json.dumps({"command": launch["command"], "status": str(status_path), "ranks": specs})
+        )
+        # The team's uid owns the job's checkpoints and the attempt's directory (the spec in
+        # it too: the launcher reads it as the team).
+        prepare_dirs(launch, attempt_dir)
+        with contextlib.suppress(OSError):
+            os.chown(spec_path, *(2 * [os.stat(attempt_dir).st_uid]))
+        argv = run_argv(
+            self.engine,
+            node=self.node,
+            attempt_id=attempt.attempt_id,
+            launch=launch,
+            attempt_dir=attempt_dir,
+            spec_path=spec_path,
+            gpu_indices=sorted(w.gpu_index for w in attempt.workers),
+            gpu_kind=self.gpu_kind,
+        )
+        with open(attempt_dir / "engine.log", "wb") as engine_log:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=engine_log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        name = container_name(self.node, attempt.attempt_id)
+        attempt.container = ContainerAttempt(self.engine, name, status_path, popen)
+        attempt.image_digest = self.engine.image_digest(launch["image"])
+        for worker in attempt.workers:
+            worker.popen = ContainerRank(attempt.container, worker.rank)
+        self.log.info(
+            "attempt %s: container %s (%s) started for ranks %s",
+            attempt.attempt_id,
+            name,
+            launch["image"],
+            [w.rank for w in attempt.workers],
+        )
+
+    @staticmethod
+    def _kill_pull(pull: Pull) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pull.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            pull.popen.wait(timeout=10)

@@ -1,0 +1,96 @@
+"""What the agent knows about the workers of each attempt on its node, whichever runtime runs
+them (plain processes, the zygote's forks, or a container's ranks)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Pull:
+    """An image pull running in the background (the agent's loop never waits on one)."""
+
+    image: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def detail(self) -> str:
+        """The engine's last line of progress ("Copying blob ...")."""
+        try:
+            lines = self.log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1][:200] if lines else ""
+
+
+@dataclass
+class RankWorker:
+    """One worker process (one rank) of an attempt."""
+
+    rank: int
+    local_rank: int
+    gpu_index: int
+    log_path: Path
+    metrics_path: Path
+    popen: Any  # subprocess.Popen, zygote.ForkedWorker or container.ContainerRank; None: not yet
+    state: str = "starting"  # starting -> running -> exited
+    exit_code: int | None = None
+    # Wall-clock time the exit was seen (the agent polls every 0.25 s), so the portal can tell
+    # when a failure happened, not only when a heartbeat carried it.
+    exited_at: float | None = None
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.state != "exited"
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "pid": self.pid,
+            "state": self.state,
+            "exit_code": self.exit_code,
+            **({"exited_at": self.exited_at} if self.exited_at is not None else {}),
+        }
+
+
+@dataclass
+class AttemptWorkers:
+    """The local workers of one attempt and how they are being brought down, if they are."""
+
+    attempt_id: int
+    launch: dict[str, Any]
+    dir: Path
+    workers: list[RankWorker] = field(default_factory=list)
+    stop_deadline: float | None = None  # clock() time after which survivors get SIGKILL
+    killed: bool = False
+    dump_sent_at: float | None = None  # clock() time the stack-dump signal went out (once)
+    # The container holding the ranks (container runtime); None for plain processes.
+    container: Any = None  # container.ContainerAttempt
+    # The image pull under way before the container can start (container runtime).
+    pull: Pull | None = None
+    # Why the attempt could not start at all on this node (a missing image): reported to the
+    # portal, which fails the job at once instead of restarting it into the same wall.
+    error: dict[str, str] | None = None
+    image_digest: str = ""  # the image id the container ran (container runtime)
+    pull_s: float = 0.0  # seconds spent pulling its image before the start
+
+    @property
+    def all_exited(self) -> bool:
+        return all(not w.alive for w in self.workers)
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_deadline is not None or self.killed
