@@ -189,6 +189,20 @@ class AgentRegisterView(APIView):
             return Response({"detail": "Invalid agent token."}, status=status.HTTP_401_UNAUTHORIZED)
         serializer = RegisterSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
+        if serializer.validated_data["runtime"] == "process" and not lockstep_setting(
+            "ALLOW_PROCESS_NODES"
+        ):
+            # Refused before anything is written: the node never takes a job.
+            return Response(
+                {
+                    "runtime": [
+                        "This cluster refuses nodes that run jobs as plain processes (not "
+                        "isolated): start the agent where podman or Docker works, with "
+                        "--runtime podman (docs/runtime.md)."
+                    ]
+                },
+                status=status.HTTP_400_BAD_REQUEST,
+            )
         node, raw = actions.do_register_node(now=timezone.now(), **serializer.validated_data)
         return Response(
             {"node_id": node.id, "node_token": raw, "heartbeat_s": lockstep_setting("HEARTBEAT_S")}

@@ -257,6 +257,8 @@ class ModelVersionSerializer(serializers.ModelSerializer):
             "step": checkpoint.step,
             "dataset": job.dataset,
             "image": job.image,
+            # What the attempt that saved it ran: the tag may have moved since.
+            "image_digest": checkpoint.attempt.image_digest,
             "command": job.command,
         }
 

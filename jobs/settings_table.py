@@ -70,6 +70,12 @@ TABLE: tuple[Setting, ...] = (
         "absolute path); containers get the dataset read-only at the same path",
     ),
     Setting(
+        "ALLOW_PROCESS_NODES",
+        True,
+        "accept agents that run jobs as plain processes (no container engine: not isolated); "
+        "False refuses their registration",
+    ),
+    Setting(
         "IMAGE_REGISTRIES",
         [],
         "registries a job's image may come from, comma-separated (empty: any; `docker.io` "
@@ -166,6 +172,8 @@ def read_settings(
             values[s.name] = secret(name)
         elif s.under_var:
             values[s.name] = environ.get(name, str(var_dir / s.default))
+        elif s.env and name in environ and isinstance(s.default, bool):
+            values[s.name] = environ[name].strip().lower() in ("1", "true", "yes", "on")
         elif s.env and name in environ and isinstance(s.default, list):
             values[s.name] = [item.strip() for item in environ[name].split(",") if item.strip()]
         elif s.env and name in environ:

@@ -12,6 +12,9 @@ from teams.models import Team
 
 
 class JobForm(forms.Form):
+    def clean_image_pull_policy(self) -> str:
+        return self.cleaned_data.get("image_pull_policy") or Job.PullPolicy.IF_NOT_PRESENT
+
     name = forms.CharField(max_length=100)
     team = forms.ModelChoiceField(queryset=Team.objects.none(), to_field_name="name")
     image = forms.CharField(
@@ -21,6 +24,7 @@ class JobForm(forms.Form):
         choices=Job.PullPolicy.choices,
         initial=Job.PullPolicy.IF_NOT_PRESENT,
         label="Pull the image",
+        required=False,  # an old saved spec or a script's POST without it: the default
         help_text="if-not-present: only when a node lacks it; always: every start (a moving tag).",
     )
     command = forms.CharField(

@@ -306,3 +306,31 @@ def test_a_start_estimate_is_shown_only_while_the_job_waits(nlp):
     listed = {j["id"]: j for j in client.get("/api/v1/jobs/").json()["results"]}
     assert started["state"] == "STARTING" and started["estimated_start_at"] is None
     assert listed[second]["estimated_start_at"] is None
+
+
+@pytest.mark.django_db
+def test_a_cluster_that_refuses_process_nodes_refuses_their_registration(settings, client):
+    settings.LOCKSTEP = {
+        **settings.LOCKSTEP,
+        "AGENT_TOKEN": "cluster-secret",
+        "ALLOW_PROCESS_NODES": False,
+    }
+    body = {"name": "laptop", "gpus": 2, "address": "127.0.0.1", "boot_id": "b"}
+
+    def register(**extra):
+        return client.post(
+            "/api/v1/agent/register/",
+            {**body, **extra},
+            content_type="application/json",
+            HTTP_AUTHORIZATION="Bearer cluster-secret",
+        )
+
+    refused = register(runtime="process")
+    assert refused.status_code == 400
+    assert "plain processes (not isolated)" in refused.json()["runtime"][0]
+    assert not Node.objects.exists() and not Event.objects.exists()  # nothing written
+    assert register().status_code == 400  # an agent that does not say is a process node
+    accepted = register(runtime="container", engine="podman")
+    assert accepted.status_code == 200
+    node = Node.objects.get(name="laptop")
+    assert (node.runtime, node.engine, node.isolated) == ("container", "podman", True)

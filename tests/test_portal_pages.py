@@ -167,11 +167,13 @@ def test_submit_form_takes_every_job_field(client, two_teams, make_nodes):
             "checkpoint_interval_s": "120",
             "time_limit_s": "600",
             "env": '{"A": "1"}',
+            "image_pull_policy": "always",
         },
     )
     assert response.status_code == 302
     job = Job.objects.get(name="full")
     assert (job.checkpoint_interval_s, job.time_limit_s, job.env) == (120, 600, {"A": "1"})
+    assert job.image_pull_policy == "always"
 
 
 def test_a_pasted_or_uploaded_spec_prefills_the_form_without_submitting(

@@ -20,6 +20,7 @@ def test_a_variable_is_read_as_its_defaults_type_and_the_rest_keep_their_default
         "LOCKSTEP_CHECKPOINT_ROOT": "/shared/ckpt",
         "LOCKSTEP_WHATIF_INLINE_MAX_JOBS": "7",  # settings only: not read from the environment
         "LOCKSTEP_IMAGE_REGISTRIES": " registry.example.org, localhost ,",
+        "LOCKSTEP_ALLOW_PROCESS_NODES": "false",
     }
 
     def secret(name):
@@ -34,6 +35,7 @@ def test_a_variable_is_read_as_its_defaults_type_and_the_rest_keep_their_default
     assert values["WHATIF_INLINE_MAX_JOBS"] == DEFAULTS["WHATIF_INLINE_MAX_JOBS"] == 300
     assert values["IMAGE_REGISTRIES"] == ["registry.example.org", "localhost"]  # a list, trimmed
     assert values["ALLOWED_DATASET_SCHEMES"] == ["synthetic", "file"]
+    assert values["ALLOW_PROCESS_NODES"] is False  # "false" is not truthy here
     assert values["STOP_GRACE_S"] == DEFAULTS["STOP_GRACE_S"] == 60.0
     assert set(values) == {s.name for s in TABLE}
 
