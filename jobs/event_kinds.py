@@ -64,6 +64,8 @@ class EventKind(StrEnum):
     TEAM_CREATED = "team.created"
     TEAM_QUOTA_CHANGED = "team.quota_changed"
     TEAM_MEMBER_ADDED = "team.member_added"
+    TEAM_REGISTRY_CREDENTIAL_SET = "team.registry_credential_set"
+    TEAM_REGISTRY_CREDENTIAL_REMOVED = "team.registry_credential_removed"
     TOKEN_ISSUED = "token.issued"
     TOKEN_REVOKED = "token.revoked"
     WHATIF_REQUESTED = "whatif.requested"

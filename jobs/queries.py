@@ -11,6 +11,7 @@ from django.db.models import Count, Max, Q
 from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Checkpoint, Job, Node, PreemptionRequest
 from jobs.scheduling.protection import min_run_s
+from jobs.validation import image_registry
 from trainer.checkpoint_layout import attempt_dir
 
 
@@ -48,7 +49,7 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
     # One directory per attempt: a zombie worker of an earlier attempt (on a node declared lost
     # but still running) can never write into, or mix files with, the live attempt's saves.
     checkpoint_dir = attempt_dir(lockstep_setting("CHECKPOINT_ROOT"), job.id, attempt.number)
-    return {
+    spec = {
         "job_id": job.id,
         "team_id": job.team_id,
         "image": job.image,
@@ -85,6 +86,19 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
             for a in sorted(allocations, key=lambda a: a.rank)
         ],
     }
+    # The team's credential for the image's registry, for the pull only: the agent keeps it
+    # in a file of its own and passes nothing of it into the container.
+    registry = image_registry(job.image)
+    credential = next(
+        (c for c in job.team.registry_credentials.all() if c.registry == registry), None
+    )
+    if credential is not None:
+        spec["registry_auth"] = {
+            "registry": registry,
+            "username": credential.username,
+            "password": credential.secret,
+        }
+    return spec
 
 
 def desired_for_node(node: Node, now: datetime) -> list[dict]:
@@ -93,7 +107,7 @@ def desired_for_node(node: Node, now: datetime) -> list[dict]:
         Attempt.objects.filter(ended_at__isnull=True, allocations__node=node)
         .distinct()
         .select_related("job", "resumed_from")
-        .prefetch_related("allocations__gpu")
+        .prefetch_related("allocations__gpu", "job__team__registry_credentials")
     )
     for attempt in attempts:
         if attempt.dump_requested_at is not None and attempt.state != Attempt.State.STOPPING:

@@ -8,6 +8,7 @@ of many minutes never silences the node's heartbeats.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
@@ -46,7 +47,9 @@ class ContainerLaunch:
         pull_policy: str,
         agent_env: Mapping[str, str],
         log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        auth_dir: Path,
     ) -> None:
+        self.auth_dir = auth_dir
         self.engine = engine
         self.node = node
         self.gpu_kind = gpu_kind
@@ -106,15 +109,21 @@ class ContainerLaunch:
             self.start(attempt)
         else:
             log_path = attempt_dir / "pull.log"
+            auth = self._auth_file(attempt_id, launch.get("registry_auth"))
             with open(log_path, "wb") as out:
                 popen = subprocess.Popen(
-                    [self.engine.binary, "pull", image],
+                    [
+                        self.engine.binary,
+                        "pull",
+                        *(["--authfile", str(auth)] if auth else []),
+                        image,
+                    ],
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
-            attempt.pull = Pull(image, popen, log_path)
+            attempt.pull = Pull(image, popen, log_path, auth_file=auth)
             self.log.info("attempt %s: pulling %s (policy %s)", attempt_id, image, policy)
         return attempt
 
@@ -128,6 +137,7 @@ class ContainerLaunch:
         if code is None and pull.elapsed() < PULL_TIMEOUT_S:
             return
         attempt.pull = None
+        self._forget_auth(pull)
         attempt.pull_s = pull.elapsed()
         if code is None:
             self._kill_pull(pull)
@@ -146,6 +156,7 @@ class ContainerLaunch:
         """Stopped or fenced while its image was still being pulled: nothing ever ran."""
         if attempt.pull is not None:
             self._kill_pull(attempt.pull)
+            self._forget_auth(attempt.pull)
             attempt.pull = None
             for worker in attempt.workers:
                 worker.state, worker.exit_code, worker.exited_at = "exited", code, time.time()
@@ -201,6 +212,24 @@ class ContainerLaunch:
             launch["image"],
             [w.rank for w in attempt.workers],
         )
+
+    def _auth_file(self, attempt_id: int, auth: Mapping[str, str] | None) -> Path | None:
+        """The team's registry credential as the engine's auth file, readable by the agent
+        only, outside everything a container mounts; removed when the pull ends."""
+        if not auth:
+            return None
+        self.auth_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self.auth_dir / f"attempt-{attempt_id}.json"
+        token = base64.b64encode(f"{auth['username']}:{auth['password']}".encode()).decode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump({"auths": {auth["registry"]: {"auth": token}}}, out)
+        return path
+
+    @staticmethod
+    def _forget_auth(pull: Pull) -> None:
+        if pull.auth_file is not None:
+            pull.auth_file.unlink(missing_ok=True)
 
     @staticmethod
     def _kill_pull(pull: Pull) -> None:

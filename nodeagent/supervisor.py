@@ -89,6 +89,7 @@ class WorkerSupervisor:
                 pull_policy=pull_policy,
                 agent_env=os.environ if base_env is None else base_env,
                 log=self._log,
+                auth_dir=self.work_dir / "registry-auth",
             )
         )
         self._base_env = base_env

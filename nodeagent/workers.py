@@ -17,6 +17,7 @@ class Pull:
     image: str
     popen: subprocess.Popen[bytes]
     log: Path
+    auth_file: Path | None = None  # the registry credential for this pull, if any
     started: float = field(default_factory=time.monotonic)
 
     def elapsed(self) -> float:

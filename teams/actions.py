@@ -9,7 +9,7 @@ from django.db import transaction
 from jobs.event_kinds import EventKind
 from jobs.models import Event
 from jobs.scheduling.wake import wake_scheduler
-from teams.models import ApiToken, Membership, Team, token_digest
+from teams.models import ApiToken, Membership, RegistryCredential, Team, token_digest
 
 User = get_user_model()
 
@@ -103,3 +103,37 @@ def do_revoke_token(token: ApiToken, *, actor, now: datetime) -> bool:
         message=f"API token {token.name!r} ({token.prefix}...) of {token.user.username} revoked",
     )
     return True
+
+
+@transaction.atomic
+def do_set_registry_credential(
+    team: Team, *, registry: str, username: str, secret: str, actor
+) -> RegistryCredential:
+    """Set (or replace) the team's credential for one registry. The event names the registry
+    and the user, never the secret."""
+    credential, created = RegistryCredential.objects.update_or_create(
+        team=team, registry=registry, defaults={"username": username, "secret": secret}
+    )
+    Event.objects.create(
+        team=team,
+        actor=actor,
+        kind=EventKind.TEAM_REGISTRY_CREDENTIAL_SET,
+        message=f"{'set' if created else 'replaced'} {team.name}'s credential for {registry} "
+        f"(user {username})",
+        data={"registry": registry, "username": username},
+    )
+    return credential
+
+
+@transaction.atomic
+def do_remove_registry_credential(team: Team, *, registry: str, actor) -> bool:
+    deleted, _ = RegistryCredential.objects.filter(team=team, registry=registry).delete()
+    if deleted:
+        Event.objects.create(
+            team=team,
+            actor=actor,
+            kind=EventKind.TEAM_REGISTRY_CREDENTIAL_REMOVED,
+            message=f"removed {team.name}'s credential for {registry}",
+            data={"registry": registry},
+        )
+    return bool(deleted)

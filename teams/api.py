@@ -3,7 +3,8 @@
 from datetime import timedelta
 
 from django.utils import timezone
-from rest_framework import mixins, serializers, viewsets
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 
@@ -12,8 +13,12 @@ from jobs.reports import REPORT_DAYS
 from jobs.reports.goodput import team_goodput
 from jobs.reports.reclaim import reclaim_summary
 from teams.access import is_cluster_admin, visible_teams
-from teams.actions import do_set_team_quota
-from teams.models import Team
+from teams.actions import (
+    do_remove_registry_credential,
+    do_set_registry_credential,
+    do_set_team_quota,
+)
+from teams.models import RegistryCredential, Team
 
 
 class TeamSerializer(serializers.ModelSerializer):
@@ -54,6 +59,24 @@ class TeamQuotaSerializer(serializers.Serializer):
     weight = serializers.FloatField(min_value=0.0, max_value=1_000.0, required=False)
 
 
+class RegistryCredentialSerializer(serializers.ModelSerializer):
+    """What anyone who sees the team may know of a credential: never the secret."""
+
+    class Meta:
+        model = RegistryCredential
+        fields = ["registry", "username", "updated_at"]
+
+
+class RegistryCredentialInputSerializer(serializers.Serializer):
+    registry = serializers.RegexField(
+        r"^(localhost|[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+)(:[0-9]{1,5})?$",
+        max_length=255,
+        error_messages={"invalid": "A registry host, such as registry.example.org:5000."},
+    )
+    username = serializers.CharField(max_length=255)
+    password = serializers.CharField(max_length=4000, write_only=True, trim_whitespace=False)
+
+
 class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = TeamSerializer
 
@@ -84,3 +107,41 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
             actor=request.user,
         )
         return Response(TeamSerializer(self.get_queryset().get(pk=team.pk)).data)
+
+    @action(
+        detail=True,
+        methods=["get", "post", "delete"],
+        url_path="registry-credentials",
+        pagination_class=None,
+    )
+    def registry_credentials(self, request, pk=None):
+        """GET: the team's registry credentials (registry and user, never the secret);
+        POST {registry, username, password}: set or replace one; DELETE ?registry=: remove
+        one. Setting and removing are for cluster admins."""
+        team = self.get_object()
+        if request.method != "GET":
+            if not is_cluster_admin(request.user):
+                raise PermissionDenied("Only cluster admins set registry credentials.")
+            if request.method == "DELETE":
+                registry = request.query_params.get("registry", "")
+                if not do_remove_registry_credential(team, registry=registry, actor=request.user):
+                    return Response(
+                        {"registry": [f"Team {team.name} has no credential for {registry!r}."]},
+                        status=status.HTTP_404_NOT_FOUND,
+                    )
+                return Response(status=status.HTTP_204_NO_CONTENT)
+            body = RegistryCredentialInputSerializer(data=request.data)
+            body.is_valid(raise_exception=True)
+            credential = do_set_registry_credential(
+                team,
+                registry=body.validated_data["registry"],
+                username=body.validated_data["username"],
+                secret=body.validated_data["password"],
+                actor=request.user,
+            )
+            return Response(
+                RegistryCredentialSerializer(credential).data, status=status.HTTP_201_CREATED
+            )
+        return Response(
+            RegistryCredentialSerializer(team.registry_credentials.all(), many=True).data
+        )

@@ -27,6 +27,27 @@ class Team(models.Model):
         return self.quota + self.borrow_limit
 
 
+class RegistryCredential(models.Model):
+    """How a team's jobs pull from a private registry: set by cluster admins, handed to an
+    agent only inside the launch spec of that team's attempt whose image is on that registry
+    (for the pull, in a file only the agent reads), never shown back by the API or pages."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="registry_credentials")
+    registry = models.CharField(max_length=255)
+    username = models.CharField(max_length=255)
+    secret = models.CharField(max_length=4000)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["registry"]
+        constraints = [
+            models.UniqueConstraint(fields=["team", "registry"], name="one_credential_per_registry")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.team.name}@{self.registry}"
+
+
 class Membership(models.Model):
     class Role(models.TextChoices):
         MEMBER = "member"

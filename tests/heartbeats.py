@@ -15,11 +15,13 @@ def submit(team, user, gpus=4, **fields):
         owner=user,
         team=team,
         now=timezone.now(),
-        name="j",
-        image="lockstep/trainer:latest",
-        command=["python", "-m", "trainer"],
-        gpus=gpus,
-        **fields,
+        **{
+            "name": "j",
+            "image": "lockstep/trainer:latest",
+            "command": ["python", "-m", "trainer"],
+            "gpus": gpus,
+            **fields,
+        },
     )
 
 
