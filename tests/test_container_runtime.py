@@ -264,6 +264,28 @@ def test_a_two_node_job_trains_in_its_image_loses_a_rank_and_resumes(cluster):
         _cancel(api, job)
 
 
+def test_a_hang_inside_a_container_is_detected_with_its_stacks_and_resumes(cluster):
+    """The stack-dump signal goes to the container, whose init forwards it to the launcher,
+    which forwards it to each rank: the stacks arrive as they do from plain processes."""
+    api = cluster.alice
+    command = [*TRAIN[:3], "--steps", "60", "--checkpoint-every", "10"]
+    job = _submit(api, "ops", [*command, "--fault-stall-at-step", "25"], gpus=4)
+    try:
+        attempts = wait_for(
+            lambda: cluster.check_alive() or (len(a := _job(api, job)["attempts"]) == 2 and a),
+            180,
+            "the hang to be detected and the job restarted",
+        )
+        first = attempts[0]
+        assert first["state"] == "failed" and "hung: no progress for" in first["ended"]["reason"]
+        assert attempts[1]["resumed_from_step"] == 20
+        events = api.get(f"/api/v1/jobs/{job}/events/").json()
+        failed = next(e for e in events if e["kind"] == "attempt.failed")
+        assert "in fault" in failed["data"]["stacks"]["0"], failed["data"]["stacks"].keys()
+    finally:
+        _cancel(api, job)
+
+
 @pytest.mark.parametrize(
     ("image", "pull", "message"),
     [
