@@ -11,7 +11,7 @@ from django.db.models import Count, Max, Q
 from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Checkpoint, Job, Node, PreemptionRequest
 from jobs.scheduling.protection import min_run_s
-from jobs.validation import image_registry
+from jobs.validation import dataset_mounts, image_registry
 from trainer.checkpoint_layout import attempt_dir
 
 
@@ -86,6 +86,8 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
             for a in sorted(allocations, key=lambda a: a.rank)
         ],
     }
+    # Shared storage the team's jobs read (a container gets each read-only at the same path).
+    spec["mounts"] = dataset_mounts(job.team)
     # The team's credential for the image's registry, for the pull only: the agent keeps it
     # in a file of its own and passes nothing of it into the container.
     registry = image_registry(job.image)

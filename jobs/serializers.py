@@ -80,6 +80,10 @@ class JobCreateSerializer(serializers.Serializer):
             validation.validate_min_gpus(attrs.get("min_gpus"), attrs["gpus"])
         except DjangoValidationError as exc:
             raise serializers.ValidationError({"min_gpus": exc.messages}) from exc
+        try:
+            validation.validate_dataset_for_team(attrs.get("dataset", ""), attrs.get("team"))
+        except DjangoValidationError as exc:
+            raise serializers.ValidationError({"dataset": exc.messages}) from exc
         return attrs
 
 

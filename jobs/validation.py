@@ -97,13 +97,44 @@ def validate_dataset(value: str) -> str:
         # a path on the nodes.
         if parsed.netloc not in ("", "localhost") or not path.is_absolute() or ".." in path.parts:
             raise ValidationError("A file:// dataset must be an absolute path without '..'.")
-        roots = lockstep_setting("DATASET_ROOTS")
-        if roots and not any(path.is_relative_to(root) for root in roots):
-            raise ValidationError(
-                f"{path} is not on the cluster's shared storage; datasets must lie under "
-                f"{', '.join(roots)}."
-            )
     return value
+
+
+def dataset_mounts(team) -> list[str]:
+    """The shared-storage directories a team's jobs get read-only: the cluster's DATASET_ROOTS
+    and the team's own dataset paths."""
+    return sorted({*lockstep_setting("DATASET_ROOTS"), *(team.dataset_paths if team else [])})
+
+
+def validate_dataset_for_team(value: str, team) -> str:
+    """A file:// dataset must lie under a directory the team's jobs get (when any is set)."""
+    roots = dataset_mounts(team)
+    if not value.startswith("file:") or not roots:
+        return value
+    path = PurePosixPath(urlparse(value).path)
+    if not any(path.is_relative_to(root) for root in roots):
+        raise ValidationError(
+            f"{path} is not on shared storage this team's jobs can read; datasets must lie "
+            f"under {', '.join(roots)}."
+        )
+    return value
+
+
+def validate_dataset_paths(value) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise ValidationError("Dataset paths must be a list of absolute directory paths.")
+    if len(value) > 32:
+        raise ValidationError("A team may have at most 32 dataset paths.")
+    for item in value:
+        path = PurePosixPath(item)
+        if (
+            not path.is_absolute()
+            or ".." in path.parts
+            or len(item) > 1000
+            or path == PurePosixPath("/")
+        ):
+            raise ValidationError(f"{item!r} is not an absolute directory path (not /, no '..').")
+    return sorted(set(value))
 
 
 def validate_env(value) -> dict[str, str]:

@@ -219,10 +219,16 @@ def run_argv(
     resume = launch.get("resume_from") or ""
     if resume and not Path(resume).resolve().is_relative_to(job_checkpoints):
         argv += ["--volume", f"{resume}:{resume}:ro"]
+    # Shared storage the team may read (the cluster's dataset roots and the team's own paths)
+    # and the job's dataset, read-only at the same paths, so LOCKSTEP_DATASET and any path a
+    # script names mean the same inside and out.
+    mounts = [Path(p) for p in launch.get("mounts") or []]
     dataset = dataset_path(launch.get("dataset") or "")
-    if dataset is not None and dataset.exists():
-        # Read-only at the same path, so LOCKSTEP_DATASET means the same inside and out.
-        argv += ["--volume", f"{dataset}:{dataset}:ro"]
+    if dataset is not None and not any(dataset.is_relative_to(m) for m in mounts):
+        mounts.append(dataset)
+    for mount in mounts:
+        if mount.exists():
+            argv += ["--volume", f"{mount}:{mount}:ro"]
     if gpu_kind == "cuda":
         if engine.name == "docker":
             argv += ["--gpus", '"device=' + ",".join(str(i) for i in gpu_indices) + '"']

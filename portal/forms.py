@@ -12,9 +12,6 @@ from teams.models import Team
 
 
 class JobForm(forms.Form):
-    def clean_image_pull_policy(self) -> str:
-        return self.cleaned_data.get("image_pull_policy") or Job.PullPolicy.IF_NOT_PRESENT
-
     name = forms.CharField(max_length=100)
     team = forms.ModelChoiceField(queryset=Team.objects.none(), to_field_name="name")
     image = forms.CharField(
@@ -65,6 +62,9 @@ class JobForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.fields["team"].queryset = teams if teams is not None else Team.objects.none()
 
+    def clean_image_pull_policy(self) -> str:
+        return self.cleaned_data.get("image_pull_policy") or Job.PullPolicy.IF_NOT_PRESENT
+
     def clean_name(self):
         name = self.cleaned_data["name"].strip()
         if not name:
@@ -100,6 +100,11 @@ class JobForm(forms.Form):
                 validation.validate_min_gpus(data.get("min_gpus"), data["gpus"])
             except ValidationError as exc:
                 self.add_error("min_gpus", exc)
+        if data.get("dataset") and data.get("team"):
+            try:
+                validation.validate_dataset_for_team(data["dataset"], data["team"])
+            except ValidationError as exc:
+                self.add_error("dataset", exc)
         return data
 
 

@@ -137,3 +137,18 @@ def do_remove_registry_credential(team: Team, *, registry: str, actor) -> bool:
             data={"registry": registry},
         )
     return bool(deleted)
+
+
+@transaction.atomic
+def do_set_team_dataset_paths(team: Team, *, paths: list[str], actor) -> Team:
+    before = list(team.dataset_paths)
+    team.dataset_paths = paths
+    team.save(update_fields=["dataset_paths"])
+    Event.objects.create(
+        team=team,
+        actor=actor,
+        kind=EventKind.TEAM_DATASET_PATHS_CHANGED,
+        message=f"{team.name}'s dataset paths: {before or 'none'} -> {paths or 'none'}",
+        data={"before": before, "after": paths},
+    )
+    return team

@@ -3,6 +3,7 @@
 from datetime import timedelta
 
 from django.utils import timezone
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied
@@ -12,10 +13,13 @@ from jobs.queries import teams_with_usage
 from jobs.reports import REPORT_DAYS
 from jobs.reports.goodput import team_goodput
 from jobs.reports.reclaim import reclaim_summary
+from jobs.serializers import _django
+from jobs.validation import validate_dataset_paths
 from teams.access import is_cluster_admin, visible_teams
 from teams.actions import (
     do_remove_registry_credential,
     do_set_registry_credential,
+    do_set_team_dataset_paths,
     do_set_team_quota,
 )
 from teams.models import RegistryCredential, Team
@@ -31,7 +35,17 @@ class TeamSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Team
-        fields = ["id", "name", "quota", "borrow_limit", "weight", "used", "goodput", "reclaim"]
+        fields = [
+            "id",
+            "name",
+            "quota",
+            "borrow_limit",
+            "weight",
+            "dataset_paths",
+            "used",
+            "goodput",
+            "reclaim",
+        ]
         read_only_fields = ["id", "name", "used", "goodput", "reclaim"]
 
     def get_goodput(self, team) -> dict:
@@ -57,6 +71,11 @@ class TeamQuotaSerializer(serializers.Serializer):
     quota = serializers.IntegerField(min_value=0, max_value=1_000_000, required=False)
     borrow_limit = serializers.IntegerField(min_value=0, max_value=1_000_000, required=False)
     weight = serializers.FloatField(min_value=0.0, max_value=1_000.0, required=False)
+    dataset_paths = serializers.JSONField(
+        required=False,
+        validators=[_django(validate_dataset_paths)],
+        help_text="Directories on shared storage this team's jobs read, read-only",
+    )
 
 
 class RegistryCredentialSerializer(serializers.ModelSerializer):
@@ -99,15 +118,30 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
         body = TeamQuotaSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         values = body.validated_data
-        do_set_team_quota(
-            team,
-            quota=values.get("quota", team.quota),
-            borrow_limit=values.get("borrow_limit"),
-            weight=values.get("weight"),
-            actor=request.user,
-        )
+        if "dataset_paths" in values:
+            paths = sorted(set(values["dataset_paths"]))
+            do_set_team_dataset_paths(team, paths=paths, actor=request.user)
+        if values.keys() - {"dataset_paths"} or not values:
+            do_set_team_quota(
+                team,
+                quota=values.get("quota", team.quota),
+                borrow_limit=values.get("borrow_limit"),
+                weight=values.get("weight"),
+                actor=request.user,
+            )
         return Response(TeamSerializer(self.get_queryset().get(pk=team.pk)).data)
 
+    @extend_schema(methods=["GET"], responses=RegistryCredentialSerializer(many=True))
+    @extend_schema(
+        methods=["POST"],
+        request=RegistryCredentialInputSerializer,
+        responses={201: RegistryCredentialSerializer},
+    )
+    @extend_schema(
+        methods=["DELETE"],
+        parameters=[OpenApiParameter("registry", str, description="the registry host")],
+        responses={204: None},
+    )
     @action(
         detail=True,
         methods=["get", "post", "delete"],
@@ -123,10 +157,12 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
             if not is_cluster_admin(request.user):
                 raise PermissionDenied("Only cluster admins set registry credentials.")
             if request.method == "DELETE":
-                registry = request.query_params.get("registry", "")
+                registry = request.query_params.get("registry") or str(
+                    request.data.get("registry", "") if isinstance(request.data, dict) else ""
+                )
                 if not do_remove_registry_credential(team, registry=registry, actor=request.user):
                     return Response(
-                        {"registry": [f"Team {team.name} has no credential for {registry!r}."]},
+                        {"detail": f"Team {team.name} has no credential for {registry!r}."},
                         status=status.HTTP_404_NOT_FOUND,
                     )
                 return Response(status=status.HTTP_204_NO_CONTENT)

@@ -14,6 +14,9 @@ class Team(models.Model):
         default=0, help_text="Extra GPUs the team may use when others leave them idle."
     )
     weight = models.FloatField(default=1.0, validators=[MinValueValidator(0.0)])
+    # Directories on shared storage only this team's jobs see, read-only at the same path (on
+    # top of the cluster's DATASET_ROOTS); its file:// datasets may lie under them.
+    dataset_paths = models.JSONField(default=list, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -93,7 +93,7 @@ def test_bad_input_is_a_400_with_a_message_on_the_field_and_creates_nothing(
         ({"image": "docker.io/library/python:3.11"}, "image", "docker.io are not allowed"),
         ({"image": "python:3.11"}, "image", "docker.io are not allowed"),  # Docker Hub's
         ({"image": "evil.example.com/x:1"}, "image", "use one of the registries"),
-        ({"dataset": "file:///home/alice/corpus.txt"}, "dataset", "not on the cluster's shared"),
+        ({"dataset": "file:///home/alice/corpus.txt"}, "dataset", "not on shared storage"),
     ],
 )
 def test_what_the_cluster_does_not_serve_is_refused_at_submit(
@@ -334,3 +334,34 @@ def test_a_cluster_that_refuses_process_nodes_refuses_their_registration(setting
     assert accepted.status_code == 200
     node = Node.objects.get(name="laptop")
     assert (node.runtime, node.engine, node.isolated) == ("container", "podman", True)
+
+
+@pytest.mark.django_db
+def test_a_teams_dataset_paths_are_its_own(nlp, make_team, make_user, token_for, settings):
+    team, _, alice = nlp
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "DATASET_ROOTS": ["/shared/datasets"]}
+    admin = APIClient()
+    admin.credentials(HTTP_AUTHORIZATION=f"Bearer {token_for(make_user('root', staff=True))}")
+    url = f"/api/v1/teams/{team.id}/"
+    bad = admin.patch(url, {"dataset_paths": ["relative/dir"]}, format="json")
+    assert bad.status_code == 400 and "absolute directory path" in bad.json()["dataset_paths"][0]
+    assert alice.patch(url, {"dataset_paths": ["/nlp"]}, format="json").status_code == 403
+    done = admin.patch(url, {"dataset_paths": ["/nlp/corpora", "/nlp/corpora"]}, format="json")
+    assert done.status_code == 200 and done.json()["dataset_paths"] == ["/nlp/corpora"]
+    team.refresh_from_db()
+    assert team.quota == 8  # a paths-only change leaves the quota alone
+    assert Event.objects.filter(kind="team.dataset_paths_changed").count() == 1
+    assert not Event.objects.filter(kind="team.quota_changed").exists()
+
+    def submit(client, team_name, dataset):
+        body = {**GOOD, "team": team_name, "gpus": 1, "dataset": dataset}
+        return client.post("/api/v1/jobs/", body, format="json")
+
+    assert submit(alice, "nlp", "file:///nlp/corpora/wiki.txt").status_code == 201
+    assert submit(alice, "nlp", "file:///shared/datasets/a.txt").status_code == 201
+    other = make_team("vision", quota=4)
+    bob = APIClient()
+    bob.credentials(HTTP_AUTHORIZATION=f"Bearer {token_for(make_user('bob', team=other))}")
+    refused = submit(bob, "vision", "file:///nlp/corpora/wiki.txt")
+    assert refused.status_code == 400, refused.content
+    assert "under /shared/datasets" in refused.json()["dataset"][0]

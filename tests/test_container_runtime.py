@@ -178,7 +178,9 @@ def test_run_argv_gives_the_container_what_training_needs_and_nothing_more(tmp_p
         "checkpoint_dir": str(tmp_path / "ckpt" / "job-9" / "attempt-2"),
         "resume_from": str(tmp_path / "ckpt" / "job-9" / "attempt-1" / "step-000010"),
         "dataset": f"file://{tmp_path}",
+        "mounts": [str(tmp_path / "team-data"), str(tmp_path / "not-on-this-node")],
     }
+    (tmp_path / "team-data").mkdir()
     argv = run_argv(
         ENGINE,
         node="n1",
@@ -200,6 +202,9 @@ def test_run_argv_gives_the_container_what_training_needs_and_nothing_more(tmp_p
     job_dir = tmp_path / "ckpt" / "job-9"
     assert f"{job_dir}:{job_dir}:rw" in volumes  # the job's own saves, earlier attempts included
     assert f"{tmp_path}:{tmp_path}:ro" in volumes  # the dataset, read-only at the same path
+    team_data = tmp_path / "team-data"
+    assert f"{team_data}:{team_data}:ro" in volumes  # the team's shared storage, read-only
+    assert not any("not-on-this-node" in v for v in volumes)  # only what the node has
     assert not any(v.startswith(f"{tmp_path / 'ckpt'}:") for v in volumes)  # not the root
     assert {a for a, _ in pairs if a.startswith("--ulimit")} == {"--ulimit"}
     limits = {b.split("=")[0] for a, b in pairs if a == "--ulimit"}

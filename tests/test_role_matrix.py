@@ -53,7 +53,7 @@ from jobs.models import (
 from jobs.notify import job_group
 from jobs.scheduling.loop import run_pass
 from teams.actions import do_add_member, do_create_team, do_issue_token
-from teams.models import ApiToken, Membership
+from teams.models import ApiToken, Membership, RegistryCredential
 from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
 
 ROLES = ["admin", "lead", "member", "stranger", "outsider", "anonymous", "agent", "node"]
@@ -168,6 +168,9 @@ def build_world(tmp_path) -> World:
         since=now - timedelta(days=1),
         until=now,
         state=WhatIfRun.State.DONE,
+    )
+    w.credential = RegistryCredential.objects.create(
+        team=w.alpha, registry="registry.example.org", username="bot", secret="matrix-secret"
     )
     w.tokens = {role: do_issue_token(user)[1] for role, user in w.users.items()}
     w.member_token = do_issue_token(ann, name="spare")[0]
@@ -446,6 +449,33 @@ EXPECTATIONS: dict[str, Row] = {
         target="alpha",
         body=lambda w, ghost: {"quota": 12},
         effect=_field("alpha", "quota", 12),
+    ),
+    # Registry credentials: members see which registries (never a secret); admins set them.
+    "v1_teams_registry_credentials_list": Row(
+        JOB_READ,
+        target="alpha",
+        check=lambda w, body, role: (
+            [c["registry"] for c in body] == ["registry.example.org"]
+            and "matrix-secret" not in json.dumps(body)
+        ),
+    ),
+    "v1_teams_registry_credentials_create": Row(
+        _all(HIDDEN, seeing=FORBIDDEN, admin=OK),
+        target="alpha",
+        body=lambda w, ghost: {
+            "registry": "other.example.org",
+            "username": "u",
+            "password": "p",
+        },
+        effect=_grew(RegistryCredential),
+        status=201,
+    ),
+    "v1_teams_registry_credentials_destroy": Row(
+        _all(HIDDEN, seeing=FORBIDDEN, admin=OK),
+        target="alpha",
+        body=lambda w, ghost: {"registry": "registry.example.org"},
+        effect=_grew(RegistryCredential, by=-1),
+        status=204,
     ),
     # What-ifs: cluster admins only.
     "v1_whatif_list": Row(_all(FORBIDDEN, admin=OK), listed=lambda w: w.whatif.id),
