@@ -106,6 +106,7 @@ class Agent(Leaving):
         leave_timeout_s: float = DEFAULT_LEAVE_TIMEOUT_S,
         runtime: str = "process",
         pull_policy: str = "if-not-present",
+        node_env: dict[str, str] | None = None,
     ) -> None:
         if gpus < 1:
             raise ValueError("gpus must be at least 1")
@@ -133,6 +134,7 @@ class Agent(Leaving):
             engine=self.engine,
             node=name,
             pull_policy=pull_policy,
+            node_env=node_env,
         )
         self.telemetry = Telemetry(gpus, self.supervisor.gpu_kind, log=self.log)
         self._http = requests.Session()

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nodeagent.agent import Agent, default_work_dir
+from nodeagent.contract import read_node_env
 
 
 def _positive_int(text: str) -> int:
@@ -92,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         "where one works (default: $LOCKSTEP_AGENT_RUNTIME or auto)",
     )
     parser.add_argument(
+        "--node-env-file",
+        type=Path,
+        default=os.environ.get("LOCKSTEP_AGENT_NODE_ENV_FILE"),
+        help="KEY=VALUE lines set for every rank on this node, over the job's own env: "
+        "NCCL_SOCKET_IFNAME, NCCL_IB_HCA and the like (docs/runtime.md)",
+    )
+    parser.add_argument(
         "--pull-policy",
         choices=("if-not-present", "always", "never"),
         default=os.environ.get("LOCKSTEP_AGENT_PULL_POLICY", "if-not-present"),
@@ -160,6 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "no agent token: pass --token-file (or --token, or set LOCKSTEP_AGENT_TOKEN) "
             "with the cluster agent token created in the portal"
         )
+    node_env = {}
+    if args.node_env_file is not None:
+        try:
+            node_env = read_node_env(args.node_env_file)
+        except OSError as exc:
+            parser.error(f"cannot read the node env file {args.node_env_file}: {exc.strerror}")
+        except ValueError as exc:
+            parser.error(str(exc))
     # Nothing the agent starts may inherit it (process runtime; containers inherit nothing).
     os.environ.pop("LOCKSTEP_AGENT_TOKEN", None)
     logging.basicConfig(
@@ -182,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         leave_timeout_s=args.leave_timeout_s,
         runtime=args.runtime,
         pull_policy=args.pull_policy,
+        node_env=node_env,
     )
     agent.install_signal_handlers()
     return agent.run()

@@ -159,6 +159,7 @@ def run_argv(
     spec_path: Path,
     gpu_indices: list[int],
     gpu_kind: str,
+    infiniband: bool = False,
 ) -> list[str]:
     """The `podman run` / `docker run` command line of one attempt on this node."""
     uid = team_uid(launch["team_id"])
@@ -236,6 +237,10 @@ def run_argv(
             # CDI names (nvidia-ctk cdi generate): exactly the allocated devices.
             for index in gpu_indices:
                 argv += ["--device", f"nvidia.com/gpu={index}"]
+    if infiniband:
+        # NCCL over InfiniBand/RoCE: the verbs devices, and IPC_LOCK to register pinned
+        # memory with them (the only capability a job gets back).
+        argv += ["--device", "/dev/infiniband", "--cap-add", "IPC_LOCK"]
     argv += [launch["image"], "python3", LAUNCHER_IN_CONTAINER, str(spec_path)]
     return argv
 

@@ -48,8 +48,13 @@ class ContainerLaunch:
         agent_env: Mapping[str, str],
         log: logging.Logger | logging.LoggerAdapter[logging.Logger],
         auth_dir: Path,
+        node_env: Mapping[str, str] | None = None,
     ) -> None:
         self.auth_dir = auth_dir
+        self.node_env = dict(node_env or {})
+        # RDMA: the node's InfiniBand devices go into every container, with the capability
+        # to pin memory for them (as Determined's agents do).
+        self.infiniband = Path("/dev/infiniband").is_dir()
         self.engine = engine
         self.node = node
         self.gpu_kind = gpu_kind
@@ -76,6 +81,7 @@ class ContainerLaunch:
                 metrics_path=metrics_path,
                 gpu_kind=self.gpu_kind,
                 base_env=container_base_env(self.agent_env),
+                node_env=self.node_env,
             )
             gpu_index = int(entry.get("gpu_index", entry["local_rank"]))
             if self.gpu_kind == "cuda":
@@ -191,6 +197,7 @@ class ContainerLaunch:
             spec_path=spec_path,
             gpu_indices=sorted(w.gpu_index for w in attempt.workers),
             gpu_kind=self.gpu_kind,
+            infiniband=self.infiniband,
         )
         with open(attempt_dir / "engine.log", "wb") as engine_log:
             popen = subprocess.Popen(

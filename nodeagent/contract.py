@@ -7,6 +7,7 @@ configured, on top of its image's own environment.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,6 +36,26 @@ def resolve_command(command: list[str]) -> list[str]:
 # cluster agent token (which registers nodes), the agent's own settings, and, under
 # `lockstep up`, the portal's database, Redis and Django settings.
 PRIVATE_PREFIXES = ("LOCKSTEP_", "DJANGO_")
+# What build_worker_env sets for each rank; nobody else may (a job's env, a node's env file).
+CONTRACT_NAMES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "ROLE_NAME",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "CUDA_VISIBLE_DEVICES",
+    }
+)
 PRIVATE_NAMES = frozenset({"DATABASE_URL", "REDIS_URL"})
 # Trainer settings an operator may set on a node's agent for every worker there.
 WORKER_SETTINGS = frozenset({"LOCKSTEP_PG_TIMEOUT_S"})
@@ -56,6 +77,7 @@ def build_worker_env(
     metrics_path: Path,
     gpu_kind: str,
     base_env: Mapping[str, str],
+    node_env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of one worker: the agent's (less its own secrets and configuration, see
     `inheritable_env`), plus launch.env, plus the launch contract.
@@ -64,6 +86,9 @@ def build_worker_env(
     """
     env = inheritable_env(base_env)
     env.update({str(k): str(v) for k, v in (launch.get("env") or {}).items()})
+    # The node's own settings from its admin (--node-env-file: NCCL interfaces, HCAs) win
+    # over a job's: they describe this machine, which the job cannot know.
+    env.update(node_env or {})
     world_size = int(launch["world_size"])
     local_world_size = int(launch["local_world_size"])
     resume_from = launch.get("resume_from") or ""
@@ -107,3 +132,25 @@ def container_base_env(agent_env: Mapping[str, str]) -> dict[str, str]:
     settings only. Everything else (the image's PATH, ...) comes from the image."""
     names = set(PASSTHROUGH_NETWORK_VARS) | WORKER_SETTINGS
     return {k: v for k, v in agent_env.items() if k in names or k.startswith("NCCL_")}
+
+
+ENV_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
+
+
+def read_node_env(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines (blank lines and # comments skipped) that an admin sets for every rank
+    on this node, typically NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_GID_INDEX. Raises
+    ValueError naming the line for anything else, and for names the launch contract owns."""
+    env: dict[str, str] = {}
+    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = ENV_LINE.match(line)
+        if match is None:
+            raise ValueError(f"{path}:{number}: not NAME=value: {raw!r}")
+        name, value = match.groups()
+        if name.startswith(PRIVATE_PREFIXES) or name in CONTRACT_NAMES:
+            raise ValueError(f"{path}:{number}: {name} is set by the launch contract")
+        env[name] = value
+    return env

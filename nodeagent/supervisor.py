@@ -72,11 +72,13 @@ class WorkerSupervisor:
         engine: Engine | None = None,
         node: str = "local",
         pull_policy: str = "if-not-present",
+        node_env: Mapping[str, str] | None = None,
     ) -> None:
         self.work_dir = Path(work_dir).resolve()
         self.gpu_kind = detect_gpu_kind(gpu_kind)
         # The container runtime when an engine is given; plain processes (not isolated) else.
         self._log = log or logger
+        self.node_env = dict(node_env or {})
         self.engine = engine
         self.node = node
         self._containers = (
@@ -90,6 +92,7 @@ class WorkerSupervisor:
                 agent_env=os.environ if base_env is None else base_env,
                 log=self._log,
                 auth_dir=self.work_dir / "registry-auth",
+                node_env=self.node_env,
             )
         )
         self._base_env = base_env
@@ -161,6 +164,7 @@ class WorkerSupervisor:
                 metrics_path=metrics_path,
                 gpu_kind=self.gpu_kind,
                 base_env=base_env,
+                node_env=self.node_env,
             )
             planned.append(
                 RankWorker(

@@ -190,14 +190,18 @@ def test_run_argv_gives_the_container_what_training_needs_and_nothing_more(tmp_p
         spec_path=tmp_path / "attempt-77" / "launch.json",
         gpu_indices=[3, 5],
         gpu_kind="cuda",
+        infiniband=True,
     )
     pairs = list(zip(argv, argv[1:], strict=False))
+    # InfiniBand: the verbs devices and the one capability RDMA needs back.
+    assert ("--device", "/dev/infiniband") in pairs and ("--cap-add", "IPC_LOCK") in pairs
     assert ("--network", "host") in pairs and ("--ipc", "host") in pairs and "--init" in argv
     assert ("--user", f"{team_uid(4)}:{team_uid(4)}") in pairs and team_uid(4) != 0
     assert ("--cap-drop", "all") in pairs
     assert ("--label", "lockstep.attempt=77") in pairs and ("--label", "lockstep.job=9") in pairs
     # Exactly the allocated GPUs, by their CDI names.
-    assert [b for a, b in pairs if a == "--device"] == ["nvidia.com/gpu=3", "nvidia.com/gpu=5"]
+    gpus = [b for a, b in pairs if a == "--device" and b.startswith("nvidia.com/")]
+    assert gpus == ["nvidia.com/gpu=3", "nvidia.com/gpu=5"]
     volumes = [b for a, b in pairs if a == "--volume"]
     job_dir = tmp_path / "ckpt" / "job-9"
     assert f"{job_dir}:{job_dir}:rw" in volumes  # the job's own saves, earlier attempts included

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from nodeagent.agent import Agent
+from nodeagent.contract import read_node_env
 from nodeagent.supervisor import WorkerSupervisor
 from nodeagent.tail import LogTail, MetricsTail
 
@@ -1007,3 +1008,56 @@ def test_cli_agent_exits_1_when_the_portal_rejects_its_token(portal, clean_env, 
     )
     assert proc.returncode == 1
     assert "rejected the cluster agent token" in proc.stderr
+
+
+def test_a_nodes_env_file_reaches_every_rank_over_the_jobs_env(tmp_path, clean_env):
+    env_file = tmp_path / "node.env"
+    env_file.write_text(
+        "# this node's fabric\nNCCL_SOCKET_IFNAME=ib0\n\nNCCL_IB_HCA=mlx5_0,mlx5_1\nEMPTY=\n"
+    )
+    node_env = read_node_env(env_file)
+    assert node_env == {"NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5_0,mlx5_1", "EMPTY": ""}
+    sup = WorkerSupervisor(tmp_path / "work", gpu_kind="cpu", base_env=clean_env, node_env=node_env)
+    ranks = [{"rank": 0, "local_rank": 0, "gpu_index": 0}]
+    attempt = sup.launch(3, launch_spec(ENV_DUMPER, ranks, env={"NCCL_IB_HCA": "mine"}))
+    assert sup.wait(3, timeout_s=20)
+    (record,) = MetricsTail(attempt.workers[0].metrics_path, 0).read()[0]
+    assert record["env"]["NCCL_SOCKET_IFNAME"] == "ib0"
+    assert record["env"]["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"  # the node's fact wins
+    for bad, message in (
+        ("just words", "not NAME=value"),
+        ("RANK=3", "set by the launch contract"),
+        ("LOCKSTEP_AGENT_TOKEN=x", "set by the launch contract"),
+    ):
+        env_file.write_text(f"OK=1\n{bad}\n")
+        with pytest.raises(ValueError, match=f"node.env:2: .*{message}"):
+            read_node_env(env_file)
+
+
+def test_the_agent_cli_refuses_a_bad_node_env_file_with_its_line(tmp_path, clean_env):
+    env_file = tmp_path / "node.env"
+    env_file.write_text("MASTER_PORT=1\n")
+    token = tmp_path / "token"
+    token.write_text("t")
+    token.chmod(0o600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "--gpus", "1", "--token-file", str(token)]
+        + ["--node-env-file", str(env_file)],
+        cwd=tmp_path,
+        env=_agent_env(clean_env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "MASTER_PORT is set by the launch contract" in proc.stderr
+    token.chmod(0o644)
+    env_file.write_text("")
+    proc = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "--gpus", "1", "--token-file", str(token)],
+        cwd=tmp_path,
+        env=_agent_env(clean_env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "readable by others: chmod 600" in proc.stderr
