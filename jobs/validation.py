@@ -8,6 +8,7 @@ from django.core.exceptions import ValidationError
 
 from jobs.conf import lockstep_setting
 from jobs.models import GPU
+from nodeagent.contract import CONTRACT_NAMES
 
 # A container reference: [registry[:port]/]path[:tag][@sha256:digest], lower-case path parts.
 IMAGE_RE = re.compile(
@@ -16,24 +17,9 @@ IMAGE_RE = re.compile(
     r"(?:@sha256:[a-f0-9]{64})?$"
 )
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# The launch contract: a job's env may not override what the agent sets for every worker.
-RESERVED_ENV = {
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "CUDA_VISIBLE_DEVICES",
-}
+# The launch contract: a job's env may not override what the agent sets for every worker (one
+# list, the agent's: nodeagent/contract.py is plain Python, as the checkpoint layout is).
+RESERVED_ENV = CONTRACT_NAMES
 MAX_COMMAND_ITEMS = 256
 
 

@@ -93,7 +93,11 @@ def test_bad_input_is_a_400_with_a_message_on_the_field_and_creates_nothing(
         ({"image": "docker.io/library/python:3.11"}, "image", "docker.io are not allowed"),
         ({"image": "python:3.11"}, "image", "docker.io are not allowed"),  # Docker Hub's
         ({"image": "evil.example.com/x:1"}, "image", "use one of the registries"),
-        ({"dataset": "file:///home/alice/corpus.txt"}, "dataset", "not on shared storage"),
+        (
+            {"dataset": "file:///home/alice/corpus.txt", "image": "localhost/trainer:1"},
+            "dataset",
+            "not on shared storage",
+        ),
     ],
 )
 def test_what_the_cluster_does_not_serve_is_refused_at_submit(

@@ -166,6 +166,18 @@ def _finish(api: Api, job: int, cluster, timeout=240) -> dict:
     return wait_for(ended, timeout, f"job {job} to end")
 
 
+def _saving(api: Api, job: int, cluster, timeout: float, what: str) -> dict:
+    """The job's detail once it runs and has committed a checkpoint."""
+
+    def saved():
+        cluster.check_alive()
+        detail = _job(api, job)
+        running = detail["state"] == "RUNNING"
+        return running and api.get(f"/api/v1/jobs/{job}/checkpoints/").json() and detail
+
+    return wait_for(saved, timeout, what)
+
+
 def _cancel(api: Api, job: int) -> None:
     api.post(f"/api/v1/jobs/{job}/cancel/")
 
@@ -220,15 +232,10 @@ def test_a_two_node_job_trains_in_its_image_loses_a_rank_and_resumes(cluster):
     api = cluster.alice
     job = _submit(api, "ops", TRAIN, gpus=4)
     try:
-        running = wait_for(
-            lambda: (
-                cluster.check_alive()
-                or (
-                    (d := _job(api, job))["state"] == "RUNNING"
-                    and api.get(f"/api/v1/jobs/{job}/checkpoints/").json()
-                    and d
-                )
-            ),
+        running = _saving(
+            api,
+            job,
+            cluster,
             240,
             "the job to train in containers on both nodes and commit a checkpoint",
         )
@@ -320,17 +327,8 @@ def test_an_image_the_node_cannot_get_fails_the_job_at_once(cluster, image, pull
 def test_a_rival_teams_job_cannot_reach_checkpoints_the_token_or_other_processes(cluster):
     victim = _submit(cluster.bob, "rivals", TRAIN, gpus=1)
     try:
-        running = wait_for(
-            lambda: (
-                cluster.check_alive()
-                or (
-                    (d := _job(cluster.bob, victim))["state"] == "RUNNING"
-                    and cluster.bob.get(f"/api/v1/jobs/{victim}/checkpoints/").json()
-                    and d
-                )
-            ),
-            180,
-            "team rivals' job to save a checkpoint",
+        running = _saving(
+            cluster.bob, victim, cluster, 180, "team rivals' job to save a checkpoint"
         )
         victim_ckpt = Path(cluster.env["LOCKSTEP_CHECKPOINT_ROOT"]) / f"job-{victim}"
         assert any(victim_ckpt.iterdir())
@@ -410,18 +408,7 @@ def test_a_frozen_agent_declared_lost_removes_its_container_when_it_thaws(cluste
     job = _submit(api, "ops", TRAIN, gpus=2)
     frozen = None
     try:
-        running = wait_for(
-            lambda: (
-                cluster.check_alive()
-                or (
-                    (d := _job(api, job))["state"] == "RUNNING"
-                    and api.get(f"/api/v1/jobs/{job}/checkpoints/").json()
-                    and d
-                )
-            ),
-            180,
-            "a 2-GPU job on one node with a checkpoint",
-        )
+        running = _saving(api, job, cluster, 180, "a 2-GPU job on one node with a checkpoint")
         (node,) = running["attempts"][0]["nodes"]
         first = running["attempts"][0]["id"]
         frozen = cluster.procs[f"agent-{node}"]
