@@ -16,6 +16,7 @@ init forwards them to the launcher, which forwards them to the ranks.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -112,14 +113,15 @@ class Engine:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._run(["rm", "--force", "--time", "0", name], timeout=60)
 
-    def containers(self, node: str) -> list[dict[str, str]]:
-        """Every container this node's agents started: {"name", "attempt"} each."""
+    def containers(self, agent: str) -> list[dict[str, str]]:
+        """Every container started by an agent with this identity (`agent_identity`): this
+        agent's and its predecessors' on the same work dir. {"name", "attempt"} each."""
         done = self._run(
             [
                 "ps",
                 "--all",
                 "--filter",
-                f"label=lockstep.node={node}",
+                f"label=lockstep.agent={agent}",
                 "--format",
                 f'{{{{.Names}}}} {{{{index .Labels "{LABEL}"}}}}',
             ]
@@ -136,8 +138,15 @@ def team_uid(team_id: int) -> int:
     return TEAM_UID_BASE + int(team_id)
 
 
-def container_name(node: str, attempt_id: int) -> str:
-    return f"lockstep-{node}-a{attempt_id}"
+def agent_identity(work_dir: Path) -> str:
+    """What tells this node's agent's containers from any other's on the same machine: its
+    work dir (every agent process on it is the same agent). Two clusters on one machine (a
+    `make up` beside the test suite, both with a node "local-a") never touch each other's."""
+    return hashlib.sha256(str(work_dir.resolve()).encode()).hexdigest()[:10]
+
+
+def container_name(node: str, agent: str, attempt_id: int) -> str:
+    return f"lockstep-{node}-{agent}-a{attempt_id}"
 
 
 def _limit(which: int, wanted: int | None) -> str:
@@ -153,6 +162,7 @@ def run_argv(
     engine: Engine,
     *,
     node: str,
+    agent: str,
     attempt_id: int,
     launch: Mapping[str, Any],
     attempt_dir: Path,
@@ -179,9 +189,11 @@ def run_argv(
         "run",
         "--rm",
         "--name",
-        container_name(node, attempt_id),
+        container_name(node, agent, attempt_id),
         "--label",
         f"lockstep.node={node}",
+        "--label",
+        f"lockstep.agent={agent}",
         "--label",
         f"{LABEL}={attempt_id}",
         "--label",

@@ -26,6 +26,7 @@ from nodeagent.container import (
     ContainerAttempt,
     ContainerRank,
     Engine,
+    agent_identity,
     container_name,
     prepare_dirs,
     run_argv,
@@ -49,7 +50,9 @@ class ContainerLaunch:
         log: logging.Logger | logging.LoggerAdapter[logging.Logger],
         auth_dir: Path,
         node_env: Mapping[str, str] | None = None,
+        agent: str = "",
     ) -> None:
+        self.agent = agent or agent_identity(auth_dir.parent)
         self.auth_dir = auth_dir
         self.node_env = dict(node_env or {})
         # RDMA: the node's InfiniBand devices go into every container, with the capability
@@ -191,6 +194,7 @@ class ContainerLaunch:
         argv = run_argv(
             self.engine,
             node=self.node,
+            agent=self.agent,
             attempt_id=attempt.attempt_id,
             launch=launch,
             attempt_dir=attempt_dir,
@@ -207,7 +211,7 @@ class ContainerLaunch:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        name = container_name(self.node, attempt.attempt_id)
+        name = container_name(self.node, self.agent, attempt.attempt_id)
         attempt.container = ContainerAttempt(self.engine, name, status_path, popen)
         attempt.image_digest = self.engine.image_digest(launch["image"])
         for worker in attempt.workers:

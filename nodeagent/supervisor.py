@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nodeagent.container import ContainerRank, Engine
+from nodeagent.container import ContainerRank, Engine, agent_identity
 from nodeagent.container_launch import ContainerLaunch
 from nodeagent.contract import build_worker_env, inheritable_env, resolve_command
 from nodeagent.workers import AttemptWorkers, RankWorker
@@ -93,6 +93,7 @@ class WorkerSupervisor:
                 log=self._log,
                 auth_dir=self.work_dir / "registry-auth",
                 node_env=self.node_env,
+                agent=agent_identity(self.work_dir),
             )
         )
         self._base_env = base_env
@@ -412,7 +413,7 @@ class WorkerSupervisor:
         if self.engine is None:
             return 0
         removed = 0
-        for found in self.engine.containers(self.node):
+        for found in self.engine.containers(self._containers.agent):
             attempt_id = int(found["attempt"]) if found["attempt"].isdigit() else None
             if attempt_id in keep or attempt_id in self._attempts:
                 continue

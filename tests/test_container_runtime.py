@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.container import Engine, run_argv, team_uid
-from tests.live import Api, LiveCluster, wait_for, worker_pids
+from nodeagent.container import Engine, agent_identity, run_argv, team_uid
+from tests.live import Api, LiveCluster, free_port, wait_for, worker_pids
 
 IMAGE = "localhost/lockstep/trainer:latest"
 THIRD_PARTY_IMAGE = "localhost/lockstep-test/plain-ddp:1"
@@ -110,7 +110,8 @@ def cluster(tmp_path_factory):
     finally:
         live.stop()
         for name in live.agent_names:
-            for found in ENGINE.containers(name):
+            agent = agent_identity(live.work / "agents" / name)
+            for found in ENGINE.containers(agent):
                 ENGINE.remove(found["name"])
 
 
@@ -196,6 +197,7 @@ def test_run_argv_gives_the_container_what_training_needs_and_nothing_more(tmp_p
     argv = run_argv(
         ENGINE,
         node="n1",
+        agent="0123456789",
         attempt_id=77,
         launch=launch,
         attempt_dir=tmp_path / "attempt-77",
@@ -211,6 +213,10 @@ def test_run_argv_gives_the_container_what_training_needs_and_nothing_more(tmp_p
     assert ("--user", f"{team_uid(4)}:{team_uid(4)}") in pairs and team_uid(4) != 0
     assert ("--cap-drop", "all") in pairs
     assert ("--label", "lockstep.attempt=77") in pairs and ("--label", "lockstep.job=9") in pairs
+    # Whose it is: another cluster's agent on this machine with a node of the same name (a
+    # `make up` beside the suite) has another identity, and never removes this container.
+    assert ("--label", "lockstep.agent=0123456789") in pairs
+    assert ("--name", "lockstep-n1-0123456789-a77") in pairs
     # Exactly the allocated GPUs, by their CDI names.
     gpus = [b for a, b in pairs if a == "--device" and b.startswith("nvidia.com/")]
     assert gpus == ["nvidia.com/gpu=3", "nvidia.com/gpu=5"]
@@ -467,9 +473,15 @@ def test_an_agent_that_comes_back_removes_its_stale_containers_first(cluster):
             60,
             "the restarted agent to remove its stale container",
         )
-        log = (cluster.work / f"agent-{node}.log").read_text()
-        removed_at = log.index("removed stale container")
-        assert removed_at < log.rindex("registered with")  # before anything else
+        log_path = cluster.work / f"agent-{node}.log"
+
+        def registered_after_the_removal():
+            log = log_path.read_text()
+            removed_at = log.find("removed stale container")
+            return removed_at >= 0 and log.find("registered with", removed_at) > removed_at
+
+        # Before anything else: the removal, then the registration.
+        wait_for(registered_after_the_removal, 60, "the restarted agent to register")
         assert not worker_pids(attempt_id)
     finally:
         _cancel(api, job)
@@ -488,3 +500,29 @@ def test_no_engine_means_no_container_runtime_and_the_agent_says_so(tmp_path):
             pick_engine("podman")
     finally:
         os.environ["PATH"] = env_path
+
+
+def test_make_up_runs_the_demo_in_its_image_and_its_stop_leaves_no_container(tmp_path):
+    """`lockstep up` where podman and the trainer's image are (as `make up` leaves them): the
+    banner says the jobs are isolated, the demo job trains in one container per agent, and
+    one Ctrl-C leaves neither a process nor a container behind."""
+    from tests.test_up import Up, _demo_job, _nodes, _stop
+
+    # The suite's agents run plain processes by default (tests/conftest.py); up decides here.
+    up = Up(tmp_path / "var", free_port(), env={"LOCKSTEP_AGENT_RUNTIME": ""})
+    agents = [agent_identity(tmp_path / "var" / "agents" / n) for n in ("local-a", "local-b")]
+    try:
+        api = up.wait_up()
+        assert "jobs run in their own images (podman containers, isolated)" in up.output
+        assert {n["runtime"] for n in _nodes(up, api).values()} == {"container"}
+        wait_for(lambda: _demo_job(up, api)["state"] == "RUNNING", 120, "the demo job to run")
+        running = [c for agent in agents for c in _containers(f"lockstep.agent={agent}")]
+        assert len(running) == 2 and {c["State"] for c in running} == {"running"}
+        _stop(up)
+        assert not [c for agent in agents for c in _containers(f"lockstep.agent={agent}")]
+    finally:
+        if up.proc.poll() is None:
+            os.killpg(up.proc.pid, signal.SIGKILL)
+        for agent in agents:
+            for found in ENGINE.containers(agent):
+                ENGINE.remove(found["name"])
