@@ -193,6 +193,8 @@ class Attempt(models.Model):
     # later) and the seconds its pull took; empty under the process runtime.
     image_digest = models.CharField(max_length=128, blank=True)
     pull_s = models.FloatField(null=True, blank=True)
+    # Where its dataset was on the nodes (jobs.validation.dataset_location), for lineage.
+    dataset_location = models.CharField(max_length=1000, blank=True)
     dump_requested_at = models.DateTimeField(
         null=True, blank=True, help_text="Hang detected: stacks requested before the kill"
     )

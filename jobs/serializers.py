@@ -260,6 +260,7 @@ class ModelVersionSerializer(serializers.ModelSerializer):
             "attempt": checkpoint.attempt.number,
             "step": checkpoint.step,
             "dataset": job.dataset,
+            "dataset_location": checkpoint.attempt.dataset_location,
             "image": job.image,
             # What the attempt that saved it ran: the tag may have moved since.
             "image_digest": checkpoint.attempt.image_digest,

@@ -86,6 +86,15 @@ def validate_dataset(value: str) -> str:
     return value
 
 
+def dataset_location(value: str) -> str:
+    """Where a dataset URI points on the nodes, as an attempt records it for its lineage: a
+    file:// URI's path, normalised (so a model version says which file it learned from even
+    if the URI was spelled file://localhost/...); other URIs as given."""
+    if value.startswith("file:"):
+        return str(PurePosixPath(urlparse(value).path))
+    return value
+
+
 def dataset_mounts(team) -> list[str]:
     """The shared-storage directories a team's jobs get read-only: the cluster's DATASET_ROOTS
     and the team's own dataset paths."""

@@ -87,6 +87,16 @@ def test_all_ranks_exiting_zero_succeeds_and_frees_the_gpus(setup):
 
 
 @pytest.mark.django_db
+def test_an_attempt_records_where_its_dataset_was(setup):
+    team, user, _, _ = setup
+    on_disk = submit(team, user, gpus=1, dataset="file://localhost/shared/corpora/wiki.txt")
+    synthetic = submit(team, user, gpus=1, dataset="synthetic://addition")
+    run_pass()
+    assert live_attempt(on_disk).dataset_location == "/shared/corpora/wiki.txt"
+    assert live_attempt(synthetic).dataset_location == "synthetic://addition"
+
+
+@pytest.mark.django_db
 def test_reports_from_an_attempt_that_is_no_longer_live_change_nothing(setup):
     team, user, (a, b), root = setup
     job = submit(team, user)

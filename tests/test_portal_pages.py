@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
+from rest_framework.test import APIClient
 
 from jobs import actions
 from jobs.metrics_query import metric_series
@@ -340,6 +341,9 @@ def test_model_registry_shows_lineage_notes_and_serves_exported_weights(
     lab, ann, other, bob = two_teams
     job = _job(lab, ann, name="gpt-small", state="SUCCEEDED")
     attempt = _attempt(job, state="succeeded", end=timezone.now(), last_step=300)
+    # What the attempt ran, as the agent reported it: the lineage names it.
+    digest = "sha256:" + "ab" * 32
+    Attempt.objects.filter(pk=attempt.pk).update(image_digest=digest)
     _points(job, attempt, [0.5], first_step=300)
     ckpt = Checkpoint.objects.create(
         job=job, attempt=attempt, step=300, path=str(tmp_path / "c"), created_at=timezone.now()
@@ -353,7 +357,12 @@ def test_model_registry_shows_lineage_notes_and_serves_exported_weights(
     html = c.get("/models/").content.decode()
     for text in ("adder", "v1", "job", "gpt-small", "synthetic://addition", "python -m trainer"):
         assert text in html
-    assert "best so far" in html and "loss = 0.5000" in html
+    assert "best so far" in html and "loss = 0.5000" in html and digest in html
+    api = APIClient()
+    api.force_authenticate(ann)
+    (listed,) = api.get("/api/v1/models/").json()["results"]
+    assert listed["lineage"]["image_digest"] == digest
+    assert listed["lineage"]["dataset_location"] == attempt.dataset_location
     assert c.get(f"/models/{version.id}/weights/").status_code == 404  # not exported yet
     weights = tmp_path / "state_dict.pt"
     weights.write_bytes(b"weights")

@@ -28,6 +28,7 @@ from jobs.queries import (
     latest_checkpoint,
 )
 from jobs.scheduling.vocab import elastic_sizes
+from jobs.validation import dataset_location
 from teams.models import Team
 from trainer.checkpoint_layout import attempt_dir, dir_bytes, read_marker, step_dirs
 
@@ -263,6 +264,7 @@ def _create_attempts(accepted, nodes: dict[int, Node], *, now: datetime) -> list
                 resumed_from_step=latest[job.id][1] if job.id in latest else 0,
                 # Before first_started_at is set: a fresh job's advice needs no queries.
                 checkpoint_interval_s=checkpoint_advice(job)["interval_s"],
+                dataset_location=dataset_location(job.dataset),
             )
             for placement, job, _ in accepted
         ],
