@@ -73,10 +73,11 @@ class Engine:
         return None
 
     def works(self) -> bool:
+        """Whether the engine can run containers: podman needs no daemon but a working
+        configuration; Docker's CLI answers `info` only with its daemon up."""
+        template = "{{.ServerVersion}}" if self.name == "docker" else "{{.Host.OCIRuntime.Name}}"
         try:
-            done = self._run(["info", "--format", "{{.Host.OCIRuntime.Name}}"], timeout=30)
-            if self.name == "docker":
-                done = self._run(["info", "--format", "{{.ServerVersion}}"], timeout=30)
+            done = self._run(["info", "--format", template], timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             return False
         return done.returncode == 0
