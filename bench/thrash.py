@@ -28,8 +28,16 @@ RESULTS = ROOT / "bench" / "results"
 FIGURES = ROOT / "docs" / "figures"
 BEFORE_COMMIT = "d45316b"  # the last commit before issue 17's policy changes
 BEFORE_DIR = ROOT / "var" / "bench" / "thrash-before"
+# lockstep again with checkpoint-first stops, as the live platform preempts (the reference
+# trainer saves when told to stop): what a preemption costs then is its grace and restart.
+SAVING = "lockstep-save"
 KEYS = (
     "utilization",
+    "work_utilization",
+    "makespan_s",
+    "idle_gpu_hours_while_fit_queued",
+    "idle_gpu_hours_while_fit_queued_by_reason",
+    "preempted_gpu_hours_by_kind",
     "utilization_when_fit_queued",
     "jct_mean_s",
     "wait_mean_s",
@@ -66,6 +74,8 @@ def run_one(args: tuple[str, int, float]) -> dict:
     from jobs.scheduling.generate import generate, to_csv
 
     shape = _shape(seed, load)
+    if policy == SAVING:
+        return _simulate("lockstep", seed, load, generate(shape), shape.quotas(), save=True)
     if policy != "before":
         return _simulate(policy, seed, load, generate(shape), shape.quotas())
     # The old policy in a fresh interpreter, the old jobs package first on its path (two
@@ -94,20 +104,24 @@ def run_one(args: tuple[str, int, float]) -> dict:
     return result
 
 
-def _simulate(policy: str, seed: int, load: float, trace, quotas) -> dict:
+def _simulate(policy: str, seed: int, load: float, trace, quotas, save: bool = False) -> dict:
     from jobs.scheduling.simulate import SimConfig, SimulationError, run
 
     began = time.perf_counter()
+    label = SAVING if save else policy
+    config = SimConfig(gpus=1024, quotas=quotas)
+    if save:  # only this run: the old simulator in "before" has no such field
+        config = SimConfig(gpus=1024, quotas=quotas, checkpoint_on_stop=True)
     try:
-        result = run(trace, policy, SimConfig(gpus=1024, quotas=quotas))
+        result = run(trace, policy, config)
     except SimulationError as exc:  # the preemption loop the issue found
-        return {"policy": policy, "seed": seed, "load": load, "loop": str(exc)}
+        return {"policy": label, "seed": seed, "load": load, "loop": str(exc)}
     metrics = {k: result.metrics.get(k) for k in KEYS}
     counts = sorted(r[5] for r in result.records)
     if metrics["preemptions_per_job"] is None:  # the old simulator did not report it
         metrics["preemptions_per_job"] = {"max": counts[-1] if counts else 0}
     return {
-        "policy": policy,
+        "policy": label,
         "seed": seed,
         "load": load,
         "metrics": metrics,
@@ -123,7 +137,12 @@ def figure(runs: list[dict]) -> Path:
     import matplotlib.pyplot as plt
 
     loads = sorted({r["load"] for r in runs})
-    colors = {"before": "#dc2626", "backfill": "#f59e0b", "lockstep": "#2563eb"}
+    colors = {
+        "before": "#dc2626",
+        "backfill": "#f59e0b",
+        "lockstep": "#2563eb",
+        SAVING: "#16a34a",
+    }
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
     for r in runs:
@@ -138,22 +157,26 @@ def figure(runs: list[dict]) -> Path:
     ax.set_xlabel("jobs, most preempted first")
     ax.legend(fontsize=7)
     for col, (key, title) in enumerate(
-        (("utilization", "GPU utilization"), ("jct_mean_s", "mean JCT (h)")), start=1
+        (
+            ("work_utilization", "work utilization (the trace's work / GPU time)"),
+            ("jct_mean_s", "mean JCT (h)"),
+        ),
+        start=1,
     ):
         ax = axes[col]
-        width = 0.27
-        for k, policy in enumerate(("before", "backfill", "lockstep")):
+        width = 0.2
+        for k, policy in enumerate(("before", "backfill", "lockstep", SAVING)):
             values = []
             for load in loads:
                 done = [
-                    r["metrics"][key]
+                    r["metrics"].get(key) or 0.0
                     for r in runs
                     if r["policy"] == policy and r["load"] == load and "metrics" in r
                 ]
                 mean = sum(done) / len(done) if done else 0.0
                 values.append(mean / 3600 if key == "jct_mean_s" else mean)
             ax.bar(
-                [i + (k - 1) * width for i in range(len(loads))],
+                [i + (k - 1.5) * width for i in range(len(loads))],
                 values,
                 width,
                 color=colors[policy],
@@ -181,7 +204,7 @@ def main() -> int:
         (policy, seed, load)
         for load in loads
         for seed in range(args.seeds)
-        for policy in ("lockstep", "before", "backfill")
+        for policy in ("lockstep", SAVING, "before", "backfill")
     ]
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True

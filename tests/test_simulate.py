@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from jobs.scheduling.baselines import fifo
+from jobs.scheduling.generate import TraceShape, generate
 from jobs.scheduling.simulate import SimConfig, SimulationError, run, simulate
 from jobs.scheduling.trace import TeamQuota, TraceJob, load_quotas, load_trace, traces_dir
-from jobs.scheduling.vocab import Plan, Preemption
+from jobs.scheduling.vocab import _TEXTS, Plan, Preemption
 
 ROOT = Path(__file__).resolve().parent.parent
 MSFT = traces_dir() / "msft_itp_2021.csv"
@@ -126,6 +127,25 @@ def test_utilization_while_a_queued_job_fits_counts_only_gpus_something_queued_c
     assert backfill["idle_gpu_hours_while_fit_queued"] < m["idle_gpu_hours_while_fit_queued"]
 
 
+def test_idle_gpus_while_a_queued_job_fits_are_put_down_to_the_plans_reason():
+    # Every idle GPU-second while a queued job fits goes to the wait reason the last plan gave
+    # the first such job (WaitReason codes), so the split adds up to the total.
+    shape = TraceShape(gpus=64, teams=2, jobs=60, load=1.3, seed=3, duration_median_s=1800)
+    config = SimConfig(gpus=64, quotas=shape.quotas())
+    m = run(generate(shape), "lockstep", config).metrics
+    by_reason = m["idle_gpu_hours_while_fit_queued_by_reason"]
+    assert m["idle_gpu_hours_while_fit_queued"] > 0 and by_reason
+    assert set(by_reason) <= set(_TEXTS) | {"team_limit_paused"}
+    assert sum(by_reason.values()) == pytest.approx(m["idle_gpu_hours_while_fit_queued"], abs=0.1)
+    assert m["work_utilization"] <= m["utilization"]
+    # A baseline gives its reasons as text only: its idle time is counted, not explained.
+    fifo_m = run(HOL, "fifo", SimConfig(gpus=16)).metrics
+    assert fifo_m["idle_gpu_hours_while_fit_queued_by_reason"] == {
+        "unexplained": fifo_m["idle_gpu_hours_while_fit_queued"]
+    }
+    assert fifo_m["work_utilization"] == fifo_m["utilization"]  # nothing thrown away
+
+
 def test_jobs_larger_than_the_cluster_are_dropped_and_counted():
     trace = jobs(("small", 0, 8, 10, "t"), ("huge", 0, 32, 10, "t"), ("big", 5, 16, 10, "t"))
     m = run(trace, "fifo", SimConfig(gpus=16)).metrics
@@ -161,6 +181,7 @@ def test_preempted_job_loses_work_since_its_last_checkpoint_and_is_requeued():
     m = result.metrics
     # Stopped at 4060 (grace), last checkpoint at 3600: 460 s on 8 GPUs lost.
     assert m["preempted_gpu_hours"] == round(8 * 460 / 3600, 1)
+    assert m["preempted_gpu_hours_by_kind"] == {"reclaim": round(8 * 460 / 3600, 1)}
     assert m["preemptions"]["executed"] == 1 and m["preemptions"]["stopped"] == 1
     by_id = {r[0]: r for r in result.records}
     assert by_id["claim"][3] == 4060  # started when the victim's GPUs came back
@@ -171,6 +192,8 @@ def test_preempted_job_loses_work_since_its_last_checkpoint_and_is_requeued():
     # b's job was within b's quota from t=4000: the reclaim took the grace period.
     assert m["teams"]["b"]["reclaim_max_s"] == 60
     assert m["utilization"] == round((4060 + 100 + 120 + 6400) * 8 / (8 * 10_680), 4)
+    # The work the trace asked for, without the 460 s thrown away nor the restart.
+    assert m["work_utilization"] == round((10_000 + 100) * 8 / (8 * 10_680), 4)
     assert m["preemptions_per_job"] == {
         "max": 1,
         "p99": 0.99,

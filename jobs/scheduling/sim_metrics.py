@@ -65,6 +65,18 @@ def engine_metrics(self, t0: float, t_end: float, wall: float) -> dict:
         ),
         "fit_queued_fraction": _r(self.fit_s / makespan if makespan else 0.0, 4),
         "idle_gpu_hours_while_fit_queued": _r((gpus * self.fit_s - self.fit_busy_gpu_s) / 3600),
+        "idle_gpu_hours_while_fit_queued_by_reason": {
+            code: _r(s / 3600)
+            for code, s in sorted(self.idle_by_reason.items(), key=lambda kv: -kv[1])
+        },
+        # The trace's work over the GPU time until the last job ended: what "utilization"
+        # would be if no GPU-second went to work a preemption threw away or to restarts.
+        "work_utilization": _r(
+            sum(j.gpus * j.duration_s for j in self.jobs) / (gpus * makespan)
+            if makespan and unfinished == 0
+            else 0.0,
+            4,
+        ),
         "busy_gpu_hours": _r(self.busy_gpu_s / 3600),
         "jct_mean_s": _r(_mean(jcts)),
         "jct_median_s": _r(_pct(jcts, 50)),
@@ -93,6 +105,7 @@ def engine_metrics(self, t0: float, t_end: float, wall: float) -> dict:
         "reclaims_over_bound": sum(1 for r in all_reclaims if r > cfg.grace_s + 1e-6),
         "reclaims_total": len(all_reclaims),
         "preempted_gpu_hours": _r(self.lost_gpu_s / 3600),
+        "preempted_gpu_hours_by_kind": {k: _r(v / 3600) for k, v in self.lost_by_kind.items()},
         "preemptions_per_job": _preemptions_per_job(self),
         "safety_stops": len(self.safety_stops),
         "preemptions": {**self.preemptions, "by_kind": dict(self.preemptions_by_kind)},

@@ -225,7 +225,13 @@ class _Engine:
         self.fit_queued = False
         self.fit_s = 0.0
         self.fit_busy_gpu_s = 0.0
+        # Why those GPUs sat idle: the wait reason (WaitReason.code) the last plan gave the
+        # first queued job, in priority and submit order, whose shape fits them.
+        self.fit_reason = ""
+        self.idle_by_reason: dict[str, float] = {}  # code -> idle GPU-seconds
+        self.last_waits: dict = {}  # the last plan's waits (job id -> WaitReason)
         self.lost_gpu_s = 0.0
+        self.lost_by_kind: dict[str, float] = {}  # preemption kind -> GPU-seconds lost
         self.reclaims: dict[int, list[float]] = {tid: [] for tid in self.quota}
         # proposed: in plans; duplicate: the victim already had an open request (or was gone);
         # withdrawn: the claimant no longer waited at approval; executed: stop begun;
@@ -304,6 +310,7 @@ class _Engine:
                 self._reclaim_clocks(t)
                 self._plan(t)
             self.fit_queued = bool(self.queue) and self._queued_job_fits()
+            self.fit_reason = self._fit_reason() if self.fit_queued else ""
             self._record(t)
         return self._result(t0, t_prev, time.perf_counter() - wall)
 
@@ -318,6 +325,10 @@ class _Engine:
             if self.fit_queued:
                 self.fit_s += dt
                 self.fit_busy_gpu_s += self.busy * dt
+                idle = (self.cfg.gpus - self.busy) * dt
+                self.idle_by_reason[self.fit_reason] = (
+                    self.idle_by_reason.get(self.fit_reason, 0.0) + idle
+                )
         # Exact exponential decay of GPU-seconds with GPUs in use constant over [t0, t1].
         h = self.cfg.usage_half_life_s
         decay = math.exp(-dt * math.log(2) / h)
@@ -381,6 +392,31 @@ class _Engine:
             )
             return idle * gpn >= large
         return False
+
+    def _fit_reason(self) -> str:
+        """The wait reason of the first queued job (priority, then submit time) whose shape
+        fits the idle GPUs, as `_queued_job_fits` counts them: what kept them idle."""
+        gpn = self.cfg.gpus_per_node
+        most_free = max(len(f) for f in self.free)
+        idle_nodes = sum(
+            1 for f, size in zip(self.free, self.node_sizes, strict=True) if len(f) == size
+        )
+        first = None
+        for members in self.team_queue.values():
+            for member in members:
+                gpus = member[3]
+                if (gpus <= gpn and gpus <= most_free) or (gpus > gpn and idle_nodes * gpn >= gpus):
+                    if first is None or member < first:
+                        first = member
+                    break
+        if first is None:
+            return "none"
+        reason = self.last_waits.get(first[2])
+        if reason is None:  # a baseline (no reasons as data) or queued since the last pass
+            return "unexplained"
+        if reason.code == "team_limit" and reason.data.get("paused"):
+            return "team_limit_paused"
+        return reason.code
 
     def _reclaim_clocks(self, t: float) -> None:
         """Start the reclaim clock of each queued job its team's quota has room for.
@@ -471,6 +507,7 @@ class _Engine:
             self.plan_max, self.plan_max_queue = took, len(snap.queued)
         if len(snap.queued) - len(plan.placements) != len(plan.reasons):
             self.missing_reasons += 1
+        self.last_waits = plan.waits
         for placement in plan.placements:
             self._start(placement, t)
         for proposal in plan.preemptions:
@@ -667,7 +704,10 @@ class _Engine:
         else:
             saved = 0.0
         saved = min(saved, self.remaining[i])
-        self.lost_gpu_s += len(run.slots) * (ran - saved)
+        lost = len(run.slots) * (ran - saved)
+        self.lost_gpu_s += lost
+        kind = str(self.open_requests.get(jid, (None, "unknown"))[1])
+        self.lost_by_kind[kind] = self.lost_by_kind.get(kind, 0.0) + lost
         self.remaining[i] -= saved
         self.attempt[i] += 1
         self.preempted[i] += 1
