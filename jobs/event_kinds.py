@@ -66,6 +66,7 @@ class EventKind(StrEnum):
     TEAM_MEMBER_ADDED = "team.member_added"
     TEAM_REGISTRY_CREDENTIAL_SET = "team.registry_credential_set"
     TEAM_DATASET_PATHS_CHANGED = "team.dataset_paths_changed"
+    TEAM_ISOLATION_CHANGED = "team.isolation_changed"
     TEAM_REGISTRY_CREDENTIAL_REMOVED = "team.registry_credential_removed"
     TOKEN_ISSUED = "token.issued"
     TOKEN_REVOKED = "token.revoked"

@@ -212,7 +212,9 @@ def _parse_spec(text: str) -> dict:
 class TeamQuotaForm(forms.ModelForm):
     class Meta:
         model = Team
-        fields = ["quota", "borrow_limit", "weight"]
+        fields = ["quota", "borrow_limit", "weight", "isolated_only"]
+        labels = {"isolated_only": "Isolated nodes only"}
+        help_texts = {"isolated_only": "Never run this team's jobs on process-runtime nodes"}
 
 
 class RegisterModelForm(forms.Form):

@@ -152,3 +152,21 @@ def do_set_team_dataset_paths(team: Team, *, paths: list[str], actor) -> Team:
         data={"before": before, "after": paths},
     )
     return team
+
+
+@transaction.atomic
+def do_set_team_isolated_only(team: Team, *, isolated_only: bool, actor) -> Team:
+    """Refuse (or allow again) process-runtime nodes for the team's jobs. Running jobs stay
+    where they are; from the next pass on, its queued jobs are placed on isolated nodes only."""
+    before = team.isolated_only
+    team.isolated_only = isolated_only
+    team.save(update_fields=["isolated_only"])
+    where = "isolated (container) nodes only" if isolated_only else "any node"
+    Event.objects.create(
+        team=team,
+        actor=actor,
+        kind=EventKind.TEAM_ISOLATION_CHANGED,
+        message=f"{team.name}'s jobs now run on {where}",
+        data={"before": before, "after": isolated_only},
+    )
+    return team

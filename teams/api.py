@@ -20,6 +20,7 @@ from teams.actions import (
     do_remove_registry_credential,
     do_set_registry_credential,
     do_set_team_dataset_paths,
+    do_set_team_isolated_only,
     do_set_team_quota,
 )
 from teams.models import RegistryCredential, Team
@@ -42,6 +43,7 @@ class TeamSerializer(serializers.ModelSerializer):
             "borrow_limit",
             "weight",
             "dataset_paths",
+            "isolated_only",
             "used",
             "goodput",
             "reclaim",
@@ -75,6 +77,11 @@ class TeamQuotaSerializer(serializers.Serializer):
         required=False,
         validators=[_django(validate_dataset_paths)],
         help_text="Directories on shared storage this team's jobs read, read-only",
+    )
+    isolated_only = serializers.BooleanField(
+        required=False,
+        help_text="Run the team's jobs on container-runtime (isolated) nodes only, never on "
+        "process-runtime nodes",
     )
 
 
@@ -121,7 +128,11 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
         if "dataset_paths" in values:
             paths = sorted(set(values["dataset_paths"]))
             do_set_team_dataset_paths(team, paths=paths, actor=request.user)
-        if values.keys() - {"dataset_paths"} or not values:
+        if values.get("isolated_only", team.isolated_only) != team.isolated_only:
+            do_set_team_isolated_only(
+                team, isolated_only=values["isolated_only"], actor=request.user
+            )
+        if values.keys() - {"dataset_paths", "isolated_only"} or not values:
             do_set_team_quota(
                 team,
                 quota=values.get("quota", team.quota),

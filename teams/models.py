@@ -17,6 +17,9 @@ class Team(models.Model):
     # Directories on shared storage only this team's jobs see, read-only at the same path (on
     # top of the cluster's DATASET_ROOTS); its file:// datasets may lie under them.
     dataset_paths = models.JSONField(default=list, blank=True)
+    # Set by cluster admins: the team's jobs run only on nodes that isolate them in containers,
+    # never on a "process"-runtime node (jobs.scheduling.isolation).
+    isolated_only = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

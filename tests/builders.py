@@ -8,7 +8,15 @@ T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 _ids = iter(range(1, 10**9))
 
 
-def node(name: str, gpus: int = 8, *, busy: int | set = 0, rack: str = "r1", up: bool = True):
+def node(
+    name: str,
+    gpus: int = 8,
+    *,
+    busy: int | set = 0,
+    rack: str = "r1",
+    up: bool = True,
+    isolated: bool = True,
+):
     node_id = next(_ids)
     busy_set = set(range(busy)) if isinstance(busy, int) else set(busy)
     return NodeView(
@@ -18,6 +26,7 @@ def node(name: str, gpus: int = 8, *, busy: int | set = 0, rack: str = "r1", up:
         gpu_ids=tuple(node_id * 100 + i for i in range(gpus)),
         free=frozenset(set(range(gpus)) - busy_set),
         schedulable=up,
+        isolated=isolated,
     )
 
 
@@ -31,6 +40,7 @@ def team(
     weight: float = 1.0,
     history: float = 0.0,
     paused: bool = False,
+    isolated_only: bool = False,
 ):
     return TeamView(
         id=team_id or next(_ids),
@@ -41,6 +51,7 @@ def team(
         weight=weight,
         usage_history=history,
         borrow_paused=paused,
+        isolated_only=isolated_only,
     )
 
 

@@ -369,3 +369,35 @@ def test_a_teams_dataset_paths_are_its_own(nlp, make_team, make_user, token_for,
     refused = submit(bob, "vision", "file:///nlp/corpora/wiki.txt")
     assert refused.status_code == 400, refused.content
     assert "under /shared/datasets" in refused.json()["dataset"][0]
+
+
+@pytest.mark.django_db
+def test_an_admin_can_refuse_process_runtime_nodes_for_a_team(nlp, make_user, token_for):
+    team, _, alice = nlp  # nlp's two 4-GPU nodes run the process runtime (not isolated)
+    admin = APIClient()
+    admin.credentials(HTTP_AUTHORIZATION=f"Bearer {token_for(make_user('root', staff=True))}")
+    url = f"/api/v1/teams/{team.id}/"
+    assert alice.patch(url, {"isolated_only": True}, format="json").status_code == 403
+    bad = admin.patch(url, {"isolated_only": "perhaps"}, format="json")
+    assert bad.status_code == 400 and "isolated_only" in bad.json()
+    assert not Event.objects.filter(kind="team.isolation_changed").exists()
+    done = admin.patch(url, {"isolated_only": True}, format="json")
+    assert done.status_code == 200 and done.json()["isolated_only"] is True
+    assert done.json()["quota"] == 8  # an isolation-only change leaves the quota alone
+    (event,) = Event.objects.filter(kind="team.isolation_changed")
+    assert event.data == {"before": False, "after": True} and event.actor.username == "root"
+    assert not Event.objects.filter(kind="team.quota_changed").exists()
+
+    job_id = alice.post("/api/v1/jobs/", {**GOOD, "gpus": 4}, format="json").json()["id"]
+    run_pass()
+    job = Job.objects.get(pk=job_id)
+    assert job.state == Job.State.QUEUED and job.wait["code"] == "isolation"
+    assert (
+        "runs on isolated (container) nodes only"
+        in alice.get(f"/api/v1/jobs/{job_id}/").json()["reason"]
+    )
+    Node.objects.filter(name="node-1").update(runtime="container", engine="podman")
+    run_pass()
+    job.refresh_from_db()
+    assert job.state == Job.State.STARTING
+    assert set(live_attempt(job).allocations.values_list("node__name", flat=True)) == {"node-1"}

@@ -423,3 +423,30 @@ def test_a_job_that_moves_on_after_the_check_is_rejected_alone(
     assert len(result.applied) == 7
     assert not Attempt.objects.filter(job=mover).exists()
     check_claim_invariants()
+
+
+@pytest.mark.django_db
+def test_a_gang_of_an_isolated_only_team_on_a_process_node_is_rejected(
+    make_team, make_user, make_nodes
+):
+    strict = make_team("strict", quota=8)
+    strict.isolated_only = True
+    strict.save()
+    user = make_user("sam", team=strict)
+    make_nodes(2, 4)  # process runtime, as an agent without an engine registers
+    Node.objects.filter(name="node-1").update(runtime="container", engine="podman")
+    on_process, on_container = submit(strict, user, gpus=2), submit(strict, user, gpus=2)
+    process_gpus = list(GPU.objects.filter(node__name="node-0").order_by("index"))
+    container_gpus = list(GPU.objects.filter(node__name="node-1").order_by("index"))
+    plan = Plan(
+        placements=(
+            placement_on(on_process, process_gpus[:2]),
+            placement_on(on_container, container_gpus[:2]),
+        )
+    )
+    result = apply_plan(plan, now=timezone.now())
+    assert set(result.applied) == {on_container.id}
+    assert result.rejected[on_process.id] == (
+        "team strict runs on isolated nodes only; a node is process-runtime"
+    )
+    assert not Allocation.objects.filter(attempt__job=on_process).exists()

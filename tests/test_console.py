@@ -14,6 +14,7 @@ from jobs import actions
 from jobs.models import GPU, Allocation, Attempt, Checkpoint, Event, Job, Node
 from jobs.reports.usage import week_starts
 from jobs.scheduling.loop import run_pass
+from teams.models import Team
 from tests.heartbeats import past_protection, submit
 
 CONSOLE = ("/console/queue/", "/console/nodes/", "/console/reports/", "/console/events/")
@@ -308,6 +309,27 @@ def test_the_teams_page_splits_use_into_guaranteed_and_borrowed(shared):
     # lab holds 3 GPUs against a quota of 2 (borrow limit 6); nlp 1 against 2.
     assert '<td class="guaranteed">2 / 2</td>' in lab and '<td class="borrowed">1 / 6</td>' in lab
     assert '<td class="guaranteed">1 / 2</td>' in nlp and '<td class="borrowed">0 / 0</td>' in nlp
+
+
+@pytest.mark.django_db
+def test_an_admin_refuses_process_runtime_nodes_for_a_team_on_the_teams_page(shared):
+    root = _client(shared["users"]["root"])
+    lab = Team.objects.get(name="lab")
+    form = {"team_id": lab.id, "quota": lab.quota, "borrow_limit": lab.borrow_limit}
+    done = root.post("/console/teams/", {**form, "weight": 1, "isolated_only": "on"})
+    assert done.status_code == 302
+    assert Team.objects.get(name="lab").isolated_only
+    (event,) = Event.objects.filter(kind="team.isolation_changed")
+    assert event.message == "lab's jobs now run on isolated (container) nodes only"
+    html = root.get("/console/teams/").content.decode()
+    row = html.split('<tr data-team="lab">')[1].split("</tr>")[0]
+    assert 'name="isolated_only"' in row and "checked" in row
+    # Bad input elsewhere in the row changes nothing, the box included.
+    bad = root.post("/console/teams/", {**form, "weight": "heavy"})
+    assert bad.status_code == 200 and Team.objects.get(name="lab").isolated_only
+    root.post("/console/teams/", {**form, "weight": 1})  # the box unticked
+    assert not Team.objects.get(name="lab").isolated_only
+    assert Event.objects.filter(kind="team.isolation_changed").count() == 2
 
 
 # --- reports ---------------------------------------------------------------------------------

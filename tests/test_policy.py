@@ -1004,3 +1004,51 @@ def test_wait_reasons_are_data_whose_text_is_the_reason():
             "4 GPUs reserved"
         )
     )
+
+
+def test_an_isolated_only_team_runs_on_container_nodes_and_others_still_use_process_nodes():
+    # Best fit would put both 2-GPU jobs on the fuller process node ("laptop"); the team that
+    # refused process-runtime nodes goes to the container node, the other team does not care.
+    strict, relaxed = team("strict", isolated_only=True), team("relaxed")
+    laptop, box = node("laptop", 8, busy=5, isolated=False), node("box", 8, busy=2)
+    p = plan(
+        snapshot(
+            [laptop, box],
+            [job(1, 2, team_id=strict.id), job(2, 2, team_id=relaxed.id, submitted=1)],
+            [strict, relaxed],
+        )
+    )
+    where = {pl.job_id: {s.node_id for s in pl.slots} for pl in p.placements}
+    assert where == {1: {box.id}, 2: {laptop.id}}
+
+
+def test_an_isolated_only_team_waits_with_its_reason_when_only_process_nodes_are_up():
+    strict = team("strict", isolated_only=True)
+    nodes = [node("laptop-a", 8, isolated=False), node("laptop-b", 8, isolated=False)]
+    p = plan(snapshot(nodes, [job(1, 4, team_id=strict.id)], [strict]))
+    assert p.placements == ()
+    assert p.waits[1] == WaitReason("isolation", {"team": "strict", "gpus": 4, "capacity": 0})
+    assert p.reasons[1] == (
+        "team strict runs on isolated (container) nodes only; those have 0 GPUs schedulable "
+        "and it needs 4"
+    )
+
+
+def test_an_isolated_only_teams_reservation_and_reclaim_stay_on_container_nodes():
+    # The freest node is the process node: a reservation there could never be used. And the
+    # team's guaranteed job reclaims a borrower on the container node, not the idler laptop's.
+    strict = team("strict", quota=8, isolated_only=True)
+    lender = team("lender", quota=0, borrow=16, used=12)
+    laptop, box = node("laptop", 8, busy=4, isolated=False), node("box", 8, busy=8)
+    runs = [
+        running(10, laptop, range(4), team_id=lender.id, ends_in=9000),
+        running(11, box, range(8), team_id=lender.id, ends_in=9000),
+    ]
+    p = plan(snapshot([laptop, box], [job(1, 8, team_id=strict.id)], [strict, lender], runs))
+    assert [pr.victim_job_id for pr in p.preemptions] == [11]
+    assert p.reservation == (1, (box.id,))
+    # Without a victim to take (the box's job is the team's own) it reserves the box, still.
+    own = [running(12, box, range(8), team_id=strict.id, ends_in=600)]
+    busy = team("strict", quota=16, used=8, isolated_only=True, team_id=strict.id)
+    p = plan(snapshot([laptop, box], [job(2, 8, team_id=strict.id)], [busy], own))
+    assert p.placements == () and p.reservation == (2, (box.id,))

@@ -210,6 +210,8 @@ def _check_gangs(placements) -> tuple[list, dict[int, str], dict[int, Node]]:
             why = f"team {team.name} would exceed {team.gpu_cap} GPUs"
         elif any(slot.node_id not in nodes for slot in placement.slots):
             why = "a node of the placement is no longer up"
+        elif team.isolated_only and not all(nodes[s.node_id].isolated for s in placement.slots):
+            why = f"team {team.name} runs on isolated nodes only; a node is process-runtime"
         elif len(set(gpu_ids)) != len(gpu_ids) or any(
             gpu_node.get(slot.gpu_id) != slot.node_id for slot in placement.slots
         ):

@@ -39,12 +39,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from jobs.scheduling.grow import grow_back
+from jobs.scheduling.isolation import allowed
 from jobs.scheduling.order import fifo_key, job_order_key, stretch
 from jobs.scheduling.placement import (
     occupy,
-    place,
     place_on_claim,
-    release,
     shrunk,
     to_slots,
     whole_nodes,
@@ -53,7 +53,7 @@ from jobs.scheduling.protection import pays
 from jobs.scheduling.reservations import Reservations, team_holds
 from jobs.scheduling.snapshot import JobView, RunningView, Snapshot, TeamView
 from jobs.scheduling.victims import Victims
-from jobs.scheduling.vocab import Grow, Placement, Plan, Preemption, PreemptionKind, WaitReason
+from jobs.scheduling.vocab import Placement, Plan, Preemption, PreemptionKind, WaitReason
 
 # A job that has waited this many times its length may also stop running work for its
 # GPUs (rule 4, a "starvation" claim): work of its own team beyond the team's quota, or
@@ -85,6 +85,7 @@ class SchedulingPass:
         self.nodes = [n for n in snapshot.nodes if n.schedulable]  # less those held for claims
         self.names = {n.id: n.name for n in self.nodes}
         self.capacity = sum(n.total for n in self.nodes)
+        self.isolated_capacity = sum(n.total for n in self.nodes if n.isolated)
         self.largest = max((n.total for n in self.nodes), default=0)
         self.free = {n.id: sorted(n.free) for n in self.nodes}  # node id -> free GPU indices
         self.teams = {t.id: t for t in snapshot.teams}
@@ -158,7 +159,7 @@ class SchedulingPass:
             waits=self.waits,
             reservation=self.reservations.holder,
             preemptions=tuple(self.preemptions),
-            grows=tuple(self.grow_back()) if everyone_placed else (),
+            grows=tuple(grow_back(self)) if everyone_placed else (),
         )
 
     def wait(self, job: JobView, code: str, /, **data) -> None:
@@ -212,10 +213,10 @@ class SchedulingPass:
             if self.used[team.id] - leaving + job.gpus > cap:
                 continue
             claimed = [by_id[i] for i in dict.fromkeys(job.claim_nodes) if i in by_id]
-            claimed = [n for n in claimed if n.id not in held]
+            claimed = allowed(team, [n for n in claimed if n.id not in held])
             fits_cap = self.used[team.id] + job.gpus <= cap
             choice = (
-                place_on_claim(job, self.free, claimed, self.nodes, self.largest)
+                place_on_claim(job, self.free, claimed, allowed(team, self.nodes), self.largest)
                 if claimed and fits_cap
                 else None
             )
@@ -227,7 +228,7 @@ class SchedulingPass:
                 continue
             if not victims or not claimed:
                 continue
-            hold = self._hold_for_claimant(job, victims, claimed, held)
+            hold = self._hold_for_claimant(job, team, victims, claimed, held)
             self.settled.add(job.id)
             if self.used[team.id] + self.claiming[team.id] + job.gpus <= team.quota:
                 self.claiming[team.id] += job.gpus
@@ -240,7 +241,7 @@ class SchedulingPass:
             )
         return held
 
-    def _hold_for_claimant(self, job, victims, claimed, held: set[int]) -> set[int]:
+    def _hold_for_claimant(self, job, team, victims, claimed, held: set[int]) -> set[int]:
         """What a claimant waiting for its victims keeps from everyone else: on one node, the
         claimed node closest to fitting keeps back only the free GPUs the job needs beyond its
         victims' there (the rest of the node stays usable); whole nodes, its victims' and the
@@ -257,7 +258,7 @@ class SchedulingPass:
         hold = {n.id for n in claimed}
         need = job.gpus - sum(n.total for n in claimed)
         if need > 0:
-            rest = [n for n in self.nodes if n.id not in held and n.id not in hold]
+            rest = [n for n in allowed(team, self.nodes) if n.id not in held | hold]
             hold.update(node.id for node, _ in whole_nodes(need, self.free, rest) or ())
         held |= hold
         return hold
@@ -279,8 +280,13 @@ class SchedulingPass:
         if min(job.min_gpus or job.gpus, job.gpus) > self.capacity:
             self.wait(job, "too_large", gpus=job.gpus, capacity=self.capacity)
             return
+        if team.isolated_only and min(job.min_gpus or job.gpus, job.gpus) > self.isolated_capacity:
+            self.wait(
+                job, "isolation", team=team.name, gpus=job.gpus, capacity=self.isolated_capacity
+            )
+            return
         # EASY backfill: a job may use reserved nodes only if it is done before they free up.
-        key, usable = self.reservations.usable_for(job)
+        key, usable = self.reservations.usable_for(job, team.isolated_only)
         choice = self.reservations.place(job, key, usable)
         if choice is None:
             choice = self._blocked(job, team, key, usable)
@@ -338,7 +344,7 @@ class SchedulingPass:
             self.victims.find(
                 job,
                 own,
-                self.nodes,
+                allowed(team, self.nodes),
                 lambda victim, chosen: True,
                 enough=lambda chosen: sum(v.gpus for v in chosen) >= over,
             )
@@ -421,7 +427,7 @@ class SchedulingPass:
         claimed = self.victims.claim(
             job,
             team,
-            self.reservations.claimable,
+            allowed(team, self.reservations.claimable),
             guaranteed=guaranteed,
             allow_priority=holder is None,
         )
@@ -435,7 +441,9 @@ class SchedulingPass:
             claimed = self.victims.claim(
                 job,
                 team,
-                self.reservations.claimable + [n for n in head if n.id not in outside],
+                allowed(
+                    team, self.reservations.claimable + [n for n in head if n.id not in outside]
+                ),
                 guaranteed=True,
                 allow_priority=False,
             )
@@ -473,7 +481,7 @@ class SchedulingPass:
         """The first blocked job holds the reservation."""
         team = self.teams[job.team_id]
         self.head_borrowing = self.used[team.id] + job.gpus > team.quota
-        self.reservations.reserve_head(job)
+        self.reservations.reserve_head(job, team.isolated_only)
         reserved = sorted(self.reservations.reserved, key=self.names.get)
         self.wait(
             job,
@@ -487,7 +495,7 @@ class SchedulingPass:
     def _hold_or_wait(self, job: JobView, free_now: int) -> None:
         """Behind the reservation: a starving job may hold one of its own; others wait."""
         holder = self.reservations.holder
-        hold = self.reservations.hold_for_starving(job)
+        hold = self.reservations.hold_for_starving(job, self.teams[job.team_id].isolated_only)
         if hold is not None:
             self.wait(
                 job,
@@ -538,7 +546,7 @@ class SchedulingPass:
             )
             for claim_nodes in (reservations.claimable, own):
                 if claimed is None and claim_nodes:
-                    claimed = self.victims.starvation(job, team, claim_nodes)
+                    claimed = self.victims.starvation(job, team, allowed(team, claim_nodes))
             if claimed is None:
                 refused[(team.id, head)] = job.gpus
                 continue
@@ -560,38 +568,3 @@ class SchedulingPass:
                 kind=PreemptionKind.STARVATION,
                 stretch=stretch(job, self.now),
             )
-
-    def grow_back(self) -> list[Grow]:
-        """Rule 8, after every queued job is placed: shrunk elastic jobs whose full size fits on
-        their own GPUs plus the idle ones, highest priority and longest shrunk first. Updates
-        `free` and `used` as if each grown job were already placed there."""
-        grows = []
-        snapshot = self.snapshot
-        by_order = sorted(snapshot.running, key=lambda r: (-r.priority, r.started_at, r.id))
-        for run in by_order:
-            held = len(run.slots)
-            if run.stopping or held >= run.gpus:
-                continue
-            if (snapshot.now - run.started_at).total_seconds() < snapshot.grow_after_s:
-                continue
-            team = self.teams.get(run.team_id)
-            if team is None or self.used[team.id] - held + run.gpus > team.cap:
-                continue
-            trial = {node_id: list(indices) for node_id, indices in self.free.items()}
-            release(trial, run)
-            choice = place(run, trial, self.nodes, self.largest)  # its full size: run.gpus
-            if choice is None:
-                continue
-            idle = sum(len(self.free[n.id]) for n in self.nodes)
-            occupy(trial, choice)
-            self.free.update(trial)
-            self.used[team.id] += run.gpus - held
-            grows.append(
-                Grow(
-                    run.id,
-                    run.gpus,
-                    held,
-                    f"it runs on {held}; nothing is queued and {idle} GPUs are idle",
-                )
-            )
-        return grows

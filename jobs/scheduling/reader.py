@@ -32,7 +32,7 @@ def take_snapshot(now: datetime) -> Snapshot:
     for gpu_id, node_id, index in GPU.objects.values_list("id", "node_id", "index"):
         gpus_by_node.setdefault(node_id, []).append((index, gpu_id))
     nodes = []
-    for node in Node.objects.order_by("name").only("id", "name", "rack", "state"):
+    for node in Node.objects.order_by("name").only("id", "name", "rack", "state", "runtime"):
         pairs = sorted(gpus_by_node.get(node.id, []))
         nodes.append(
             NodeView(
@@ -42,6 +42,7 @@ def take_snapshot(now: datetime) -> Snapshot:
                 gpu_ids=tuple(gpu_id for _, gpu_id in pairs),
                 free=frozenset(index for index, gpu_id in pairs if gpu_id not in held),
                 schedulable=node.state == Node.State.UP,
+                isolated=node.isolated,
             )
         )
     queued_jobs = list(
@@ -144,6 +145,7 @@ def _teams(now: datetime) -> tuple[TeamView, ...]:
             weight=t.weight,
             usage_history=history.get(t.id, 0.0),
             borrow_paused=t.id in paused,
+            isolated_only=t.isolated_only,
         )
         for t in Team.objects.annotate(
             used=Count(

@@ -64,13 +64,15 @@ class Reservations:
         self._usable: dict[tuple, list[NodeView]] = {}  # usable_for's key -> its nodes
         self._free_counts: dict[tuple, int] = {}  # the same key -> free GPUs there
         self._unfit: dict[tuple, int] = {}  # (key, one node) -> smallest job that did not fit
-        self._hold_refused: dict[bool, int] = {}  # one node -> smallest starving job refused
+        # (one node, isolated only) -> the smallest starving job refused a hold
+        self._hold_refused: dict[tuple[bool, bool], int] = {}
 
-    def usable_for(self, job: JobView) -> tuple[tuple, list[NodeView]]:
+    def usable_for(self, job: JobView, isolated_only: bool = False) -> tuple[tuple, list[NodeView]]:
         """The nodes `job` may take now: outside every reservation, or inside one whose nodes
-        it leaves before they drain (EASY backfill, per reservation). Jobs that may use the
-        same reservations share a key (at most one per reservation plus one, as a reservation
-        admits a job exactly when the job ends before the reservation's time)."""
+        it leaves before they drain (EASY backfill, per reservation); isolated nodes only for
+        an isolated-only team's job (rule 9). Jobs that may use the same reservations share a
+        key (at most one per reservation plus one, as a reservation admits a job exactly when
+        the job ends before the reservation's time)."""
         end = (
             None
             if job.runtime_estimate_s is None
@@ -80,14 +82,20 @@ class Reservations:
         def before(drained: float | None) -> bool:
             return end is not None and drained is not None and end <= drained
 
-        key = (before(self.shadow), tuple(before(drained) for _, drained in self.starving))
+        key = (
+            before(self.shadow),
+            tuple(before(drained) for _, drained in self.starving),
+            isolated_only,
+        )
         usable = self._usable.get(key)
         if usable is None:
             blocked = set() if key[0] else set(self.reserved)
             for (held, _), admitted in zip(self.starving, key[1], strict=True):
                 if not admitted:
                     blocked |= held
-            usable = self._usable[key] = [n for n in self.nodes if n.id not in blocked]
+            usable = self._usable[key] = [
+                n for n in self.nodes if n.id not in blocked and (n.isolated or not isolated_only)
+            ]
         return key, usable
 
     def place(self, job: JobView, key: tuple, usable: list[NodeView]):
@@ -127,30 +135,28 @@ class Reservations:
             self.shadow = _shadow_time(self.reserved, self.running, self.taken)
         self._changed()
 
-    def reserve_head(self, job: JobView) -> None:
+    def reserve_head(self, job: JobView, isolated_only: bool = False) -> None:
         """The first blocked job's reservation: where its GPUs free first if it is starving,
-        else the freest nodes."""
+        else the freest nodes (isolated ones only for an isolated-only team's job)."""
+        nodes = [n for n in self.nodes if n.isolated] if isolated_only else self.nodes
         self.reserved.update(
-            _soonest_nodes(job, self.nodes, self.free, self.all_running, self.taken, self.largest)[
-                0
-            ]
+            _soonest_nodes(job, nodes, self.free, self.all_running, self.taken, self.largest)[0]
             if stretch(job, self.now) >= STARVING_STRETCH
-            else _freest_nodes(job, self.nodes, self.free, self.largest)
+            else _freest_nodes(job, nodes, self.free, self.largest)
         )
         self.head_nodes = frozenset(self.reserved)
         self.reserve(job.id, ())
 
-    def hold_for_starving(self, job: JobView) -> frozenset[int] | None:
+    def hold_for_starving(self, job: JobView, isolated_only: bool = False) -> frozenset[int] | None:
         """A reservation of its own for a starving job behind the first blocked one, where its
         GPUs free first outside every reservation; None if it gets none. Its nodes admit
         backfill that ends before the job could start there (not before they drain: a long
         job on the node's other GPUs would let backfill delay it); none if that time is
         unknown, as a hold would then block them for good."""
-        shape = job.gpus <= self.largest
+        shape = (job.gpus <= self.largest, isolated_only)
+        nodes = [n for n in self.unreserved if n.isolated] if isolated_only else self.unreserved
         hold, starts_at = (
-            _soonest_nodes(
-                job, self.unreserved, self.free, self.all_running, self.taken, self.largest
-            )
+            _soonest_nodes(job, nodes, self.free, self.all_running, self.taken, self.largest)
             if len(self.starving) < MAX_STARVING_HOLDS
             and job.gpus < self._hold_refused.get(shape, _NEVER)
             and stretch(job, self.now) >= STARVING_STRETCH

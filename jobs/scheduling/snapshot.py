@@ -15,6 +15,9 @@ class NodeView:
     gpu_ids: tuple[int, ...]  # by GPU index: gpu_ids[i] is the id of GPU i
     free: frozenset[int]  # free GPU indices
     schedulable: bool = True  # up, not cordoned/draining/down
+    # Its agent runs each job in the job's own container (not the "process" runtime, which
+    # runs jobs as the agent's user beside every other team's: jobs.scheduling.isolation).
+    isolated: bool = True
 
     @property
     def total(self) -> int:
@@ -70,6 +73,8 @@ class TeamView:
     weight: float = 1.0
     usage_history: float = 0.0  # decayed GPU-seconds used, for fair share
     borrow_paused: bool = False  # its borrowed GPUs were just reclaimed: no borrowing for now
+    # An admin refused process-runtime nodes for it: its jobs run on isolated nodes only.
+    isolated_only: bool = False
 
     @property
     def cap(self) -> int:

@@ -165,6 +165,10 @@ _TEXTS = {
     "too_large": lambda data: (
         f"needs {data['gpus']} GPUs but only {data['capacity']} GPUs are on schedulable nodes"
     ),
+    "isolation": lambda data: (
+        f"team {data['team']} runs on isolated (container) nodes only; those have "
+        f"{data['capacity']} GPUs schedulable and it needs {data['gpus']}"
+    ),
     "preempting": _preempting,
     "reserved": _reserved,
     "reserved_starving": _reserved_starving,
@@ -191,6 +195,8 @@ class WaitReason:
       {job, team: name, cap, until: epoch seconds the team's GPUs free up, or None}
     - team_limit: {team: name, used, cap, quota, borrow_limit, paused: bool, gpus}
     - too_large: more GPUs than the schedulable nodes have: {gpus, capacity}
+    - isolation: its team runs on isolated nodes only and those have too few GPUs:
+      {team: name, gpus, capacity}
     - preempting: victims chosen this pass: {victims: job ids, gpus, kind: a PreemptionKind,
       same_team: bool (priority), priority (priority), stretch (starvation)}
     - reserved: it holds the reservation: {gpus, free: GPUs free now, nodes: names, ahead}

@@ -37,6 +37,10 @@ def team_quotas(request, scope):
                 weight=form.cleaned_data["weight"],
                 actor=request.user,
             )
+            if form.cleaned_data["isolated_only"] != team.isolated_only:
+                team_actions.do_set_team_isolated_only(
+                    team, isolated_only=form.cleaned_data["isolated_only"], actor=request.user
+                )
             messages.success(request, f"Team {team.name}: quota {form.cleaned_data['quota']}.")
             return redirect("team_quotas")
         errors = {team.pk: form}
