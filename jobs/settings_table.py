@@ -138,6 +138,12 @@ TABLE: tuple[Setting, ...] = (
         "guaranteed job waits (that team would take the GPUs back at once)",
     ),
     Setting(
+        "RECLAIM_GANG_EXEMPT_S",
+        14400.0,
+        "a gang of whole nodes beyond its team's quota (it runs on lent GPUs the cluster drained "
+        "for) is not reclaimed before it has run this long; 0 turns it off",
+    ),
+    Setting(
         "ELASTIC_GROW_AFTER_S",
         600.0,
         "a shrunk elastic job grows back to its full size only after this long at the smaller one",

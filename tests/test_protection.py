@@ -93,6 +93,31 @@ def test_a_reclaim_still_takes_a_protected_borrower_when_no_other_will_do():
     assert (stop.victim_job_id, stop.kind) == (10, PreemptionKind.RECLAIM)
 
 
+def _gang_case(started_ago: float, gang_gpus: int = 16, gang_quota: int = 8):
+    # `gang` (team big, quota `gang_quota`) runs on two whole nodes, mostly on GPUs lent by
+    # team owner, whose 8-GPU job now fits its quota.
+    owner = team("owner", quota=8)
+    big = team("big", quota=gang_quota, borrow=16, used=gang_gpus)
+    nodes = [node("n1", 8, busy=8), node("n2", 8, busy=8)]
+    slots = [(n, range(8)) for n in nodes][: gang_gpus // 8]
+    gang = running(10, nodes[0], range(8), team_id=big.id, started_ago=started_ago)
+    gang = replace(gang, gpus=gang_gpus, slots=tuple((n.id, i) for n, r in slots for i in r))
+    return snapshot(nodes, [job(1, 8, team_id=owner.id)], [owner, big], [gang])
+
+
+def test_a_young_gang_beyond_its_teams_quota_is_not_reclaimed_until_its_exemption_ends():
+    young = _gang_case(started_ago=3600)
+    p = plan(young)
+    assert p.preemptions == () and p.waits[1].code in ("reserved", "behind_reservation")
+    # Past the exemption (4 h by default), or with it turned off, the reclaim is made.
+    for case in (_gang_case(started_ago=4 * 3600 + 1), replace(young, gang_reclaim_exempt_s=0)):
+        (stop,) = plan(case).preemptions
+        assert (stop.victim_job_id, stop.kind) == (10, PreemptionKind.RECLAIM)
+    # A job of one node has no such exemption: it needs no drain to restart.
+    one_node = _gang_case(started_ago=3600, gang_gpus=8, gang_quota=0)
+    assert [s.victim_job_id for s in plan(one_node).preemptions] == [10]
+
+
 def test_a_job_reclaimed_lately_does_not_borrow_again_while_a_guaranteed_job_waits():
     owner, guest = team("owner", quota=8, used=8), team("guest", quota=0, borrow=16)
     n1, n2 = node("n1", 8, busy=8), node("n2", 8)

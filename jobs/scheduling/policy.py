@@ -121,6 +121,7 @@ class SchedulingPass:
             now=self.now,
             exempt_s=snapshot.preempt_exempt_s,
             max_preemptions=snapshot.max_preemptions,
+            gang_exempt_s=snapshot.gang_reclaim_exempt_s,
         )
         # Per team, its running jobs in victim order, built once: the in-team priority search
         # runs for every job blocked by its team's cap (it was 56 % of a pass in the simulator).

@@ -121,6 +121,7 @@ def take_snapshot(now: datetime) -> Snapshot:
         preempt_exempt_s=lockstep_setting("PREEMPT_EXEMPT_S"),
         max_preemptions=lockstep_setting("PREEMPT_MAX_PER_DAY"),
         reclaim_hold_s=lockstep_setting("RECLAIM_HOLD_S"),
+        gang_reclaim_exempt_s=lockstep_setting("RECLAIM_GANG_EXEMPT_S"),
         grow_after_s=lockstep_setting("ELASTIC_GROW_AFTER_S"),
     )
 

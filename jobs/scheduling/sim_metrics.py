@@ -103,6 +103,12 @@ def engine_metrics(self, t0: float, t_end: float, wall: float) -> dict:
         # pass happens at every event here, so it adds nothing).
         "reclaim_bound_s": cfg.grace_s,
         "reclaims_over_bound": sum(1 for r in all_reclaims if r > cfg.grace_s + 1e-6),
+        # GPUs lent to a young gang beyond its team's quota come back by the end of its
+        # exemption (protection rule 5): the bound of those reclaims, and reclaims past it.
+        "reclaim_bound_gang_s": cfg.grace_s + cfg.gang_reclaim_exempt_s,
+        "reclaims_over_gang_bound": sum(
+            1 for r in all_reclaims if r > cfg.grace_s + cfg.gang_reclaim_exempt_s + 1e-6
+        ),
         "reclaims_total": len(all_reclaims),
         "preempted_gpu_hours": _r(self.lost_gpu_s / 3600),
         "preempted_gpu_hours_by_kind": {k: _r(v / 3600) for k, v in self.lost_by_kind.items()},
@@ -168,6 +174,7 @@ def _config_metrics(self) -> dict:
         "restart_s": cfg.restart_s,
         "preempt_exempt_s": cfg.preempt_exempt_s,
         "safety_stop": cfg.safety_stop,
+        "gang_reclaim_exempt_s": cfg.gang_reclaim_exempt_s,
         "usage_half_life_s": cfg.usage_half_life_s,
     }
 

@@ -76,6 +76,9 @@ class SimConfig:
     restart_s: float = DEFAULT_RESTART_S
     preempt_exempt_s: float = 600.0  # the least minimum run (LOCKSTEP PREEMPT_EXEMPT_S)
     safety_stop: int = 5  # preemptions of one job in a day before no one may take it (live too)
+    # A gang beyond its team's quota is not reclaimed before this (protection rule 5; live:
+    # RECLAIM_GANG_EXEMPT_S).
+    gang_reclaim_exempt_s: float = 14400.0
     # Record each job's start estimate at submit and an hour on as promises, and their error
     # (jobs.scheduling.promises; metrics "estimates"). Costly: an estimate replays plan().
     track_promises: bool = False
@@ -478,6 +481,7 @@ class _Engine:
             running=self.running_tuple,
             preempt_exempt_s=self.cfg.preempt_exempt_s,
             max_preemptions=self.cfg.safety_stop,
+            gang_reclaim_exempt_s=self.cfg.gang_reclaim_exempt_s,
         )
 
     def _due_checkpoints(self, t: float) -> None:

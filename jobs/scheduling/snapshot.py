@@ -97,6 +97,9 @@ class Snapshot:
     # A job a reclaim stopped does not borrow again within this while another team's
     # guaranteed job waits (jobs.scheduling.protection, rule 2).
     reclaim_hold_s: float = 3600.0
+    # A gang of whole nodes beyond its team's quota is not reclaimed before it has run this
+    # long (jobs.scheduling.protection, rule 5).
+    gang_reclaim_exempt_s: float = 14400.0
     # A shrunk elastic job grows back (rule 8) only after running this long at its smaller
     # size: each grow costs a checkpoint and a restart.
     grow_after_s: float = 600.0
