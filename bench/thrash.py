@@ -193,12 +193,51 @@ def figure(runs: list[dict]) -> Path:
     return path
 
 
+def table(runs: list[dict]) -> str:
+    """The markdown table docs/simulator.md shows: per load and seed, lockstep (no save at
+    stop), lockstep with checkpoint-first stops (save) and EASY backfill."""
+    by = {(r["policy"], r["load"], r["seed"]): r for r in runs}
+    rows = [
+        "| load, seed | `before` | work utilization L / save / B | utilization while a job "
+        "fits L / save / B | mean JCT (s) L / save / B | starved L / save / B | reclaims over "
+        "60 s, save (of) / B | preemptions of one job (save): max, most in a day | GPU-h thrown "
+        "away L / save |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for load, seed in sorted({(r["load"], r["seed"]) for r in runs}):
+        old = by.get(("before", load, seed), {})
+        before = f"loop ({old['loop'].split()[1]})" if "loop" in old else "ran"
+        m = {p: by[(p, load, seed)].get("metrics") for p in ("lockstep", SAVING, "backfill")}
+        if not all(m.values()):
+            continue
+        lk, sv, bf = m["lockstep"], m[SAVING], m["backfill"]
+
+        def three(key, fmt="{:.3f}", a=lk, b=sv, c=bf):
+            return " / ".join(fmt.format(x.get(key) or 0) for x in (a, b, c))
+
+        per = sv["preemptions_per_job"]
+        rows.append(
+            f"| {load:.2f}, {seed} | {before} | {three('work_utilization')} | "
+            f"{three('utilization_when_fit_queued')} | {three('jct_mean_s', '{:,.0f}')} | "
+            f"{three('starved', '{}')} | {sv['reclaims_over_bound']} ({sv['reclaims_total']}) / "
+            f"{bf['reclaims_over_bound']} | {per['max']}, {per['max_in_a_day']} | "
+            f"{lk['preempted_gpu_hours']:,.0f} / {sv['preempted_gpu_hours']:,.0f} |"
+        )
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--loads", default="0.8,1.15,1.5")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel")
+    parser.add_argument(
+        "--table", action="store_true", help="print the docs' table of the last results only"
+    )
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads((RESULTS / "thrash.json").read_text())["runs"]))
+        return 0
     loads = [float(x) for x in args.loads.split(",")]
     work = [
         (policy, seed, load)
@@ -223,6 +262,7 @@ def main() -> int:
         json.dumps({"commit": commit, "before": BEFORE_COMMIT, "runs": runs}, indent=1) + "\n"
     )
     print(f"wrote {out} and {figure(runs)}")
+    print(table(runs))
     return 0
 
 

@@ -1,6 +1,7 @@
 """The policy on many generated workloads in the target's shape (jobs.scheduling.generate):
-no preemption loop, no job preempted more than the safety bound, and, over the seeds, no worse
-than EASY backfill on utilisation, mean JCT and starvation. About half a minute.
+no preemption loop, no job preempted more than the safety bound; with checkpoint-first stops no
+worse than EASY backfill on mean JCT and starvation on every seed, and over the seeds no worse on
+utilisation. About 40 seconds.
 
 Scaled down from the target (128 GPUs in nodes of 8, four teams, 150 jobs with quarter- and
 half-cluster gangs, 10 % high and 20 % low priority, log-normal durations around an hour) so
@@ -9,6 +10,7 @@ issue runs in bench/thrash.py (docs/simulator.md)."""
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,33 +44,48 @@ def runs():
         trace = generate(shape)
         config = SimConfig(gpus=shape.gpus, quotas=shape.quotas())
         lockstep = run(trace, "lockstep", config)  # a preemption loop raises SimulationError
+        # Checkpoint-first stops, as DESIGN's rule 6 preempts (the victim saves when told).
+        saving = run(trace, "lockstep", replace(config, checkpoint_on_stop=True))
         backfill = run(trace, "backfill", config)
-        out.append((seed, config, lockstep.metrics, backfill.metrics))
+        out.append((seed, config, lockstep.metrics, backfill.metrics, saving.metrics))
     return out
 
 
 def test_no_job_is_preempted_more_than_the_safety_bound_on_any_seed(runs):
-    for seed, config, lockstep, _ in runs:
-        per_job = lockstep["preemptions_per_job"]
-        assert per_job["max_in_a_day"] <= config.safety_stop, (seed, per_job)
-        assert per_job["max"] <= 2 * config.safety_stop, (seed, per_job)
-        assert per_job["mean_of_preempted"] <= 2.5, (seed, per_job)
-        # The bound comes from the policy's own rules: the simulator (as the live action)
-        # never had to refuse one of its proposals.
-        assert lockstep["safety_stops"] == 0, seed
-        assert lockstep["rejected_placements"] == 0, (seed, lockstep["rejected_examples"])
-        assert lockstep["plans_missing_reasons"] == 0, seed
+    for seed, config, lockstep, _, saving in runs:
+        for metrics in (lockstep, saving):
+            per_job = metrics["preemptions_per_job"]
+            assert per_job["max_in_a_day"] <= config.safety_stop, (seed, per_job)
+            assert per_job["max"] <= 2 * config.safety_stop, (seed, per_job)
+            assert per_job["mean_of_preempted"] <= 2.5, (seed, per_job)
+            # The bound comes from the policy's own rules: the simulator (as the live action)
+            # never had to refuse one of its proposals.
+            assert metrics["safety_stops"] == 0, seed
+            assert metrics["rejected_placements"] == 0, (seed, metrics["rejected_examples"])
+            assert metrics["plans_missing_reasons"] == 0, seed
+
+
+def test_on_every_seed_mean_jct_and_starvation_no_worse_than_easy_backfill(runs):
+    # With checkpoint-first stops, on each trace by itself.
+    for seed, _, _, backfill, saving in runs:
+        assert saving["jct_mean_s"] <= backfill["jct_mean_s"], seed
+        assert saving["starved"] <= backfill["starved"], seed
+        assert saving["completed"] == saving["jobs"], seed
 
 
 def test_over_the_seeds_no_worse_than_easy_backfill(runs):
     def total(key, which):
         return sum(r[which][key] for r in runs)
 
-    # Index 2: lockstep, 3: backfill, on the same traces and clusters.
+    # Index 2: lockstep, 3: backfill, 4: lockstep with checkpoint-first stops; same traces.
     assert total("jct_mean_s", 2) <= total("jct_mean_s", 3)
     assert total("utilization", 2) >= total("utilization", 3) - 0.005 * len(runs)
     assert total("starved", 2) <= total("starved", 3)
     assert all(r[2]["completed"] == r[2]["jobs"] for r in runs)
+    # The trace's own work over the GPU time (no credit for work a preemption threw away):
+    # within half a point of backfill's on average. Per trace it is not yet (docs/simulator.md:
+    # the last jobs of a 150-job trace decide its makespan).
+    assert total("work_utilization", 4) >= total("work_utilization", 3) - 0.005 * len(runs)
 
 
 def test_the_generator_makes_the_shape_it_is_asked_for():
