@@ -175,7 +175,19 @@ def test_admin_sets_a_team_quota_in_the_console(cluster, page):
         page.locator("#quotas tr", has_text="demo").locator("input[name=quota]").input_value()
         == "6"
     )
+    # Refuse process-runtime nodes for the team (the agents here run processes), see the box
+    # kept ticked, and allow them again: later tests run demo's jobs on these agents.
+    row = page.locator("#quotas tr", has_text="demo")
+    row.locator("input[name=isolated_only]").check()
+    row.locator("button").click()
+    row = page.locator("#quotas tr", has_text="demo")
+    assert row.locator("input[name=isolated_only]").is_checked()
+    assert "Team demo: quota 6; isolated nodes only." in page.locator(".messages").inner_text()
     _shot(page, "team-quotas")
+    row.locator("input[name=isolated_only]").uncheck()
+    row.locator("button").click()
+    row = page.locator("#quotas tr", has_text="demo")
+    assert not row.locator("input[name=isolated_only]").is_checked()
 
 
 def test_admin_runs_a_what_if_with_a_changed_quota_and_sees_it_side_by_side(cluster, page):

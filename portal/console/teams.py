@@ -41,7 +41,9 @@ def team_quotas(request, scope):
                 team_actions.do_set_team_isolated_only(
                     team, isolated_only=form.cleaned_data["isolated_only"], actor=request.user
                 )
-            messages.success(request, f"Team {team.name}: quota {form.cleaned_data['quota']}.")
+            where = "; isolated nodes only" if form.cleaned_data["isolated_only"] else ""
+            quota = form.cleaned_data["quota"]
+            messages.success(request, f"Team {team.name}: quota {quota}{where}.")
             return redirect("team_quotas")
         errors = {team.pk: form}
     else:
