@@ -21,6 +21,7 @@ import pytest
 
 from nodeagent.container import Engine, agent_identity, run_argv, team_uid
 from tests.live import Api, LiveCluster, free_port, wait_for, worker_pids
+from tests.registry import Registry
 
 IMAGE = "localhost/lockstep/trainer:latest"
 THIRD_PARTY_IMAGE = "localhost/lockstep-test/plain-ddp:1"
@@ -91,9 +92,36 @@ PROBE = textwrap.dedent(
 )
 
 
+REGISTRY_USER, REGISTRY_PASSWORD = "puller", "registry-secret-9f3a"
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    live = LiveCluster(tmp_path_factory.mktemp("containers"), runtime="podman")
+def registry(tmp_path_factory):
+    """A private registry serving the trainer's image as `lab/trainer:1`, behind basic auth."""
+    work = tmp_path_factory.mktemp("registry")
+    layout = work / "layout"
+    subprocess.run(
+        ["podman", "save", "--format", "oci-dir", "-o", str(layout), IMAGE],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    served = Registry(layout, "lab/trainer", "1", REGISTRY_USER, REGISTRY_PASSWORD).start()
+    served.conf = served.registries_conf(work / "registries.conf")
+    yield served
+    served.stop()
+    # Only the tag: its layers are the trainer image's.
+    subprocess.run(["podman", "rmi", served.image], capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, registry):
+    # The agents' engine may use the test registry over plain HTTP (and only it).
+    live = LiveCluster(
+        tmp_path_factory.mktemp("containers"),
+        runtime="podman",
+        env={"CONTAINERS_REGISTRIES_CONF": str(registry.conf)},
+    )
     try:
         live.start()
         live.alice = Api(live.url, live.token("alice", "--team", "ops", "--quota", "4"))
@@ -328,6 +356,52 @@ def test_an_image_the_node_cannot_get_fails_the_job_at_once(cluster, image, pull
     assert done["restart_count"] == 0 and len(done["attempts"]) == 1
     kinds = [e["kind"] for e in api.get(f"/api/v1/jobs/{job}/events/").json()]
     assert ("attempt.image_pull" in kinds) == (pull != "never"), kinds
+
+
+def test_a_private_image_is_pulled_with_the_teams_credential_only_and_its_id_recorded(
+    cluster, registry
+):
+    api = cluster.alice
+    quick = ["python", "-m", "trainer", "--steps", "20", "--checkpoint-every", "10"]
+    # Without the team's credential the registry refuses: the job fails at once, no restart.
+    refused = _submit(api, "ops", quick, gpus=1, image=registry.image, pull="always")
+    done = _finish(api, refused, cluster, timeout=180)
+    assert done["state"] == "FAILED" and "cannot pull image" in done["reason"], done["reason"]
+    assert done["restart_count"] == 0
+    assert any(status == 401 for _, _, status in registry.requests)
+    assert not any(
+        path.endswith("/manifests/1") and code == 200 for _, path, code in registry.requests
+    )
+
+    # An admin sets the team's credential (the console's and the API's action).
+    cluster.manage(
+        "shell",
+        "-c",
+        "from teams.actions import do_set_registry_credential; "
+        "from teams.models import Team; "
+        f"do_set_registry_credential(Team.objects.get(name='ops'), registry={registry.host!r}, "
+        f"username={REGISTRY_USER!r}, secret={REGISTRY_PASSWORD!r}, actor=None)",
+    )
+    pulled = _submit(api, "ops", quick, gpus=1, image=registry.image, pull="always")
+    done = _finish(api, pulled, cluster, timeout=300)
+    assert done["state"] == "SUCCEEDED", done["reason"]
+    manifest = json.loads(registry._blob(registry.manifest_digest).read_text())
+    (attempt,) = done["attempts"]
+    assert attempt["image_digest"] == manifest["config"]["digest"]  # the image it ran
+    assert attempt["pull_s"] is not None and attempt["pull_s"] >= 0
+    assert ("GET", "/v2/lab/trainer/manifests/1", 200) in registry.requests
+    # A pull that ends between two heartbeats has no "pulling" event; its time is in the
+    # image's.
+    events = api.get(f"/api/v1/jobs/{pulled}/events/").json()
+    image = next(e for e in events if e["kind"] == "attempt.image")
+    assert image["data"] == {"digest": attempt["image_digest"], "pull_s": attempt["pull_s"]}
+    # The credential was the pull's only: its auth file is gone, nothing the job wrote or
+    # logged holds it, and the API never shows it.
+    for name in cluster.agent_names:
+        auth_dir = cluster.work / "agents" / name / "registry-auth"
+        assert not auth_dir.exists() or not list(auth_dir.iterdir())
+    assert REGISTRY_PASSWORD not in _logs(api, pulled)
+    assert REGISTRY_PASSWORD not in json.dumps(done)
 
 
 def test_a_rival_teams_job_cannot_reach_checkpoints_the_token_or_other_processes(cluster):
