@@ -133,6 +133,9 @@ class LiveCluster:
             LOCKSTEP_STRAGGLER_MIN_EXCESS_S="0.06",
             LOCKSTEP_STRIKES_TO_CORDON="1000",
             LOCKSTEP_RECLAIM_BACKOFF_S="5",
+            # A two-node borrower is a gang beyond its team's quota (protection rule 5): a
+            # reclaim waits this long for it, not the production 4 h.
+            LOCKSTEP_RECLAIM_GANG_EXEMPT_S="20",
             LOCKSTEP_SCHEDULER_TICK_S="1",
             LOCKSTEP_RESTART_BACKOFF_S="1",
             LOCKSTEP_STOP_GRACE_S="20",

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -504,6 +505,10 @@ def test_quota_reclaim_checkpoints_the_borrower_runs_the_owner_then_resumes_the_
         f"the borrower's first attempt ended {first['state']}: {first.get('ended')}; "
         f"attempts: {detail['attempts']}\n{cluster.logs()}"
     )
+    # The borrower spans both nodes with none of its team's quota: a gang the cluster drained
+    # for, which no reclaim takes before RECLAIM_GANG_EXEMPT_S (20 s here) of its run.
+    ran = datetime.fromisoformat(first["ended_at"]) - datetime.fromisoformat(first["created_at"])
+    assert ran.total_seconds() >= 20, first
     (saved,) = cluster.mallory.get(f"/api/v1/jobs/{borrower}/checkpoints/").json()
     assert saved["step"] == first["last_step"] > 5  # saved at the step boundary after SIGTERM
     requests_made = admin.get("/api/v1/preemptions/").json()["results"]
