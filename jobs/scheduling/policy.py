@@ -122,6 +122,7 @@ class SchedulingPass:
             exempt_s=snapshot.preempt_exempt_s,
             max_preemptions=snapshot.max_preemptions,
             gang_exempt_s=snapshot.gang_reclaim_exempt_s,
+            largest=self.largest,
         )
         # Per team, its running jobs in victim order, built once: the in-team priority search
         # runs for every job blocked by its team's cap (it was 56 % of a pass in the simulator).
@@ -287,7 +288,7 @@ class SchedulingPass:
             )
             return
         # EASY backfill: a job may use reserved nodes only if it is done before they free up.
-        key, usable = self.reservations.usable_for(job, team.isolated_only)
+        key, usable = self.reservations.usable_for(job, team)
         choice = self.reservations.place(job, key, usable)
         if choice is None:
             choice = self._blocked(job, team, key, usable)
@@ -482,7 +483,7 @@ class SchedulingPass:
         """The first blocked job holds the reservation."""
         team = self.teams[job.team_id]
         self.head_borrowing = self.used[team.id] + job.gpus > team.quota
-        self.reservations.reserve_head(job, team.isolated_only)
+        self.reservations.reserve_head(job, team)
         reserved = sorted(self.reservations.reserved, key=self.names.get)
         self.wait(
             job,
@@ -496,7 +497,7 @@ class SchedulingPass:
     def _hold_or_wait(self, job: JobView, free_now: int) -> None:
         """Behind the reservation: a starving job may hold one of its own; others wait."""
         holder = self.reservations.holder
-        hold = self.reservations.hold_for_starving(job, self.teams[job.team_id].isolated_only)
+        hold = self.reservations.hold_for_starving(job, self.teams[job.team_id])
         if hold is not None:
             self.wait(
                 job,

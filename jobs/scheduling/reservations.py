@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from jobs.scheduling.isolation import allowed
 from jobs.scheduling.order import fifo_key, stretch
 from jobs.scheduling.placement import place
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
@@ -67,7 +68,9 @@ class Reservations:
         # (one node, isolated only) -> the smallest starving job refused a hold
         self._hold_refused: dict[tuple[bool, bool], int] = {}
 
-    def usable_for(self, job: JobView, isolated_only: bool = False) -> tuple[tuple, list[NodeView]]:
+    def usable_for(
+        self, job: JobView, team: TeamView | None = None
+    ) -> tuple[tuple, list[NodeView]]:
         """The nodes `job` may take now: outside every reservation, or inside one whose nodes
         it leaves before they drain (EASY backfill, per reservation); isolated nodes only for
         an isolated-only team's job (rule 9). Jobs that may use the same reservations share a
@@ -85,7 +88,7 @@ class Reservations:
         key = (
             before(self.shadow),
             tuple(before(drained) for _, drained in self.starving),
-            isolated_only,
+            bool(team and team.isolated_only),
         )
         usable = self._usable.get(key)
         if usable is None:
@@ -94,7 +97,7 @@ class Reservations:
                 if not admitted:
                     blocked |= held
             usable = self._usable[key] = [
-                n for n in self.nodes if n.id not in blocked and (n.isolated or not isolated_only)
+                n for n in allowed(team, self.nodes) if n.id not in blocked
             ]
         return key, usable
 
@@ -135,10 +138,10 @@ class Reservations:
             self.shadow = _shadow_time(self.reserved, self.running, self.taken)
         self._changed()
 
-    def reserve_head(self, job: JobView, isolated_only: bool = False) -> None:
+    def reserve_head(self, job: JobView, team: TeamView | None = None) -> None:
         """The first blocked job's reservation: where its GPUs free first if it is starving,
         else the freest nodes (isolated ones only for an isolated-only team's job)."""
-        nodes = [n for n in self.nodes if n.isolated] if isolated_only else self.nodes
+        nodes = allowed(team, self.nodes)
         self.reserved.update(
             _soonest_nodes(job, nodes, self.free, self.all_running, self.taken, self.largest)[0]
             if stretch(job, self.now) >= STARVING_STRETCH
@@ -147,14 +150,16 @@ class Reservations:
         self.head_nodes = frozenset(self.reserved)
         self.reserve(job.id, ())
 
-    def hold_for_starving(self, job: JobView, isolated_only: bool = False) -> frozenset[int] | None:
+    def hold_for_starving(
+        self, job: JobView, team: TeamView | None = None
+    ) -> frozenset[int] | None:
         """A reservation of its own for a starving job behind the first blocked one, where its
         GPUs free first outside every reservation; None if it gets none. Its nodes admit
         backfill that ends before the job could start there (not before they drain: a long
         job on the node's other GPUs would let backfill delay it); none if that time is
         unknown, as a hold would then block them for good."""
-        shape = (job.gpus <= self.largest, isolated_only)
-        nodes = [n for n in self.unreserved if n.isolated] if isolated_only else self.unreserved
+        shape = (job.gpus <= self.largest, bool(team and team.isolated_only))
+        nodes = allowed(team, self.unreserved)
         hold, starts_at = (
             _soonest_nodes(job, nodes, self.free, self.all_running, self.taken, self.largest)
             if len(self.starving) < MAX_STARVING_HOLDS

@@ -386,32 +386,29 @@ class _Engine:
         if (
             small is not None
             and small <= self.cfg.gpus - self.busy
-            and max(len(f) for f in self.free) >= small
+            and self._fits(small, max(len(f) for f in self.free), 0)
         ):
             return True
-        if large is not None:
-            idle = sum(
-                1 for f, size in zip(self.free, self.node_sizes, strict=True) if len(f) == size
-            )
-            return idle * gpn >= large
-        return False
+        return large is not None and self._fits(large, 0, self._idle_nodes())
+
+    def _idle_nodes(self) -> int:
+        return sum(1 for f, size in zip(self.free, self.node_sizes, strict=True) if len(f) == size)
+
+    def _fits(self, gpus: int, most_free: int, idle_nodes: int) -> bool:
+        """A job of `gpus` fits the idle GPUs: one node's worth or less on the freest node
+        (`most_free` GPUs), more on whole idle nodes."""
+        gpn = self.cfg.gpus_per_node
+        return gpus <= most_free if gpus <= gpn else idle_nodes * gpn >= gpus
 
     def _fit_reason(self) -> str:
         """The wait reason of the first queued job (priority, then submit time) whose shape
         fits the idle GPUs, as `_queued_job_fits` counts them: what kept them idle."""
-        gpn = self.cfg.gpus_per_node
-        most_free = max(len(f) for f in self.free)
-        idle_nodes = sum(
-            1 for f, size in zip(self.free, self.node_sizes, strict=True) if len(f) == size
-        )
+        most_free, idle_nodes = max(len(f) for f in self.free), self._idle_nodes()
         first = None
-        for members in self.team_queue.values():
-            for member in members:
-                gpus = member[3]
-                if (gpus <= gpn and gpus <= most_free) or (gpus > gpn and idle_nodes * gpn >= gpus):
-                    if first is None or member < first:
-                        first = member
-                    break
+        for members in self.team_queue.values():  # each in (-priority, submit, id, GPUs) order
+            member = next((m for m in members if self._fits(m[3], most_free, idle_nodes)), None)
+            if member is not None and (first is None or member < first):
+                first = member
         if first is None:
             return "none"
         reason = self.last_waits.get(first[2])

@@ -82,6 +82,7 @@ class Victims:
     exempt_s: float  # Snapshot.preempt_exempt_s: the least protection of a started job
     max_preemptions: int = 0  # Snapshot.max_preemptions: the safety stop (0: none)
     gang_exempt_s: float = 0.0  # Snapshot.gang_reclaim_exempt_s (protection rule 5)
+    largest: int = 0  # GPUs of the cluster's largest schedulable node: beyond it, a gang
 
     def __post_init__(self) -> None:
         self.order = victim_order(self.now, self.exempt_s)
@@ -200,11 +201,11 @@ class Victims:
         choice = place(job, trial, nodes)
         return (chosen, choice) if choice is not None else None
 
-    def _drained_for(self, run: RunningView, largest: int) -> bool:
+    def _drained_for(self, run: RunningView) -> bool:
         """Protection rule 5: a young gang beyond its team's quota, which no reclaim takes."""
         owner = self.teams.get(run.team_id)
         quota = owner.quota if owner is not None else 0
-        return reclaim_exempt(run, quota, largest, self.now, self.gang_exempt_s)
+        return reclaim_exempt(run, quota, self.largest, self.now, self.gang_exempt_s)
 
     def _lend(self, victims: list[RunningView]) -> None:
         for victim in victims:
@@ -256,13 +257,12 @@ class Victims:
             # Only victims with GPUs on the nodes this claim may use: stopping others frees
             # nothing for it (a later claim of a pass sees only nodes no earlier one reserved).
             usable = {n.id for n in nodes}
-            largest = max((n.total for n in nodes), default=0)
             candidates = [
                 r
                 for r in self.running
                 if r.id not in taken
                 and any(node_id in usable for node_id, _ in r.slots)
-                and not self._drained_for(r, largest)
+                and not self._drained_for(r)
             ]
             found = self.find(job, candidates, nodes, wholly_borrowed) or self.find(
                 job, candidates, nodes, straddling
