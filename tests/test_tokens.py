@@ -11,7 +11,7 @@ from rest_framework.test import APIClient
 
 from jobs.models import Event
 from teams.models import ApiToken
-from teams.throttle import parse_rate
+from teams.throttle import parse_rate, record_failure, retry_after
 
 _addresses = (
     f"10.77.{i // 250}.{i % 250 + 1}"
@@ -152,6 +152,33 @@ def test_rates_parse_and_bad_ones_say_what_is_expected():
         parse_rate("often")
 
 
+def test_failures_that_straddle_a_window_edge_still_block(settings):
+    """Two failures just before a minute's edge and a third try just after it: a fixed
+    window would forget the first two; the sliding window still counts them."""
+    settings.LOCKSTEP_THROTTLE_AUTH_FAILURES = "2/min"
+    address = fresh_address()
+    edge = (int(timezone.now().timestamp()) // 60 + 1) * 60.0  # a minute boundary to come
+    record_failure(address, now=edge - 0.5)
+    assert retry_after(address, now=edge - 0.4) is None  # one failure: under the limit
+    record_failure(address, now=edge - 0.3)
+    # Blocked until their bucket (ending at the edge) leaves the view, a period later:
+    assert retry_after(address, now=edge - 0.2) == 61  # 60.2 s, rounded up
+    assert retry_after(address, now=edge + 0.1) == 60  # the edge forgets nothing
+    assert retry_after(address, now=edge + 30) == 30
+    assert retry_after(address, now=edge + 60.5) is None  # a period after their bucket ended
+
+
+def test_failures_leave_the_view_oldest_first(settings):
+    settings.LOCKSTEP_THROTTLE_AUTH_FAILURES = "2/min"
+    address = fresh_address()
+    start = int(timezone.now().timestamp()) // 60 * 60.0 + 120
+    record_failure(address, now=start + 1)
+    record_failure(address, now=start + 31)
+    # The first failure's bucket ends at +6 and leaves the view at +66; one left: free.
+    assert retry_after(address, now=start + 40) == 26
+    assert retry_after(address, now=start + 66.5) is None
+
+
 @pytest.mark.django_db
 def test_wrong_tokens_past_the_limit_block_the_address_even_with_a_good_token(
     make_user, token_for, settings
@@ -163,7 +190,7 @@ def test_wrong_tokens_past_the_limit_block_the_address_even_with_a_good_token(
     assert codes == [401, 401, 401, 429]
     blocked = api(good, guesser).get("/api/v1/jobs/")
     assert blocked.status_code == 429
-    assert 1 <= int(blocked["Retry-After"]) <= 60
+    assert 1 <= int(blocked["Retry-After"]) <= 66  # a period and at most one bucket (6 s)
     assert "Too many failed" in blocked.json()["detail"]
     # Another address is not affected; good tokens never count.
     for _ in range(5):
