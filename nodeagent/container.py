@@ -35,6 +35,9 @@ logger = logging.getLogger("nodeagent.container")
 
 LAUNCHER = Path(__file__).with_name("launch.py")
 LAUNCHER_IN_CONTAINER = "/opt/lockstep-agent/launch.py"
+# The warm container's fork server uses the zygote's worker set-up (stdlib only, like launch.py).
+ZYGOTE = Path(__file__).with_name("zygote.py")
+ZYGOTE_IN_CONTAINER = "/opt/lockstep-agent/lockstep_zygote.py"
 LABEL = "lockstep.attempt"  # every container the agent starts carries it
 # An engine that cannot run the container at all (bad image, refused pull) exits 125, as
 # `podman run` and `docker run` do; the ranks are reported with it.
@@ -93,6 +96,13 @@ class Engine:
 
     def image_present(self, image: str) -> bool:
         return self._run(["image", "inspect", "--format", "{{.Id}}", image]).returncode == 0
+
+    def image_label(self, image: str, label: str) -> str:
+        done = self._run(
+            ["image", "inspect", "--format", f'{{{{index .Labels "{label}"}}}}', image]
+        )
+        value = done.stdout.strip() if done.returncode == 0 else ""
+        return "" if value == "<no value>" else value
 
     def image_digest(self, image: str) -> str:
         """The image's content id (what this attempt ran, whatever its tag points to later)."""
@@ -171,8 +181,14 @@ def run_argv(
     gpu_indices: list[int],
     gpu_kind: str,
     infiniband: bool = False,
+    serve_dir: Path | None = None,
+    preload: str = "",
+    idle_s: float = 600.0,
 ) -> list[str]:
-    """The `podman run` / `docker run` command line of one attempt on this node."""
+    """The `podman run` / `docker run` command line of one attempt on this node; with
+    `serve_dir`, of a warm container that serves this attempt and the job's next ones on this
+    node (nodeagent/warm_container.py): it mounts the job's directory of attempts instead of
+    one attempt's."""
     uid = team_uid(launch["team_id"])
     checkpoint_dir = Path(launch["checkpoint_dir"])
     # The job's directory, not the attempt's: a restart resumes from an earlier attempt's
@@ -226,10 +242,12 @@ def run_argv(
         "--volume",
         f"{job_checkpoints}:{job_checkpoints}:rw",
         "--volume",
-        f"{attempt_dir}:{attempt_dir}:rw",
+        f"{serve_dir or attempt_dir}:{serve_dir or attempt_dir}:rw",
         "--volume",
         f"{LAUNCHER}:{LAUNCHER_IN_CONTAINER}:ro",
     ]
+    if serve_dir is not None:
+        argv += ["--label", "lockstep.warm=1", "--volume", f"{ZYGOTE}:{ZYGOTE_IN_CONTAINER}:ro"]
     resume = launch.get("resume_from") or ""
     if resume and not Path(resume).resolve().is_relative_to(job_checkpoints):
         argv += ["--volume", f"{resume}:{resume}:ro"]
@@ -254,8 +272,10 @@ def run_argv(
         # NCCL over InfiniBand/RoCE: the verbs devices, and IPC_LOCK to register pinned
         # memory with them (the only capability a job gets back).
         argv += ["--device", "/dev/infiniband", "--cap-add", "IPC_LOCK"]
-    argv += [launch["image"], "python3", LAUNCHER_IN_CONTAINER, str(spec_path)]
-    return argv
+    argv += [launch["image"], "python3", LAUNCHER_IN_CONTAINER]
+    if serve_dir is None:
+        return [*argv, str(spec_path)]
+    return [*argv, "--serve", str(serve_dir), "--preload", preload, "--idle-s", f"{idle_s:g}"]
 
 
 def dataset_path(dataset: str) -> Path | None:
@@ -267,13 +287,16 @@ def dataset_path(dataset: str) -> Path | None:
     return None
 
 
-def prepare_dirs(launch: Mapping[str, Any], attempt_dir: Path) -> None:
+def prepare_dirs(
+    launch: Mapping[str, Any], attempt_dir: Path, serve_dir: Path | None = None
+) -> None:
     """Owned by the team's uid and closed to everyone else, so the job (not root) can write
-    its saves, logs and metrics, and other teams' jobs cannot read them."""
+    its saves, logs and metrics, and other teams' jobs cannot read them. (`serve_dir`: the
+    warm container's directory of the job's attempts, attempt_dir's parent.)"""
     uid = team_uid(launch["team_id"])
     job_checkpoints = Path(launch["checkpoint_dir"]).parent
     job_checkpoints.mkdir(parents=True, exist_ok=True)
-    for path in (job_checkpoints, attempt_dir):
+    for path in (job_checkpoints, *([serve_dir] if serve_dir else []), attempt_dir):
         os.chown(path, uid, uid)
         path.chmod(0o700)
     for child in job_checkpoints.rglob("*"):

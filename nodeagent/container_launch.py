@@ -32,6 +32,7 @@ from nodeagent.container import (
     run_argv,
 )
 from nodeagent.contract import build_worker_env, container_base_env
+from nodeagent.warm_container import WarmAttempt, WarmContainers, warm_key
 from nodeagent.workers import AttemptWorkers, Pull, RankWorker
 
 # A pull slower than this is given up and fails the job like a refused one.
@@ -51,6 +52,7 @@ class ContainerLaunch:
         auth_dir: Path,
         node_env: Mapping[str, str] | None = None,
         agent: str = "",
+        warm: WarmContainers | None = None,
     ) -> None:
         self.agent = agent or agent_identity(auth_dir.parent)
         self.auth_dir = auth_dir
@@ -64,6 +66,8 @@ class ContainerLaunch:
         self.pull_policy = pull_policy
         self.agent_env = agent_env
         self.log = log
+        # Warm containers (nodeagent/warm_container.py): None starts one per attempt.
+        self.warm = warm
 
     def launch(
         self, attempt_id: int, launch: Mapping[str, Any], attempt_dir: Path
@@ -71,6 +75,9 @@ class ContainerLaunch:
         """The attempt's workers, their container started at once when the image is here and
         the policy allows, else after a background pull (`poll`). A missing image under the
         `never` policy ends every rank with 125 and sets `error` (the job fails at once)."""
+        if self.warm is not None:
+            # Under the job's directory, which its warm container mounts for every attempt.
+            attempt_dir = self.warm.serve_dir(int(launch["job_id"])) / attempt_dir.name
         ranks = sorted(launch["ranks"], key=lambda r: int(r["local_rank"]))
         gpu_indices = sorted(int(r.get("gpu_index", r["local_rank"])) for r in ranks)
         attempt = AttemptWorkers(attempt_id=attempt_id, launch=dict(launch), dir=attempt_dir)
@@ -111,10 +118,13 @@ class ContainerLaunch:
         if policy not in PULL_POLICIES:
             self.fail(attempt, f"unknown image pull policy {policy!r}")
             return attempt
-        present = self.engine.image_present(image)
+        # One inspect tells both whether the image is here and which one it is.
+        digest = self.engine.image_digest(image)
+        present = bool(digest)
         if policy == "never" and not present:
             self.fail(attempt, f"image {image} is not on this node and its pull policy is never")
         elif present and policy != "always":
+            attempt.image_digest = digest
             self.start(attempt)
         else:
             log_path = attempt_dir / "pull.log"
@@ -159,6 +169,7 @@ class ContainerLaunch:
             self.log.info(
                 "attempt %s: pulled %s in %.1f s", attempt.attempt_id, pull.image, attempt.pull_s
             )
+            attempt.image_digest = self.engine.image_digest(pull.image)
             self.start(attempt)
 
     def cancel(self, attempt: AttemptWorkers, code: int) -> None:
@@ -180,29 +191,65 @@ class ContainerLaunch:
     def start(self, attempt: AttemptWorkers) -> None:
         launch, attempt_dir = attempt.launch, attempt.dir
         status_path = attempt_dir / "ranks.json"
-        spec_path = attempt_dir / "launch.json"
         status_path.unlink(missing_ok=True)
         specs = [{"rank": w.rank, "env": w.env, "log": str(w.log_path)} for w in attempt.workers]
-        spec_path.write_text(
-            json.dumps({"command": launch["command"], "status": str(status_path), "ranks": specs})
-        )
+        spec = {
+            "attempt": attempt.attempt_id,
+            "command": launch["command"],
+            "status": str(status_path),
+            "ranks": specs,
+        }
         # The team's uid owns the job's checkpoints and the attempt's directory (the spec in
         # it too: the launcher reads it as the team).
-        prepare_dirs(launch, attempt_dir)
-        with contextlib.suppress(OSError):
-            os.chown(spec_path, *(2 * [os.stat(attempt_dir).st_uid]))
-        argv = run_argv(
-            self.engine,
-            node=self.node,
-            agent=self.agent,
-            attempt_id=attempt.attempt_id,
-            launch=launch,
-            attempt_dir=attempt_dir,
-            spec_path=spec_path,
-            gpu_indices=sorted(w.gpu_index for w in attempt.workers),
-            gpu_kind=self.gpu_kind,
-            infiniband=self.infiniband,
-        )
+        serve_dir = attempt_dir.parent if self.warm is not None else None
+        prepare_dirs(launch, attempt_dir, serve_dir)
+        gpus = sorted(w.gpu_index for w in attempt.workers)
+
+        def argv_for(attempt_id: int, spec_path: Path) -> list[str]:
+            return run_argv(
+                self.engine,
+                node=self.node,
+                agent=self.agent,
+                attempt_id=attempt_id,
+                launch=launch,
+                attempt_dir=attempt_dir,
+                spec_path=spec_path,
+                gpu_indices=gpus,
+                gpu_kind=self.gpu_kind,
+                infiniband=self.infiniband,
+                serve_dir=serve_dir,
+                preload=preload,
+                idle_s=2 * self.warm.idle_s if self.warm is not None else 0,
+            )
+
+        name = container_name(self.node, self.agent, attempt.attempt_id)
+        uid = os.stat(attempt_dir).st_uid
+        if self.warm is not None:
+            preload = self.warm.preload(launch["image"], attempt.image_digest)
+            key = warm_key(argv_for(0, Path()), attempt.image_digest, gpus)
+            reused = self.warm.reusable(int(launch["job_id"]), key)
+            if reused is not None:
+                attempt.container = WarmAttempt(
+                    self.engine,
+                    reused.container.name,
+                    status_path,
+                    reused.container.popen,
+                    serve_dir=serve_dir,
+                    attempt_id=attempt.attempt_id,
+                )
+                self.warm.hand_over(reused, attempt, spec, uid)
+                self._ranks_in(attempt, launch, "warm container " + reused.container.name)
+                return
+            self.warm.evict(frozenset(gpus))
+            self.warm.request(serve_dir, attempt.attempt_id, spec, uid)
+            argv = argv_for(attempt.attempt_id, Path())
+        else:
+            preload = ""
+            spec_path = attempt_dir / "launch.json"
+            spec_path.write_text(json.dumps(spec))
+            with contextlib.suppress(OSError):
+                os.chown(spec_path, uid, uid)
+            argv = argv_for(attempt.attempt_id, spec_path)
         with open(attempt_dir / "engine.log", "wb") as engine_log:
             popen = subprocess.Popen(
                 argv,
@@ -211,15 +258,27 @@ class ContainerLaunch:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        name = container_name(self.node, self.agent, attempt.attempt_id)
-        attempt.container = ContainerAttempt(self.engine, name, status_path, popen)
-        attempt.image_digest = self.engine.image_digest(launch["image"])
+        if self.warm is None:
+            attempt.container = ContainerAttempt(self.engine, name, status_path, popen)
+        else:
+            attempt.container = WarmAttempt(
+                self.engine,
+                name,
+                status_path,
+                popen,
+                serve_dir=serve_dir,
+                attempt_id=attempt.attempt_id,
+            )
+            self.warm.add(int(launch["job_id"]), key, frozenset(gpus), attempt)
+        self._ranks_in(attempt, launch, f"container {name} started")
+
+    def _ranks_in(self, attempt: AttemptWorkers, launch: Mapping[str, Any], how: str) -> None:
         for worker in attempt.workers:
             worker.popen = ContainerRank(attempt.container, worker.rank)
         self.log.info(
-            "attempt %s: container %s (%s) started for ranks %s",
+            "attempt %s: %s (%s) for ranks %s",
             attempt.attempt_id,
-            name,
+            how,
             launch["image"],
             [w.rank for w in attempt.workers],
         )

@@ -6,10 +6,20 @@ works. The engine's init process (`--init`) is PID 1 and forwards signals to thi
 which forwards them to the ranks, so the agent's stop (SIGTERM) is still a checkpoint-first stop
 and its stack-dump request (SIGUSR1) still reaches every rank.
 
-Standard library only, and no import of the agent: this file is mounted read-only into images
-that hold nothing of Lockstep, and runs under the image's own `python3`.
+Standard library only, and no import of the agent: this file (with nodeagent/zygote.py beside
+it, for the warm mode) is mounted read-only into images that hold nothing of Lockstep, and runs
+under the image's own `python3`.
 
-    python3 launch.py SPEC.json
+    python3 launch.py SPEC.json                 # one attempt, then exit
+    python3 launch.py --serve DIR [--preload M,M] [--idle-s S]
+
+The second form is the warm container (nodeagent/warm_container.py): one container per job and
+node that outlives its attempts. It imports the heavy modules once (torch, and what the image's
+`lockstep.preload` label names), then runs each attempt whose spec the agent drops into DIR as
+`request-<attempt>.json`, forking the ranks from itself where it can (nodeagent/zygote.py's
+rules: `python -m X` or `python SCRIPT` with OMP_NUM_THREADS set), so a restart of the same job
+on the same node skips both the container's start and every rank's imports. It says where it
+stands in DIR/warm.json and exits after S seconds without an attempt.
 
 SPEC: {"command": [...], "status": PATH, "ranks": [{"rank": 0, "env": {...}, "log": PATH}]}.
 Every rank gets the container's environment (the image's PATH, ...) plus its own `env`. The
@@ -20,8 +30,10 @@ status file is rewritten atomically on every change: {"ranks": {"0": {"pid", "st
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,17 +47,25 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class Launcher:
-    def __init__(self, spec: dict) -> None:
+    def __init__(self, spec: dict, *, base_env: dict | None = None, fork=None) -> None:
         self.command = [str(part) for part in spec["command"]]
         self.status_path = spec["status"]
         self.ranks = spec["ranks"]
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.base_env = dict(os.environ if base_env is None else base_env)
+        # fork(argv, env, log) -> a started rank (pid, poll()) or None to start it plainly.
+        self.fork = fork
+        self.procs: dict[int, subprocess.Popen[bytes] | Forked] = {}
         self.report: dict[str, dict] = {}
 
     def start(self) -> None:
         for entry in self.ranks:
             rank = int(entry["rank"])
-            env = {**os.environ, **{str(k): str(v) for k, v in entry["env"].items()}}
+            env = {**self.base_env, **{str(k): str(v) for k, v in entry["env"].items()}}
+            forked = self.fork(self.command, env, entry["log"]) if self.fork else None
+            if forked is not None:
+                self.procs[rank] = forked
+                self.report[str(rank)] = {"pid": forked.pid, "state": "running", "exit_code": None}
+                continue
             with open(entry["log"], "ab") as log:
                 try:
                     proc = subprocess.Popen(
@@ -75,11 +95,23 @@ class Launcher:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGTERM if signum == signal.SIGINT else signum)
 
-    def run(self) -> int:
-        for sig in FORWARDED:
-            signal.signal(sig, self.forward)
+    def run(self, *, install_handlers: bool = True, signals=None) -> int:
+        """Start the ranks, report on them until all exited. `signals()`, if given, returns
+        the signals sent to this attempt since the last call (the warm server's files)."""
+        if install_handlers:
+            for sig in FORWARDED:
+                signal.signal(sig, self.forward)
+        early = signals() if signals else []
+        if any(sig in (signal.SIGTERM, signal.SIGINT) for sig in early):
+            # Stopped before it started: nothing ran, so there is nothing to save.
+            for entry in self.ranks:
+                self.report[str(int(entry["rank"]))] = _exited(None, -signal.SIGTERM)
+            self.write(done=True)
+            return 0
         self.start()
         while any(r["state"] != "exited" for r in self.report.values()):
+            for sig in signals() if signals else ():
+                self.forward(sig, None)
             changed = False
             for rank, proc in self.procs.items():
                 if self.report[str(rank)]["state"] == "exited":
@@ -110,9 +142,188 @@ def _exited(pid: int | None, code: int) -> dict:
     return {"pid": pid, "state": "exited", "exit_code": code, "exited_at": time.time()}
 
 
+class Forked:
+    """A rank forked from the warm server, with the part of Popen the launcher uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+class Server:
+    """The warm container's main loop (see the module's docstring)."""
+
+    THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+    def __init__(self, serve_dir: str, preload: list[str], idle_s: float) -> None:
+        self.dir = serve_dir
+        self.preload = preload
+        self.idle_s = idle_s
+        # What a rank inherits: the container's environment as the image set it, not the
+        # thread limits the server sets for its own imports below, nor its room.
+        self.base_env = {k: v for k, v in os.environ.items() if k != ROOM_VAR}
+        self.zygote = None
+        self.loaded: list[str] = []
+        self.launcher: Launcher | None = None
+
+    def warm_up(self) -> None:
+        """Import the heavy modules once; forking is on only if that left one thread (fork
+        copies only the calling thread: a lock another thread held would stay held)."""
+        for var in self.THREAD_VARS:
+            os.environ[var] = "1"
+        try:
+            import lockstep_zygote as zygote  # mounted beside this file
+        except ImportError as exc:
+            print(f"lockstep launcher: no warm start ({exc})", file=sys.stderr)
+            return
+        for name in self.preload:
+            try:
+                __import__(name)
+                self.loaded.append(name)
+            except Exception as exc:  # a module that cannot load is simply not warm
+                print(f"lockstep launcher: cannot preload {name}: {exc}", file=sys.stderr)
+        if zygote._threads() == 1:
+            self.zygote = zygote
+
+    def fork(self, argv: list[str], env: dict, log: str) -> Forked | None:
+        if self.zygote is None or not self._forkable(argv, env):
+            return None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            for sig in FORWARDED:  # the server's forwarding is not the rank's to run
+                signal.signal(sig, signal.SIG_DFL)
+            try:
+                code = self.zygote._run_worker([sys.executable, *argv[1:]], env, log)
+            except BaseException:  # noqa: BLE001 - nothing may return into the server's loop
+                code = 1
+            os._exit(code)
+        return Forked(pid)
+
+    def _forkable(self, argv: list[str], env: dict) -> bool:
+        """What a fresh `python3` of this image would run the same way as a fork of this one:
+        the image's python, a module or a script, no interpreter options, the thread count
+        given (set again after the fork), and the same PYTHON* variables as the server's."""
+        if len(argv) < 2:
+            return False
+        found = shutil.which(argv[0], path=env.get("PATH"))
+        if found is None or os.path.realpath(found) != os.path.realpath(sys.executable):
+            return False
+        if not env.get("OMP_NUM_THREADS", "").isdigit():
+            return False
+        python_vars = {k for k in (*env, *self.base_env) if k.startswith("PYTHON")}
+        if any(env.get(k) != self.base_env.get(k) for k in python_vars):
+            return False
+        if argv[1] == "-m":
+            return len(argv) >= 3 and bool(argv[2]) and not argv[2].startswith("-")
+        return not argv[1].startswith("-")
+
+    def forward(self, signum: int, frame: object) -> None:
+        if self.launcher is not None:
+            self.launcher.forward(signum, frame)
+
+    def signals(self, attempt: int) -> list[int]:
+        """The signals the agent sent this attempt (signal-<attempt>-<n>.json), each once;
+        those left for earlier attempts are dropped."""
+        found = []
+        for name in sorted(os.listdir(self.dir)):
+            if not (name.startswith("signal-") and name.endswith(".json")):
+                continue
+            target = name.split("-")[1]
+            path = os.path.join(self.dir, name)
+            if target == str(attempt):
+                try:
+                    with open(path) as sent:
+                        found.append(int(json.load(sent)["signal"]))
+                except (OSError, ValueError, KeyError):
+                    continue  # not all there yet: the agent renames a finished one into place
+            elif not target.isdigit() or int(target) > attempt:
+                continue  # for an attempt still to come
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        return found
+
+    def next_request(self) -> dict | None:
+        names = sorted(
+            (n for n in os.listdir(self.dir) if n.startswith("request-") and n.endswith(".json")),
+            key=lambda n: int(n[len("request-") : -len(".json")] or 0),
+        )
+        for name in names:
+            path = os.path.join(self.dir, name)
+            try:
+                with open(path) as spec_file:
+                    spec = json.load(spec_file)
+            except (OSError, ValueError):
+                continue  # being written (the agent renames a finished one into place)
+            os.unlink(path)
+            return spec
+        return None
+
+    def state(self, state: str, attempt: int | None = None) -> None:
+        tmp = os.path.join(self.dir, "warm.json.tmp")
+        with open(tmp, "w") as out:
+            json.dump(
+                {
+                    "state": state,
+                    "attempt": attempt,
+                    "preloaded": self.loaded,
+                    "forking": self.zygote is not None,
+                    "pid": os.getpid(),
+                    "at": time.time(),
+                },
+                out,
+            )
+        os.replace(tmp, os.path.join(self.dir, "warm.json"))
+
+    def run(self) -> int:
+        for sig in FORWARDED:
+            signal.signal(sig, self.forward)
+        self.warm_up()
+        idle_since = time.monotonic()
+        self.state("idle")
+        while True:
+            spec = self.next_request()
+            if spec is None:
+                if time.monotonic() - idle_since > self.idle_s:
+                    self.state("exited")
+                    return 0
+                time.sleep(POLL_S)
+                continue
+            attempt = int(spec.get("attempt") or 0)
+            self.state("busy", attempt)
+            self.launcher = Launcher(spec, base_env=self.base_env, fork=self.fork)
+            sent = functools.partial(self.signals, attempt)
+            self.launcher.run(install_handlers=False, signals=sent)
+            self.launcher = None
+            idle_since = time.monotonic()
+            self.state("idle")
+
+
+# Spare room in the server's command line and environment, which a forked rank overwrites with
+# its own so that /proc/<pid>/cmdline and environ (what ps and operators' tools read) show the
+# rank, not the server (nodeagent/zygote.py's _show_as).
+ROOM_VAR = "LOCKSTEP_ZYGOTE_ROOM"
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) >= 3 and argv[1] == "--serve":
+        if ROOM_VAR not in os.environ:
+            room = {ROOM_VAR: " " * 65536}
+            os.execve(sys.executable, [sys.executable, *argv, " " * 4096], {**os.environ, **room})
+        options = dict(zip(argv[3::2], argv[4::2], strict=False))
+        preload = [m for m in options.get("--preload", "").split(",") if m.strip()]
+        return Server(argv[2], preload, float(options.get("--idle-s", "600"))).run()
     if len(argv) != 2:
-        print("usage: launch.py SPEC.json", file=sys.stderr)
+        print("usage: launch.py SPEC.json | launch.py --serve DIR [--preload M,M]", file=sys.stderr)
         return 2
     with open(argv[1]) as spec_file:
         return Launcher(json.load(spec_file)).run()

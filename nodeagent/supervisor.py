@@ -22,6 +22,7 @@ from typing import Any
 from nodeagent.container import ContainerRank, Engine, agent_identity
 from nodeagent.container_launch import ContainerLaunch
 from nodeagent.contract import build_worker_env, inheritable_env, resolve_command
+from nodeagent.warm_container import DEFAULT_IDLE_S, WarmContainers
 from nodeagent.workers import AttemptWorkers, RankWorker
 from nodeagent.zygote import ForkedWorker, Zygote, ZygoteError, can_fork
 
@@ -81,6 +82,17 @@ class WorkerSupervisor:
         self.node_env = dict(node_env or {})
         self.engine = engine
         self.node = node
+        # Warm containers: a job's container outlives its attempt for a fast restart here.
+        self._warm = (
+            WarmContainers(
+                engine,
+                self.work_dir / "jobs",
+                idle_s=float(os.environ.get("LOCKSTEP_WARM_CONTAINER_IDLE_S", DEFAULT_IDLE_S)),
+                log=self._log,
+            )
+            if engine is not None and warm_start
+            else None
+        )
         self._containers = (
             None
             if engine is None
@@ -94,6 +106,7 @@ class WorkerSupervisor:
                 auth_dir=self.work_dir / "registry-auth",
                 node_env=self.node_env,
                 agent=agent_identity(self.work_dir),
+                warm=self._warm,
             )
         )
         self._base_env = base_env
@@ -281,6 +294,8 @@ class WorkerSupervisor:
                 attempt.killed = attempt.killed or bool(survivors)
             if attempt.all_exited:
                 (attempt.dir / WORKERS_FILE).unlink(missing_ok=True)
+        if self._warm is not None:
+            self._warm.tick()  # after the exits above, so an idle container is seen idle now
 
     def wait(self, attempt_id: int, timeout_s: float, interval_s: float = 0.02) -> bool:
         """Poll until every worker of the attempt exited; False on timeout. For tests/tools."""
@@ -363,7 +378,10 @@ class WorkerSupervisor:
                 self._signal_group(worker, signal.SIGKILL)
 
     def close(self) -> None:
-        """Let the zygote go (its workers, if any are left, are the caller's to kill first)."""
+        """Let the zygote and the warm containers go (workers, if any are left, are the
+        caller's to kill first)."""
+        if self._warm is not None:
+            self._warm.close()
         if self._zygote is not None:
             self._zygote.close()
             self._zygote = None

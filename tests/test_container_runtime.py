@@ -307,9 +307,16 @@ def test_a_two_node_job_trains_in_its_image_loses_a_rank_and_resumes(cluster):
         digest = ENGINE.image_digest(IMAGE)
         assert digest.startswith("sha256:") and len(digest) == 71
         assert [a["image_digest"] for a in resumed["attempts"]] == [digest, digest]
-        # The failed attempt's containers are gone; the new one's run.
-        wait_for(lambda: not _containers(f"lockstep.attempt={first['id']}"), 30, "old containers")
-        assert len(_containers(f"lockstep.attempt={second['id']}")) == 2
+        # The restart ran in the job's warm containers, the same two: the ranks were forked
+        # by the server inside each, which has torch imported (nodeagent/warm_container.py).
+        names = {c["Names"][0] for c in containers}
+        assert {c["Names"][0] for c in _containers(f"lockstep.job={job}")} == names
+        pids = worker_pids(second["id"])
+        assert len(pids) == 4
+        parents = {_ppid(pid) for pid in pids.values()}  # one server per node
+        assert len(parents) == 2 and all("launch.py --serve" in _cmdline(p) for p in parents)
+        # What /proc shows of a forked rank is the rank, not the server it was forked from.
+        assert all("-m trainer" in _cmdline(pid) for pid in pids.values())
     finally:
         _cancel(api, job)
 
@@ -440,6 +447,14 @@ def test_a_rival_teams_job_cannot_reach_checkpoints_the_token_or_other_processes
         assert _job(cluster.bob, victim)["state"] == "RUNNING"  # untouched
     finally:
         _cancel(cluster.bob, victim)
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/status").read_text().split("PPid:")[1].split()[0])
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
 
 
 def _uid(pid: int) -> int:
