@@ -144,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--cold-start",
         action="store_true",
         default=os.environ.get("LOCKSTEP_AGENT_COLD_START", "") not in ("", "0"),
-        help="start every worker as a fresh interpreter instead of forking it from a process "
-        "that has torch imported already (warm start, the default; see nodeagent/zygote.py)",
+        help="start every worker as a fresh interpreter (and, with a container engine, in a fresh "
+        "container per attempt) instead of forking it from a process that has torch imported "
+        "already (warm start, the default; see nodeagent/zygote.py, nodeagent/warm_container.py)",
     )
     parser.add_argument(
         "--leave-timeout-s",
