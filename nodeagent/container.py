@@ -98,8 +98,9 @@ class Engine:
         return self._run(["image", "inspect", "--format", "{{.Id}}", image]).returncode == 0
 
     def image_label(self, image: str, label: str) -> str:
+        # .Config.Labels: Docker's image inspect has no top-level .Labels (podman's has both).
         done = self._run(
-            ["image", "inspect", "--format", f'{{{{index .Labels "{label}"}}}}', image]
+            ["image", "inspect", "--format", f'{{{{index .Config.Labels "{label}"}}}}', image]
         )
         value = done.stdout.strip() if done.returncode == 0 else ""
         return "" if value == "<no value>" else value
@@ -120,9 +121,20 @@ class Engine:
             self._run(["kill", "--signal", sig_name, name], timeout=30)
 
     def remove(self, name: str) -> None:
-        """Kill and remove at once (fencing, a stop's deadline, an orphan)."""
+        """Kill and remove at once (fencing, a stop's deadline, an orphan). (Docker's `rm
+        --force` kills at once; it has no `--time`, podman's way to say so.)"""
+        wait = ["--time", "0"] if self.name == "podman" else []
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self._run(["rm", "--force", "--time", "0", name], timeout=60)
+            self._run(["rm", "--force", *wait, name], timeout=60)
+
+    def pull_argv(self, image: str, auth_dir: Path | None) -> list[str]:
+        """`pull` with the credential in `auth_dir/config.json` if given: podman takes the
+        file (--authfile), Docker its directory (--config, a global option)."""
+        if auth_dir is None:
+            return [self.binary, "pull", image]
+        if self.name == "docker":
+            return [self.binary, "--config", str(auth_dir), "pull", image]
+        return [self.binary, "pull", "--authfile", str(auth_dir / "config.json"), image]
 
     def containers(self, agent: str) -> list[dict[str, str]]:
         """Every container started by an agent with this identity (`agent_identity`): this
@@ -134,7 +146,11 @@ class Engine:
                 "--filter",
                 f"label=lockstep.agent={agent}",
                 "--format",
-                f'{{{{.Names}}}} {{{{index .Labels "{LABEL}"}}}}',
+                # Docker's ps gives .Labels as one string, with .Label for one of them;
+                # podman's gives a map (and no .Label).
+                f'{{{{.Names}}}} {{{{.Label "{LABEL}"}}}}'
+                if self.name == "docker"
+                else f'{{{{.Names}}}} {{{{index .Labels "{LABEL}"}}}}',
             ]
         )
         found = []

@@ -131,12 +131,7 @@ class ContainerLaunch:
             auth = self._auth_file(attempt_id, launch.get("registry_auth"))
             with open(log_path, "wb") as out:
                 popen = subprocess.Popen(
-                    [
-                        self.engine.binary,
-                        "pull",
-                        *(["--authfile", str(auth)] if auth else []),
-                        image,
-                    ],
+                    self.engine.pull_argv(image, auth.parent if auth else None),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -284,12 +279,15 @@ class ContainerLaunch:
         )
 
     def _auth_file(self, attempt_id: int, auth: Mapping[str, str] | None) -> Path | None:
-        """The team's registry credential as the engine's auth file, readable by the agent
-        only, outside everything a container mounts; removed when the pull ends."""
+        """The team's registry credential as the engine's auth file (`config.json` in a
+        directory of its own, as Docker's --config wants it), readable by the agent only,
+        outside everything a container mounts; removed when the pull ends."""
         if not auth:
             return None
         self.auth_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = self.auth_dir / f"attempt-{attempt_id}.json"
+        folder = self.auth_dir / f"attempt-{attempt_id}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        path = folder / "config.json"
         token = base64.b64encode(f"{auth['username']}:{auth['password']}".encode()).decode()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
@@ -300,6 +298,8 @@ class ContainerLaunch:
     def _forget_auth(pull: Pull) -> None:
         if pull.auth_file is not None:
             pull.auth_file.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                pull.auth_file.parent.rmdir()
 
     @staticmethod
     def _kill_pull(pull: Pull) -> None:
