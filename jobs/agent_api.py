@@ -81,6 +81,8 @@ class RankReportSerializer(serializers.Serializer):
         required=False, allow_null=True, min_value=-INT32, max_value=INT32
     )
     exited_at = serializers.FloatField(required=False, allow_null=True)
+    # CPU seconds the live rank's session used so far (jobs/actions/activity.py).
+    cpu_s = serializers.FloatField(required=False, allow_null=True, min_value=0)
 
 
 class LogReportSerializer(serializers.Serializer):

@@ -186,6 +186,11 @@ class Attempt(models.Model):
     last_step = models.PositiveIntegerField(default=0)
     first_step_at = models.DateTimeField(null=True, blank=True, help_text="First step record")
     last_progress_at = models.DateTimeField(null=True, blank=True, help_text="Latest step record")
+    # What the platform sees without the script's help (jobs/actions/activity.py): a rank's
+    # output or CPU use. Judges progress while the script reports no steps.
+    last_activity_at = models.DateTimeField(
+        null=True, blank=True, help_text="Latest output or CPU use by any rank"
+    )
     failed_at = models.DateTimeField(
         null=True, blank=True, help_text="When the failure happened (ended_at: when detected)"
     )
@@ -236,6 +241,9 @@ class Allocation(models.Model):
     exited_at = models.DateTimeField(null=True, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
     released_at = models.DateTimeField(null=True, blank=True)
+    # CPU seconds the rank's session had used at its last counted activity (the baseline the
+    # next heartbeat's reading is compared with).
+    cpu_s = models.FloatField(null=True, blank=True)
 
     class Meta:
         ordering = ["attempt_id", "rank"]

@@ -86,7 +86,17 @@ TABLE: tuple[Setting, ...] = (
         "HANG_MIN_S", 60.0, "hung after max(HANG_MIN_S, HANG_STEP_FACTOR x p95 step) without a step"
     ),
     Setting("HANG_STEP_FACTOR", 10.0, "see HANG_MIN_S"),
-    Setting("STARTUP_PROGRESS_TIMEOUT_S", 600.0, "time to the first step after every rank is up"),
+    Setting(
+        "STARTUP_PROGRESS_TIMEOUT_S",
+        600.0,
+        "time to the first step after every rank is up; for a script that reports no steps, "
+        "time without output or CPU use",
+    ),
+    Setting(
+        "ACTIVITY_MIN_CPU_S",
+        1.0,
+        "CPU seconds a rank must use (since its last counted activity) to count as activity",
+    ),
     Setting("DUMP_WAIT_S", 5.0, "time given to ranks to dump their stacks before the kill"),
     Setting("STRAGGLER_FACTOR", 1.5, "a rank this many times slower than the rest straggles"),
     Setting("STRAGGLER_MIN_EXCESS_S", 0.01, "and slower by at least this many seconds a step"),

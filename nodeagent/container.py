@@ -370,6 +370,12 @@ class ContainerRank:
         entry = self.container.status().get("ranks", {}).get(str(self.rank))
         return entry.get("pid") if entry else None
 
+    @property
+    def cpu_s(self) -> float | None:
+        """CPU seconds the rank's session used, as the launcher last read them inside."""
+        entry = self.container.status().get("ranks", {}).get(str(self.rank))
+        return entry.get("cpu_s") if entry else None
+
     def poll(self) -> int | None:
         entry = self.container.status().get("ranks", {}).get(str(self.rank))
         if entry and entry.get("state") == "exited":

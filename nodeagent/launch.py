@@ -40,6 +40,7 @@ import sys
 import time
 
 POLL_S = 0.05
+CPU_EVERY_S = 1.0  # how often the ranks' CPU time is read into the status file
 # The shell's convention, as the process runtime reports them.
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
@@ -92,6 +93,8 @@ class Launcher:
         # step", and its helpers (data loaders) would just die and break that save.
         for rank, proc in self.procs.items():
             if self.report[str(rank)]["state"] != "exited":
+                if signum == signal.SIGUSR1 and not catches(proc.pid, signum):
+                    continue  # a stack dump asked of a script that cannot give one: no kill
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGTERM if signum == signal.SIGINT else signum)
 
@@ -109,10 +112,15 @@ class Launcher:
             self.write(done=True)
             return 0
         self.start()
+        cpu_read_at = 0.0
         while any(r["state"] != "exited" for r in self.report.values()):
             for sig in signals() if signals else ():
                 self.forward(sig, None)
             changed = False
+            if time.monotonic() - cpu_read_at >= CPU_EVERY_S:
+                cpu_read_at = time.monotonic()
+                self.read_cpu()
+                changed = True
             for rank, proc in self.procs.items():
                 if self.report[str(rank)]["state"] == "exited":
                     continue
@@ -131,11 +139,54 @@ class Launcher:
         self.write(done=True)
         return 0
 
+    def read_cpu(self) -> None:
+        running = {
+            r: p.pid for r, p in self.procs.items() if self.report[str(r)]["state"] != "exited"
+        }
+        used = session_cpu_seconds(set(running.values()))
+        for rank, pid in running.items():
+            self.report[str(rank)]["cpu_s"] = round(used[pid], 2)
+
     def write(self, *, done: bool) -> None:
         tmp = f"{self.status_path}.tmp"
         with open(tmp, "w") as out:
             json.dump({"ranks": self.report, "done": done}, out)
         os.replace(tmp, self.status_path)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for `signum` (its SigCgt mask in /proc). A stack-dump
+    request (SIGUSR1) to a script without one would kill it: SIGUSR1's default action."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def session_cpu_seconds(sessions: set[int]) -> dict[int, float]:
+    """CPU seconds (user + system, reaped children's included) used so far by every process
+    of each session, by session id. A rank is its own session (started with setsid), so this
+    is the rank with its data loaders and helpers: a progress signal that needs no help from
+    the script (the agent reads it for plain processes; this launcher, for a container's ranks,
+    whose pids the host cannot map)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = dict.fromkeys(sessions, 0.0)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        session = int(fields[3])
+        if session in used:
+            used[session] += sum(int(f) for f in fields[11:15]) / tick
+    return used
 
 
 def _exited(pid: int | None, code: int) -> dict:

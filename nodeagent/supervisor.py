@@ -22,6 +22,7 @@ from typing import Any
 from nodeagent.container import ContainerRank, Engine, agent_identity
 from nodeagent.container_launch import ContainerLaunch
 from nodeagent.contract import build_worker_env, inheritable_env, resolve_command
+from nodeagent.launch import catches, session_cpu_seconds
 from nodeagent.warm_container import DEFAULT_IDLE_S, WarmContainers
 from nodeagent.workers import AttemptWorkers, RankWorker
 from nodeagent.zygote import ForkedWorker, Zygote, ZygoteError, can_fork
@@ -136,8 +137,18 @@ class WorkerSupervisor:
         return attempt_id in self._attempts
 
     def status(self, attempt_id: int) -> list[dict[str, Any]]:
-        """Per-rank `{"rank", "pid", "state", "exit_code"[, "exited_at"]}` for the heartbeat."""
-        return [w.report() for w in self._attempts[attempt_id].workers]
+        """Per-rank `{"rank", "pid", "state", "exit_code"[, "exited_at"][, "cpu_s"]}` for the
+        heartbeat; `cpu_s`, the CPU seconds a live rank's session used so far, is read now."""
+        attempt = self._attempts[attempt_id]
+        if attempt.container is None:
+            live = {w.pid: w for w in attempt.workers if w.alive and w.pid is not None}
+            for pid, used in session_cpu_seconds(set(live)).items():
+                live[pid].cpu_s = round(used, 2)
+        else:
+            for worker in attempt.workers:
+                if worker.alive and isinstance(worker.popen, ContainerRank):
+                    worker.cpu_s = worker.popen.cpu_s
+        return [w.report() for w in attempt.workers]
 
     def all_exited(self, attempt_id: int) -> bool:
         return self._attempts[attempt_id].all_exited
@@ -345,18 +356,25 @@ class WorkerSupervisor:
         if attempt.container is not None:
             attempt.container.signal(DUMP_SIGNAL)
             signalled = [w.rank for w in attempt.workers if w.alive]
+        skipped = []
         for worker in attempt.workers if attempt.container is None else ():
             if worker.alive and worker.popen is not None:
+                if not catches(worker.popen.pid, DUMP_SIGNAL):
+                    # A script without a handler would die of it (the default action), and
+                    # its end would read as a signal, not as the hang it is.
+                    skipped.append(worker.rank)
+                    continue
                 # The worker only, not its process group: its helpers (data loaders, a shell)
                 # have no handler for it, and SIGUSR1's default action would kill them.
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(worker.popen.pid, DUMP_SIGNAL)
                     signalled.append(worker.rank)
         self._log.info(
-            "attempt %s: %s sent to ranks %s for a stack dump",
+            "attempt %s: %s sent to ranks %s for a stack dump%s",
             attempt_id,
             signal.Signals(DUMP_SIGNAL).name,
             signalled,
+            f" (not to ranks {skipped}: no handler for it)" if skipped else "",
         )
 
     def dump_settled(self, attempt_id: int) -> bool:

@@ -48,6 +48,9 @@ class RankWorker:
     # when a failure happened, not only when a heartbeat carried it.
     exited_at: float | None = None
     env: dict[str, str] = field(default_factory=dict, repr=False)
+    # CPU seconds its session has used so far (a progress signal that needs nothing from the
+    # script); None until read.
+    cpu_s: float | None = None
 
     @property
     def pid(self) -> int | None:
@@ -64,6 +67,7 @@ class RankWorker:
             "state": self.state,
             "exit_code": self.exit_code,
             **({"exited_at": self.exited_at} if self.exited_at is not None else {}),
+            **({"cpu_s": self.cpu_s} if self.cpu_s is not None and self.alive else {}),
         }
 
 

@@ -25,8 +25,9 @@ def submit(team, user, gpus=4, **fields):
     )
 
 
-def beat(node, attempt, ranks, *, records=(), now=None, telemetry=None):
-    """One heartbeat from `node` reporting `ranks` = {rank: exit_code or None (running)}."""
+def beat(node, attempt, ranks, *, records=(), now=None, telemetry=None, cpu=None, logs=None):
+    """One heartbeat from `node` reporting `ranks` = {rank: exit_code or None (running)};
+    `cpu` = {rank: CPU seconds its session used so far}, `logs` = {rank: output text}."""
     body = {
         "boot_id": node.boot_id,
         "telemetry": telemetry or [],
@@ -39,11 +40,12 @@ def beat(node, attempt, ranks, *, records=(), now=None, telemetry=None):
                         "pid": 100 + r,
                         "state": "running" if c is None else "exited",
                         "exit_code": c,
+                        **({"cpu_s": cpu[r]} if cpu and r in cpu else {}),
                     }
                     for r, c in ranks.items()
                 ],
                 "records": list(records),
-                "logs": [],
+                "logs": [{"rank": r, "text": t} for r, t in (logs or {}).items()],
             }
         ],
     }

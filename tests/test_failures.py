@@ -108,7 +108,62 @@ def test_no_first_step_after_start_up_is_a_hang_too(setup, settings):
     run_pass(now=t)
     attempt.refresh_from_db()
     assert attempt.dump_requested_at is not None
-    assert attempt.end_reason.startswith("no first step 31s after all ranks came up")
+    assert attempt.end_reason.startswith(
+        "no first step, output or CPU use 31s after all ranks came up"
+    )
+
+
+@pytest.mark.django_db
+def test_a_script_that_reports_no_steps_is_judged_by_its_output_and_cpu_use(setup, settings):
+    """A plain script (no trainer.api) reports no steps: while its ranks print or use CPU it
+    is not hung, however long; once they do neither for the timeout, it is."""
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "STARTUP_PROGRESS_TIMEOUT_S": 30.0}
+    job, attempt, a, b, _ = _run(setup)
+    t0 = timezone.now()
+    # Seconds after t0: CPU seconds used so far by ranks 0-3, and what a rank printed.
+    timeline = {
+        0: ((5.0, 5.0, 5.0, 5.0), {}),  # the baselines
+        20: ((5.0, 9.0, 5.0, 5.0), {}),  # rank 1 computes: 4 CPU-seconds
+        40: ((5.0, 9.0, 5.1, 5.1), {3: "epoch 1 done\n"}),  # rank 3 prints, little CPU
+        50: ((5.4, 9.0, 5.1, 5.1), {}),  # rank 0: 0.4, then 0.9 in all: under 1 CPU-second
+        60: ((5.9, 9.0, 5.1, 5.1), {}),
+    }
+    cpu, printed = timeline[0]
+    for second in (0, 10, 20, 30, 40, 50, 60, 70, 71):
+        cpu, printed = timeline.get(second, (cpu, {}))
+        at = t0 + timedelta(seconds=second)
+        logs = {r: t for r, t in printed.items() if r < 2}
+        beat(a, attempt, {0: None, 1: None}, cpu={0: cpu[0], 1: cpu[1]}, logs=logs, now=at)
+        logs = {r: t for r, t in printed.items() if r >= 2}
+        beat(b, attempt, {2: None, 3: None}, cpu={2: cpu[2], 3: cpu[3]}, logs=logs, now=at)
+        run_pass(now=at)
+        attempt.refresh_from_db()
+        if second <= 70:  # within 30 s of the last activity (at 40 s): busy, not hung
+            assert attempt.dump_requested_at is None, (second, attempt.end_reason)
+    assert attempt.last_activity_at == t0 + timedelta(seconds=40)
+    assert attempt.dump_requested_at == t0 + timedelta(seconds=71)
+    assert attempt.end_reason == (
+        "hung: no output or CPU use for 31s and no step reported (timeout 30s)"
+    )
+
+
+@pytest.mark.django_db
+def test_once_a_script_reports_steps_its_cpu_use_no_longer_hides_a_hang(setup, settings):
+    """A rank spinning in a collective that never ends is busy but hung: steps judge a
+    script that reports them, not its CPU use."""
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "HANG_MIN_S": 20.0}
+    job, attempt, a, b, _ = _run(setup)
+    t0 = timezone.now()
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 3, rank=0), now=t0)
+    for second in (0, 10, 20, 30, 31):
+        at = t0 + timedelta(seconds=second)
+        spin = {0: 10.0 * second, 1: 10.0 * second}
+        beat(a, attempt, {0: None, 1: None}, cpu=spin, now=at)
+        beat(b, attempt, {2: None, 3: None}, now=at)
+        run_pass(now=at)
+    attempt.refresh_from_db()
+    assert attempt.dump_requested_at is not None and attempt.last_activity_at is None
+    assert attempt.end_reason.startswith("hung: no progress for")
 
 
 @pytest.mark.django_db

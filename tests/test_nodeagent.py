@@ -276,6 +276,64 @@ def test_kill_takes_down_the_worker_and_its_children(supervisor_factory):
     wait_until(lambda: not process_alive(child_pid), what="the grandchild to die")
 
 
+BUSY_CHILD_AND_SLEEPER = """
+import os, subprocess, sys, time
+if os.environ["RANK"] == "0":
+    # The work happens in a child (a data loader, say): still this rank's CPU use.
+    burn = "import time\\nt = time.time()\\nwhile time.time() - t < 60: pass"
+    subprocess.run([sys.executable, "-c", burn])
+else:
+    time.sleep(60)
+"""
+
+
+def test_the_status_carries_each_ranks_cpu_use_children_included(supervisor_factory):
+    sup = supervisor_factory()
+    ranks = [{"rank": r, "local_rank": r, "gpu_index": r} for r in (0, 1)]
+    sup.launch(8, launch_spec(BUSY_CHILD_AND_SLEEPER, ranks))
+
+    def cpu() -> dict[int, float]:
+        sup.poll()
+        return {r["rank"]: r.get("cpu_s") for r in sup.status(8)}
+
+    wait_until(lambda: (cpu()[0] or 0) >= 1.5, timeout_s=30, what="rank 0's child to burn CPU")
+    used = cpu()
+    assert used[1] is not None and used[1] < 0.5, used  # sleeping: next to nothing
+    sup.kill(8)
+    assert sup.wait(8, timeout_s=10)
+    assert all("cpu_s" not in r for r in sup.status(8))  # only live ranks carry it
+
+
+CATCHES_USR1 = (
+    WRITE_HELPER
+    + """
+import os, signal, time
+signal.signal(signal.SIGUSR1, lambda *_: print("stacks of rank", os.environ["RANK"], flush=True))
+publish(os.environ["LOCKSTEP_METRICS_PATH"] + ".pids", f"{os.getpid()} 0")
+time.sleep(120)
+"""
+)
+
+
+def test_a_stack_dump_goes_only_to_ranks_that_catch_it(supervisor_factory):
+    """A plain script has no SIGUSR1 handler: asking it for stacks would kill it (the default
+    action), and its end would read as a signal rather than the hang it is."""
+    sup = supervisor_factory()
+    plain = sup.launch(11, launch_spec(SLEEPER, one_rank()))
+    dumps = sup.launch(12, launch_spec(CATCHES_USR1, one_rank()))
+    read_pids(plain.workers[0].metrics_path)
+    read_pids(dumps.workers[0].metrics_path)
+    sup.dump_stacks(11)
+    sup.dump_stacks(12)
+    wait_until(
+        lambda: "stacks of rank 0" in dumps.workers[0].log_path.read_text(),
+        what="the catching rank to dump",
+    )
+    time.sleep(0.5)
+    sup.poll()
+    assert [w.alive for w in (*plain.workers, *dumps.workers)] == [True, True]
+
+
 TRAPS_SIGTERM = (
     WRITE_HELPER
     + """

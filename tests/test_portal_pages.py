@@ -310,6 +310,24 @@ def test_job_page_has_timeline_checkpoints_logs_and_goodput(client, two_teams, t
     assert 'id="cancel"' in html and "Effective training time" in html
 
 
+def test_job_page_says_which_signals_judge_an_attempts_progress(client, two_teams):
+    lab, ann, _, _ = two_teams
+    job = _job(lab, ann, name="plain", gpus=2, state="RUNNING")
+    now = timezone.now()
+    stepping = _attempt(job, 1, start=now - timedelta(minutes=30), last_step=42)
+    Attempt.objects.filter(pk=stepping.pk).update(
+        first_step_at=now - timedelta(minutes=29), ended_at=now - timedelta(minutes=20)
+    )
+    silent = _attempt(job, 2, start=now - timedelta(minutes=19))
+    seen = now.replace(hour=13, minute=14, second=15)
+    Attempt.objects.filter(pk=silent.pk).update(last_activity_at=seen)
+    html = _client(client, ann).get(f"/jobs/{job.id}/").content.decode()
+    rows = html.split('<table id="attempts"')[1].split("</table>")[0].split("<tr>")[1:]
+    assert '<td data-label="Last step">42</td>' in rows[0]
+    assert "judged by output and CPU use, last seen 13:14:15" in rows[1]
+    assert html.count("no steps reported") == 1
+
+
 def test_gpu_telemetry_api_lists_the_live_attempts_gpus(client, two_teams, make_nodes):
     lab, ann, _, _ = two_teams
     node = make_nodes(1, 2, prefix="tele")[0]

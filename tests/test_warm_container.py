@@ -154,6 +154,12 @@ def test_a_stop_reaches_the_forked_ranks_and_one_before_they_start_ends_them_uns
         for agent in agents:
             agent.poll()
         time.sleep(0.2)
+    # The launcher inside reads each rank's CPU use for the heartbeat (a progress signal).
+    for agent, attempt in zip(agents, long, strict=True):
+        deadline = time.monotonic() + 10
+        while not all((r.get("cpu_s") or 0) > 0.5 for r in agent.status(attempt.attempt_id)):
+            assert time.monotonic() < deadline, agent.status(attempt.attempt_id)
+            time.sleep(0.2)
     for agent, attempt in zip(agents, long, strict=True):
         agent.stop(attempt.attempt_id, deadline_s=60)
     for agent, attempt in zip(agents, long, strict=True):

@@ -7,6 +7,7 @@ from datetime import datetime
 
 from django.db import transaction
 
+from jobs.actions.activity import note_activity
 from jobs.actions.attempts import do_mark_attempt_running
 from jobs.actions.base import record_event, wake
 from jobs.actions.failures import (
@@ -107,6 +108,8 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
                 ):
                     do_mark_attempt_running(attempt, now=now)
                     attempt.refresh_from_db()
+            if attempt.state == Attempt.State.RUNNING:
+                note_activity(attempt, node, ranks, printed={c.rank for c in chunks}, now=now)
             if report.get("pull") and not attempt.image_digest:
                 note_pull(attempt, node, report["pull"])
             if report.get("image") and not attempt.image_digest:

@@ -30,14 +30,19 @@ def detect_hangs(now: datetime, *, heard_since: datetime) -> None:
         ended_at__isnull=True, state=Attempt.State.RUNNING, dump_requested_at__isnull=True
     ):
         if attempt.first_step_at is None:
-            waited = (now - max(attempt.running_at, heard_since)).total_seconds()
+            # No step reported (yet, or ever: a script that reports none): judged by what the
+            # platform sees on its own, the ranks' output and CPU use (jobs/actions/activity.py).
+            since = max(attempt.running_at, attempt.last_activity_at or attempt.running_at)
+            waited = (now - max(since, heard_since)).total_seconds()
             if waited > startup:
-                actions.do_request_stack_dump(
-                    attempt,
-                    now=now,
-                    reason=f"no first step {waited:.0f}s after all ranks came up "
-                    f"(start-up timeout {startup:.0f}s)",
+                reason = (
+                    f"hung: no output or CPU use for {waited:.0f}s and no step reported "
+                    f"(timeout {startup:.0f}s)"
+                    if attempt.last_activity_at
+                    else f"no first step, output or CPU use {waited:.0f}s after all ranks "
+                    f"came up (start-up timeout {startup:.0f}s)"
                 )
+                actions.do_request_stack_dump(attempt, now=now, reason=reason)
             continue
         timeout = attempt_progress_timeout(attempt)
         silent = (now - max(attempt.last_progress_at, heard_since)).total_seconds()

@@ -1,0 +1,54 @@
+"""Progress the platform sees without the script's help: a rank's output and CPU use.
+
+A script that reports steps (the reference trainer, or any script through trainer.api) is
+judged by its steps. One that reports none (a plain torchrun script, a Lightning or Hugging Face
+run) used to be declared hung STARTUP_PROGRESS_TIMEOUT_S after start-up, however busy it was.
+Until an attempt's first step, every heartbeat therefore notes whether any of its ranks on the
+node printed something or used at least ACTIVITY_MIN_CPU_S of CPU since the rank's last counted
+activity; `Attempt.last_activity_at` is when that last happened, and the hang detector
+(jobs/scheduling/detect.py) counts silence from it.
+
+What this cannot tell: a rank spinning at full CPU inside a collective that will never finish
+(NCCL busy-polls) looks busy. Such a hang is found once the script reports steps, or by its
+stacks (issue 19's sampling from outside, not built yet).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from jobs.conf import lockstep_setting
+from jobs.models import Attempt, Node
+
+
+def note_activity(
+    attempt: Attempt, node: Node, ranks: list[dict], *, printed: set[int], now: datetime
+) -> bool:
+    """Record activity of the attempt's ranks on `node` from one heartbeat: `ranks` as the
+    agent reports them (`cpu_s` for live ones), `printed` the ranks whose output it carried.
+    Returns whether there was any. Counts only before the first step (steps judge after)."""
+    if attempt.first_step_at is not None:
+        return False
+    readings = {}
+    for entry in ranks:
+        cpu = entry.get("cpu_s")
+        if entry.get("state") == "running" and isinstance(cpu, int | float) and cpu >= 0:
+            readings[int(entry["rank"])] = float(cpu)
+    active = bool(printed)
+    threshold = lockstep_setting("ACTIVITY_MIN_CPU_S")
+    changed = []
+    for allocation in attempt.allocations.filter(node=node, rank__in=readings):
+        cpu = readings[allocation.rank]
+        if allocation.cpu_s is None or cpu < allocation.cpu_s:  # first reading, or a new process
+            allocation.cpu_s = cpu
+            changed.append(allocation)
+        elif cpu - allocation.cpu_s >= threshold:
+            allocation.cpu_s = cpu
+            changed.append(allocation)
+            active = True
+    if changed:
+        type(changed[0]).objects.bulk_update(changed, ["cpu_s"])
+    if active:
+        Attempt.objects.filter(pk=attempt.pk).update(last_activity_at=now)
+        attempt.last_activity_at = now
+    return active
