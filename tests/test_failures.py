@@ -148,6 +148,26 @@ def test_a_script_that_reports_no_steps_is_judged_by_its_output_and_cpu_use(setu
 
 
 @pytest.mark.django_db
+def test_a_busy_gpu_of_the_attempt_counts_as_activity_a_cpu_nodes_load_does_not(setup):
+    job, attempt, a, b, _ = _run(setup)
+    mine = sorted(attempt.allocations.filter(node=a).values_list("gpu__index", flat=True))
+    others = [max(mine) + 1]  # a GPU of the node the attempt does not hold
+    t0 = timezone.now()
+
+    def reading(index, util, kind="cuda"):
+        return {"index": index, "kind": kind, "util": util, "mem_used": 0, "mem_total": 0}
+
+    quiet = [reading(i, 100.0, "cpu") for i in mine] + [reading(i, 90.0) for i in others]
+    beat(a, attempt, {0: None, 1: None}, telemetry=quiet, now=t0)
+    attempt.refresh_from_db()
+    assert attempt.last_activity_at is None  # a load average, and someone else's GPU
+    busy = [reading(mine[0], 3.0), reading(mine[1], 60.0)]
+    beat(a, attempt, {0: None, 1: None}, telemetry=busy, now=t0 + timedelta(seconds=5))
+    attempt.refresh_from_db()
+    assert attempt.last_activity_at == t0 + timedelta(seconds=5)
+
+
+@pytest.mark.django_db
 def test_once_a_script_reports_steps_its_cpu_use_no_longer_hides_a_hang(setup, settings):
     """A rank spinning in a collective that never ends is busy but hung: steps judge a
     script that reports them, not its CPU use."""

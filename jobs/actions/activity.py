@@ -4,8 +4,9 @@ A script that reports steps (the reference trainer, or any script through traine
 judged by its steps. One that reports none (a plain torchrun script, a Lightning or Hugging Face
 run) used to be declared hung STARTUP_PROGRESS_TIMEOUT_S after start-up, however busy it was.
 Until an attempt's first step, every heartbeat therefore notes whether any of its ranks on the
-node printed something or used at least ACTIVITY_MIN_CPU_S of CPU since the rank's last counted
-activity; `Attempt.last_activity_at` is when that last happened, and the hang detector
+node printed something, used at least ACTIVITY_MIN_CPU_S of CPU since the rank's last counted
+activity, or had its GPU busy (NVML utilisation of at least GPU_BUSY_PERCENT, on GPU nodes);
+`Attempt.last_activity_at` is when that last happened, and the hang detector
 (jobs/scheduling/detect.py) counts silence from it.
 
 What this cannot tell: a rank spinning at full CPU inside a collective that will never finish
@@ -19,6 +20,21 @@ from datetime import datetime
 
 from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Node
+
+GPU_BUSY_PERCENT = 5.0  # NVML's utilisation: the share of time a kernel ran on the GPU
+
+
+def busy_gpus(telemetry: list) -> set[int]:
+    """Indices of the node's GPUs that ran kernels in the last sample (CUDA readings only: a
+    CPU node's "util" is its load average, nobody's in particular)."""
+    busy = set()
+    for reading in telemetry or []:
+        if not isinstance(reading, dict) or reading.get("kind") != "cuda":
+            continue
+        util, index = reading.get("util"), reading.get("index")
+        if isinstance(util, int | float) and util >= GPU_BUSY_PERCENT and isinstance(index, int):
+            busy.add(index)
+    return busy
 
 
 def note_activity(
@@ -34,7 +50,10 @@ def note_activity(
         cpu = entry.get("cpu_s")
         if entry.get("state") == "running" and isinstance(cpu, int | float) and cpu >= 0:
             readings[int(entry["rank"])] = float(cpu)
-    active = bool(printed)
+    active = bool(printed) or (
+        bool(busy := busy_gpus(node.telemetry))
+        and attempt.allocations.filter(node=node, gpu__index__in=busy).exists()
+    )
     threshold = lockstep_setting("ACTIVITY_MIN_CPU_S")
     changed = []
     for allocation in attempt.allocations.filter(node=node, rank__in=readings):
