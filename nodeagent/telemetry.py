@@ -1,6 +1,10 @@
 """Per-slot telemetry for heartbeats: NVML readings on GPU nodes, an honest CPU stand-in else.
 
-`util` is a percentage (0-100, NVML's unit); memory is in bytes.
+`util` is a percentage (0-100, NVML's unit); memory is in bytes. On GPU nodes each reading also
+carries, where the GPU reports them, `temp_c`, `power_w`, `ecc_uncorrected` (volatile
+uncorrected ECC errors since the driver loaded) and `retired_pages` (pages retired for double-bit
+errors): what a node health check reads before a bad GPU fails jobs. NVML comes from NVIDIA's
+`nvidia-ml-py` (a dependency): on a node without the driver it says so, once, in the log.
 """
 
 from __future__ import annotations
@@ -54,15 +58,15 @@ class Telemetry:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             util = nvml.nvmlDeviceGetUtilizationRates(handle)
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-            out.append(
-                {
-                    "index": index,
-                    "kind": "cuda",
-                    "util": float(util.gpu),
-                    "mem_used": int(mem.used),
-                    "mem_total": int(mem.total),
-                }
-            )
+            reading = {
+                "index": index,
+                "kind": "cuda",
+                "util": float(util.gpu),
+                "mem_used": int(mem.used),
+                "mem_total": int(mem.total),
+            }
+            reading.update(_health(nvml, handle))
+            out.append(reading)
         return out
 
     def _read_cpu(self) -> list[dict[str, Any]]:
@@ -78,3 +82,27 @@ class Telemetry:
             {"index": i, "kind": "cpu", "util": util, "mem_used": 0, "mem_total": 0}
             for i in range(self.gpus)
         ]
+
+
+def _health(nvml: Any, handle: Any) -> dict[str, Any]:
+    """What this GPU reports of its health; a query it does not support is left out (consumer
+    GPUs have no ECC, some report no power), never invented."""
+    queries = {
+        "temp_c": lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU),
+        "power_w": lambda: round(nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0, 1),
+        "ecc_uncorrected": lambda: nvml.nvmlDeviceGetTotalEccErrors(
+            handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+        ),
+        "retired_pages": lambda: len(
+            nvml.nvmlDeviceGetRetiredPages(
+                handle, nvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+            )
+        ),
+    }
+    found = {}
+    for name, query in queries.items():
+        try:
+            found[name] = query()
+        except Exception:  # NVMLError_NotSupported and kin
+            continue
+    return found

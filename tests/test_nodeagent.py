@@ -1119,3 +1119,20 @@ def test_the_agent_cli_refuses_a_bad_node_env_file_with_its_line(tmp_path, clean
         timeout=60,
     )
     assert proc.returncode == 2 and "readable by others: chmod 600" in proc.stderr
+
+
+def test_nvml_bindings_are_installed_and_a_node_without_the_driver_says_so(caplog):
+    """nvidia-ml-py is a dependency (GPU nodes' telemetry); where no NVIDIA driver is loaded,
+    as here, a cuda node reports zeros for its slots and logs why, once."""
+    import pynvml
+
+    from nodeagent.telemetry import Telemetry
+
+    assert hasattr(pynvml, "nvmlDeviceGetTotalEccErrors")  # NVIDIA's bindings, not a stub
+    if Path("/dev/nvidiactl").exists():
+        pytest.skip("an NVIDIA driver is present: this test is of a node without one")
+    with caplog.at_level("INFO", logger="nodeagent.telemetry"):
+        telemetry = Telemetry(2, "cuda")
+    assert [r["util"] for r in telemetry.read()] == [0.0, 0.0]
+    assert any("no NVML telemetry" in m and "NVML" in m for m in caplog.messages)
+    assert [r["kind"] for r in Telemetry(2, "cpu").read()] == ["cpu", "cpu"]
