@@ -4,6 +4,7 @@ the checkpoint interval Young/Daly suggests. No I/O; the scheduler loop feeds th
 from __future__ import annotations
 
 import math
+import re
 from statistics import median
 
 
@@ -49,3 +50,52 @@ def young_daly_interval(save_stall_s: float, mtbf_s: float) -> float:
     Saving more often wastes time saving; less often wastes time recomputing after a failure.
     """
     return math.sqrt(2.0 * max(save_stall_s, 0.0) * max(mtbf_s, 0.0))
+
+
+_PY_SPY_FRAME = re.compile(r"^\s{4}(\S.*?) \((\S+?\.py):\d+\)\s*$")
+_FAULTHANDLER_FRAME = re.compile(r'^\s+File "([^"]+)", line \d+ in (\S+)')
+
+
+def innermost_frame(stack: str) -> str | None:
+    """`function (file)` of the innermost Python frame of a rank's main thread, from py-spy's
+    dump (preferred: it is read from outside) or else faulthandler's; None if neither parses.
+    Native frames (py-spy --native) are skipped: two ranks waiting in one collective may sit in
+    different native calls (a poll, a futex) but in the same Python line."""
+    lines = stack.splitlines()
+    marker = next((i for i, line in enumerate(lines) if "read from outside (py-spy" in line), None)
+    if marker is not None:
+        threads = [i for i in range(marker, len(lines)) if lines[i].startswith("Thread ")]
+        main = next(
+            (i for i in threads if '"MainThread"' in lines[i]), threads[0] if threads else None
+        )
+        for line in lines[(main or marker) + 1 :]:
+            if line.startswith("Thread ") or line.startswith("lockstep agent:"):
+                break
+            if found := _PY_SPY_FRAME.match(line):
+                return f"{found.group(1)} ({found.group(2).rsplit('/', 1)[-1]})"
+    current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    for line in lines[current + 1 :] if current is not None else ():
+        if found := _FAULTHANDLER_FRAME.match(line):
+            return f"{found.group(2)} ({found.group(1).rsplit('/', 1)[-1]})"
+        if not line.startswith(" "):
+            break
+    return None
+
+
+def odd_rank_out(stacks: dict[int, str]) -> tuple[int, str, str] | None:
+    """The one rank whose main thread is somewhere else than every other rank's, which all
+    share one innermost frame (they wait in a collective that rank never joined):
+    (rank, its frame, the others' frame). None unless at least two others agree and exactly
+    one rank differs: with two ranks, or a split, there is no telling which side is wrong."""
+    frames = {rank: innermost_frame(text) for rank, text in stacks.items()}
+    frames = {rank: frame for rank, frame in frames.items() if frame}
+    if len(frames) < 3:
+        return None
+    counts: dict[str, int] = {}
+    for frame in frames.values():
+        counts[frame] = counts.get(frame, 0) + 1
+    common, shared = max(counts.items(), key=lambda item: item[1])
+    odd = [rank for rank, frame in frames.items() if frame != common]
+    if len(odd) == 1 and shared == len(frames) - 1 and shared >= 2:
+        return odd[0], frames[odd[0]], common
+    return None

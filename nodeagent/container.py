@@ -127,6 +127,12 @@ class Engine:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._run(["rm", "--force", *wait, name], timeout=60)
 
+    def container_pid(self, name: str) -> int | None:
+        """The host pid of the container's init (its PID 1), None if it is not running."""
+        done = self._run(["inspect", "--format", "{{.State.Pid}}", name], timeout=30)
+        value = done.stdout.strip()
+        return int(value) if done.returncode == 0 and value.isdigit() and value != "0" else None
+
     def pull_argv(self, image: str, auth_dir: Path | None) -> list[str]:
         """`pull` with the credential in `auth_dir/config.json` if given: podman takes the
         file (--authfile), Docker its directory (--config, a global option)."""

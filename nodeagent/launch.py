@@ -241,6 +241,12 @@ class Server:
                 self.loaded.append(name)
             except Exception as exc:  # a module that cannot load is simply not warm
                 print(f"lockstep launcher: cannot preload {name}: {exc}", file=sys.stderr)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            # A CUDA context does not survive fork: the ranks start fresh instead.
+            print("lockstep launcher: a preloaded module initialised CUDA; no warm start",
+                  file=sys.stderr)  # fmt: skip
+            return
         if zygote._threads() == 1:
             self.zygote = zygote
 

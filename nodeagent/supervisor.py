@@ -23,6 +23,8 @@ from nodeagent.container import ContainerRank, Engine, agent_identity
 from nodeagent.container_launch import ContainerLaunch
 from nodeagent.contract import build_worker_env, inheritable_env, resolve_command
 from nodeagent.launch import catches, session_cpu_seconds
+from nodeagent.stacks import TIMEOUT_S as STACKS_TIMEOUT_S
+from nodeagent.stacks import OutsideDump, container_host_pids, py_spy
 from nodeagent.warm_container import DEFAULT_IDLE_S, WarmContainers
 from nodeagent.workers import AttemptWorkers, RankWorker
 from nodeagent.zygote import ForkedWorker, Zygote, ZygoteError, can_fork
@@ -352,6 +354,7 @@ class WorkerSupervisor:
         if attempt.dump_sent_at is not None:
             return
         attempt.dump_sent_at = self._clock()
+        self._dump_from_outside(attempt)
         signalled = []
         if attempt.container is not None:
             attempt.container.signal(DUMP_SIGNAL)
@@ -377,10 +380,31 @@ class WorkerSupervisor:
             f" (not to ranks {skipped}: no handler for it)" if skipped else "",
         )
 
+    def _dump_from_outside(self, attempt: AttemptWorkers) -> None:
+        """py-spy on every live rank, in the background (nodeagent/stacks.py): stacks from
+        scripts that cannot dump their own, native frames from those that can."""
+        binary = py_spy()
+        live = [w for w in attempt.workers if w.alive and w.pid is not None]
+        if binary is None or not live:
+            return
+        if attempt.container is None:
+            hosts = {w.pid: w.pid for w in live}
+        else:  # the launcher's pids are the container's; py-spy runs here, on the host's
+            init = self.engine.container_pid(attempt.container.name)
+            hosts = container_host_pids(init, {w.pid for w in live}) if init else {}
+        targets = [(w.rank, hosts[w.pid], w.log_path) for w in live if w.pid in hosts]
+        if targets:
+            attempt.outside_dump = OutsideDump(binary, targets)
+
     def dump_settled(self, attempt_id: int) -> bool:
-        """True once the dump signal went out at least DUMP_SETTLE_S ago."""
-        sent_at = self._attempts[attempt_id].dump_sent_at
-        return sent_at is not None and self._clock() - sent_at >= DUMP_SETTLE_S
+        """True once the dump signal went out at least DUMP_SETTLE_S ago and py-spy is done
+        (or has had its time)."""
+        attempt = self._attempts[attempt_id]
+        sent_at = attempt.dump_sent_at
+        if sent_at is None or self._clock() - sent_at < DUMP_SETTLE_S:
+            return False
+        outside = attempt.outside_dump
+        return outside is None or outside.done or self._clock() - sent_at > 2 * STACKS_TIMEOUT_S
 
     def kill(self, attempt_id: int) -> None:
         """SIGKILL every worker's process group now (fencing, shutdown)."""

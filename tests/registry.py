@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -121,3 +122,20 @@ class Registry:
             do_HEAD = do_GET
 
         return Handler
+
+
+def serve_local_image(
+    work: Path, image: str, repository: str, username: str, password: str
+) -> Registry:
+    """A started registry serving the engine's local `image` as `repository:1` behind basic
+    auth, with `.conf` the registries.conf an engine needs to use it over plain HTTP."""
+    layout = work / "layout"
+    subprocess.run(
+        ["podman", "save", "--format", "oci-dir", "-o", str(layout), image],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    served = Registry(layout, repository, "1", username, password).start()
+    served.conf = served.registries_conf(work / "registries.conf")
+    return served

@@ -21,7 +21,7 @@ import pytest
 
 from nodeagent.container import Engine, agent_identity, run_argv, team_uid
 from tests.live import Api, LiveCluster, free_port, wait_for, worker_pids
-from tests.registry import Registry
+from tests.registry import serve_local_image
 
 IMAGE = "localhost/lockstep/trainer:latest"
 THIRD_PARTY_IMAGE = "localhost/lockstep-test/plain-ddp:1"
@@ -99,15 +99,7 @@ REGISTRY_USER, REGISTRY_PASSWORD = "puller", "registry-secret-9f3a"
 def registry(tmp_path_factory):
     """A private registry serving the trainer's image as `lab/trainer:1`, behind basic auth."""
     work = tmp_path_factory.mktemp("registry")
-    layout = work / "layout"
-    subprocess.run(
-        ["podman", "save", "--format", "oci-dir", "-o", str(layout), IMAGE],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    served = Registry(layout, "lab/trainer", "1", REGISTRY_USER, REGISTRY_PASSWORD).start()
-    served.conf = served.registries_conf(work / "registries.conf")
+    served = serve_local_image(work, IMAGE, "lab/trainer", REGISTRY_USER, REGISTRY_PASSWORD)
     yield served
     served.stop()
     # Only the tag: its layers are the trainer image's.

@@ -23,7 +23,7 @@ import pytest
 
 from nodeagent.container import Engine, agent_identity
 from nodeagent.supervisor import WorkerSupervisor
-from tests.registry import Registry
+from tests.registry import serve_local_image
 from tests.test_warm_container import _finish, _gang, _launch, _names, _port, _records, _running
 
 IMAGE = "localhost/lockstep/trainer:latest"
@@ -45,15 +45,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
     work = tmp_path_factory.mktemp("docker-registry")
-    layout = work / "layout"
-    subprocess.run(
-        ["podman", "save", "--format", "oci-dir", "-o", str(layout), IMAGE],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    served = Registry(layout, "lab/docker-trainer", "1", USER, PASSWORD).start()
-    served.conf = served.registries_conf(work / "registries.conf")
+    served = serve_local_image(work, IMAGE, "lab/docker-trainer", USER, PASSWORD)
     yield served
     served.stop()
     subprocess.run(["podman", "rmi", served.image], capture_output=True, timeout=120)

@@ -11,7 +11,13 @@ from rest_framework.test import APIClient
 
 from jobs import actions, queries
 from jobs.checkpoint_policy import checkpoint_advice
-from jobs.health import find_stragglers, progress_timeout, young_daly_interval
+from jobs.health import (
+    find_stragglers,
+    innermost_frame,
+    odd_rank_out,
+    progress_timeout,
+    young_daly_interval,
+)
 from jobs.models import Attempt, Checkpoint, Event, Job, LogChunk, Node
 from jobs.reports.goodput import job_goodput
 from jobs.scheduling.loop import run_pass
@@ -676,3 +682,81 @@ def test_a_cordoned_node_that_restarts_as_planned_stays_cordoned(setup, make_use
         name=a.name, gpus=2, address="127.0.0.1", boot_id="next", now=timezone.now()
     )
     assert (a.state, a.state_reason) == ("cordoned", "maintenance")
+
+
+def _py_spy(rank: int, *frames: str) -> str:
+    """A rank's log tail as the agent writes it: its header over py-spy's dump (--native)."""
+    body = "\n".join(f"    {f}" for f in frames)
+    return (
+        f"step 24 loss 1.2\nlockstep agent: stacks of rank {rank}, read from outside "
+        f"(py-spy dump)\nProcess {100 + rank}: python -m trainer\nPython v3.11.7 (/usr/bin/"
+        f'python3.11)\n\nThread {100 + rank} (idle): "MainThread"\n{body}\n'
+        f'Thread {200 + rank} (idle): "Thread-1 (pin_memory)"\n    wait (threading.py:327)\n'
+    )
+
+
+WAITING = (
+    "pthread_cond_wait (libc.so.6)",
+    "gloo::transport::tcp::UnboundBuffer::waitRecv (libtorch_cpu.so)",
+    "backward (torch/autograd/__init__.py:266)",
+    "run_step (trainer/train.py:410)",
+    "<module> (trainer/__main__.py:4)",
+)
+STALLED = (
+    "clock_nanosleep (libc.so.6)",
+    "stall (trainer/faults.py:31)",
+    "run_step (trainer/train.py:402)",
+    "<module> (trainer/__main__.py:4)",
+)
+
+
+def test_the_innermost_python_frame_is_read_from_py_spy_or_faulthandler():
+    assert innermost_frame(_py_spy(1, *WAITING)) == "backward (__init__.py)"
+    assert innermost_frame(_py_spy(0, *STALLED)) == "stall (faults.py)"
+    faulthandler = (
+        "Thread 0x00007f0a (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 327 in wait\n\n'
+        "Current thread 0x00007f0b (most recent call first):\n"
+        '  File "/opt/lockstep/trainer/faults.py", line 31 in stall\n'
+        '  File "/opt/lockstep/trainer/train.py", line 402 in run_step\n'
+    )
+    assert innermost_frame(faulthandler) == "stall (faults.py)"
+    assert innermost_frame("rank 3 printed this and nothing else\n") is None
+
+
+def test_the_rank_outside_the_collective_the_others_wait_in_is_named():
+    stacks = {0: _py_spy(0, *STALLED), **{r: _py_spy(r, *WAITING) for r in (1, 2, 3)}}
+    assert odd_rank_out(stacks) == (0, "stall (faults.py)", "backward (__init__.py)")
+    # Two ranks, or a gang split in two, or everyone in one place: nobody can be named.
+    assert odd_rank_out({0: stacks[0], 1: stacks[1]}) is None
+    assert odd_rank_out({0: stacks[0], 1: stacks[1], 2: stacks[0], 3: stacks[1]}) is None
+    assert odd_rank_out({r: _py_spy(r, *WAITING) for r in range(4)}) is None
+
+
+@pytest.mark.django_db
+def test_a_hang_names_the_odd_rank_and_strikes_only_its_node(setup, settings):
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "HANG_MIN_S": 20.0, "DUMP_WAIT_S": 3.0}
+    job, attempt, a, b, _ = _run(setup)
+    t0 = timezone.now()
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 3, rank=0), now=t0)
+    beat(b, attempt, {2: None, 3: None}, now=t0)
+    t = t0 + timedelta(seconds=21)
+    beat(a, attempt, {0: None, 1: None}, now=t)
+    beat(b, attempt, {2: None, 3: None}, now=t)
+    run_pass(now=t)  # hung: the stacks are asked for
+    logs_a = {0: _py_spy(0, *STALLED), 1: _py_spy(1, *WAITING)}
+    logs_b = {2: _py_spy(2, *WAITING), 3: _py_spy(3, *WAITING)}
+    t += timedelta(seconds=1)
+    beat(a, attempt, {0: None, 1: None}, logs=logs_a, now=t)
+    beat(b, attempt, {2: None, 3: None}, logs=logs_b, now=t)
+    t += timedelta(seconds=3)
+    beat(a, attempt, {0: None, 1: None}, now=t)
+    beat(b, attempt, {2: None, 3: None}, now=t)
+    run_pass(now=t)
+    failed = Event.objects.get(attempt=attempt, kind="attempt.failed")
+    assert failed.data["odd_rank"] == 0 and failed.data["common_frame"] == "backward (__init__.py)"
+    assert "rank 0 on node-0 is in stall (faults.py) while the other ranks wait in" in (
+        failed.message
+    )
+    struck = set(Event.objects.filter(kind="node.strike").values_list("node__name", flat=True))
+    assert struck == {"node-0"}

@@ -332,6 +332,11 @@ def test_a_stack_dump_goes_only_to_ranks_that_catch_it(supervisor_factory):
     time.sleep(0.5)
     sup.poll()
     assert [w.alive for w in (*plain.workers, *dumps.workers)] == [True, True]
+    # Both are read from outside by py-spy too (nodeagent/stacks.py), the plain one included.
+    wait_until(lambda: sup.dump_settled(11) and sup.dump_settled(12), what="py-spy")
+    plain_log = plain.workers[0].log_path.read_text()
+    assert "lockstep agent: stacks of rank 0, read from outside (py-spy dump)" in plain_log
+    assert "MainThread" in plain_log and "<module>" in plain_log, plain_log[-2000:]
 
 
 TRAPS_SIGTERM = (

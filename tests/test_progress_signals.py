@@ -81,3 +81,7 @@ def test_a_script_that_neither_prints_nor_computes_is_hung(cluster):
     assert "no first step, output or CPU use" in reason, reason
     events = cluster.alice.get(f"/api/v1/jobs/{done['id']}/events/").json()
     assert any(e["kind"] == "attempt.hang_detected" for e in events)
+    # Its stacks, read from outside (the script has no SIGUSR1 handler to dump its own).
+    failed = next(e for e in events if e["kind"] == "attempt.failed")
+    stack = failed["data"]["stacks"]["0"]
+    assert "read from outside (py-spy dump)" in stack and "<module>" in stack, stack

@@ -160,6 +160,18 @@ def test_a_stop_reaches_the_forked_ranks_and_one_before_they_start_ends_them_uns
         while not all((r.get("cpu_s") or 0) > 0.5 for r in agent.status(attempt.attempt_id)):
             assert time.monotonic() < deadline, agent.status(attempt.attempt_id)
             time.sleep(0.2)
+    # Stacks read from outside the container (py-spy on the ranks' host pids), beside the
+    # trainer's own faulthandler dump.
+    agent, attempt = agents[0], long[0]
+    agent.dump_stacks(attempt.attempt_id)
+    deadline = time.monotonic() + 20
+    while not agent.dump_settled(attempt.attempt_id):
+        assert time.monotonic() < deadline, "py-spy did not finish"
+        time.sleep(0.2)
+    for worker in attempt.workers:
+        log = worker.log_path.read_text()
+        assert f"stacks of rank {worker.rank}, read from outside (py-spy dump)" in log
+        assert "trainer/train.py" in log.split("read from outside")[1], log[-1500:]
     for agent, attempt in zip(agents, long, strict=True):
         agent.stop(attempt.attempt_id, deadline_s=60)
     for agent, attempt in zip(agents, long, strict=True):

@@ -12,6 +12,7 @@ from jobs.actions.base import describe_exit, record_event, wake
 from jobs.actions.strikes import node_strikes, strike_node
 from jobs.conf import lockstep_setting
 from jobs.event_kinds import EventKind
+from jobs.health import odd_rank_out
 from jobs.models import (
     Allocation,
     Attempt,
@@ -222,8 +223,13 @@ def do_request_stack_dump(attempt: Attempt, *, reason: str, now: datetime) -> bo
     return True
 
 
+# Where a stack dump starts in a rank's log: faulthandler's (the trainer's own, on SIGUSR1) and
+# the agent's header over py-spy's reading from outside (nodeagent/stacks.py, MARKER).
+STACK_MARKERS = ("Thread 0x", "Current thread", "lockstep agent: stacks of rank")
+
+
 def stacks_since(attempt: Attempt, since: datetime, *, limit: int = 20_000) -> dict[str, str]:
-    """Per rank, the stack dumps (faulthandler's output) shipped in the logs since `since`."""
+    """Per rank, the stack dumps shipped in the logs since `since`."""
     by_rank: dict[int, list[str]] = {}
     for rank, text in LogChunk.objects.filter(attempt=attempt, created_at__gte=since).values_list(
         "rank", "text"
@@ -232,10 +238,7 @@ def stacks_since(attempt: Attempt, since: datetime, *, limit: int = 20_000) -> d
     stacks = {}
     for rank, parts in sorted(by_rank.items()):
         text = "".join(parts)
-        start = min(
-            (i for i in (text.find("Thread 0x"), text.find("Current thread")) if i >= 0),
-            default=-1,
-        )
+        start = min((i for i in map(text.find, STACK_MARKERS) if i >= 0), default=-1)
         if start >= 0:
             stacks[str(rank)] = text[start:][:limit]
     return stacks
@@ -252,6 +255,17 @@ def do_end_hung_attempt(attempt: Attempt, *, now: datetime) -> Attempt:
     silent_ranks = sorted(a.rank for a in silent)
     if stacks and silent_ranks:
         reason += f"; no stacks from rank(s) {', '.join(map(str, silent_ranks))}"
+    # Else the rank that is somewhere other than where all the others wait (jobs/health.py).
+    odd = odd_rank_out({int(rank): text for rank, text in stacks.items()})
+    extra = {}
+    if odd is not None and not silent_ranks:
+        rank, frame, common = odd
+        allocation = attempt.allocations.select_related("node").get(rank=rank)
+        blame = allocation.node
+        reason += (
+            f"; rank {rank} on {blame.name} is in {frame} while the other ranks wait in {common}"
+        )
+        extra = {"odd_rank": rank, "odd_frame": frame, "common_frame": common}
     return do_end_attempt(
         attempt,
         state=Attempt.State.FAILED,
@@ -259,7 +273,7 @@ def do_end_hung_attempt(attempt: Attempt, *, now: datetime) -> Attempt:
         reason=f"{reason} (stacks from {len(stacks)} of {world_size(attempt)} ranks)",
         failed_at=attempt.last_progress_at or attempt.running_at,
         blame_node=blame,
-        data={"stacks": stacks, "silent_ranks": silent_ranks},
+        data={"stacks": stacks, "silent_ranks": silent_ranks, **extra},
     )
 
 

@@ -1,0 +1,108 @@
+"""Stacks sampled from outside: py-spy reads a rank's Python (and native) stacks from its memory,
+with no help from the script.
+
+The trainer dumps its own stacks on SIGUSR1 (faulthandler); any other script has no handler, and
+the signal's default action would kill it. So when the portal asks for stacks (a hang), the
+agent also runs `py-spy dump` on every live rank, in the background (the agent's loop never
+waits on it), and appends what it prints to the rank's log under a header the portal looks for
+(`MARKER`). Native frames (`--native`: where a rank sits inside NCCL, gloo or a CUDA call) where
+py-spy can unwind them; inside a container it often cannot, and the Python stacks come alone.
+
+py-spy needs ptrace rights over the rank: the agent runs as root (it must, to start containers
+as the teams' uids), or as the ranks' own user under the process runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+MARKER = "lockstep agent: stacks of rank"
+TIMEOUT_S = 4.0  # per try; a dump of a torch process with native frames took 0.65 s here
+
+
+def py_spy() -> str | None:
+    """The py-spy binary (a dependency: it lands next to this interpreter), else on PATH."""
+    here = str(Path(sys.executable).parent)
+    return shutil.which("py-spy", path=os.pathsep.join([here, os.environ.get("PATH", "")]))
+
+
+def dump(binary: str, pid: int, timeout_s: float = TIMEOUT_S) -> str:
+    """py-spy's dump of one process: with native frames if it can unwind them, else without."""
+    failure = ""
+    for native in (["--native"], []):
+        try:
+            done = subprocess.run(
+                [binary, "dump", *native, "--pid", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return f"(py-spy did not answer within {timeout_s:.0f} s)\n"
+        if done.returncode == 0:
+            return done.stdout
+        failure = (done.stderr or done.stdout).strip().splitlines()
+        failure = failure[-1] if failure else f"exit {done.returncode}"
+    return f"(py-spy could not read the stacks: {failure})\n"
+
+
+class OutsideDump:
+    """py-spy dumps of some ranks, each appended to its rank's log when it is done."""
+
+    def __init__(self, binary: str, targets: list[tuple[int, int, Path]]):
+        """targets: (rank, host pid, log path)."""
+        self._threads = [
+            threading.Thread(
+                target=self._one, args=(binary, *target), name=f"py-spy-{target[0]}", daemon=True
+            )
+            for target in targets
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @staticmethod
+    def _one(binary: str, rank: int, pid: int, log: Path) -> None:
+        text = f"\n{MARKER} {rank}, read from outside (py-spy dump)\n{dump(binary, pid)}"
+        # One append in one write: the rank may be writing its own lines meanwhile.
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, text.encode("utf-8", errors="replace"))
+        finally:
+            os.close(fd)
+
+    @property
+    def done(self) -> bool:
+        return not any(thread.is_alive() for thread in self._threads)
+
+
+def container_host_pids(init_pid: int, container_pids: set[int]) -> dict[int, int]:
+    """Host pids of the given pids of a container's namespace: the processes under the
+    container's init (`init_pid`, a host pid) whose innermost NSpid is one of them."""
+    parents, inner = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        pid = int(entry)
+        parents[pid] = int(fields.get("PPid", "0").strip() or 0)
+        nspids = fields.get("NSpid", "").split()
+        if len(nspids) > 1 and int(nspids[-1]) in container_pids:
+            inner[pid] = int(nspids[-1])
+    found = {}
+    for pid, inside in inner.items():
+        ancestor, hops = pid, 0
+        while ancestor > 1 and ancestor != init_pid and hops < 64:
+            ancestor, hops = parents.get(ancestor, 0), hops + 1
+        if ancestor == init_pid:
+            found[inside] = pid
+    return found
