@@ -357,6 +357,10 @@ class ContainerAttempt:
         self.engine.signal(self.name, sig)
 
     def kill(self) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """The container goes, with whatever runs in it."""
         self.engine.remove(self.name)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=30)

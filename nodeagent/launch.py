@@ -95,6 +95,10 @@ class Launcher:
             if self.report[str(rank)]["state"] != "exited":
                 if signum == signal.SIGUSR1 and not catches(proc.pid, signum):
                     continue  # a stack dump asked of a script that cannot give one: no kill
+                if signum == signal.SIGKILL:  # the agent's kill (fencing): the whole group
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    continue
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGTERM if signum == signal.SIGINT else signum)
 
@@ -105,10 +109,11 @@ class Launcher:
             for sig in FORWARDED:
                 signal.signal(sig, self.forward)
         early = signals() if signals else []
-        if any(sig in (signal.SIGTERM, signal.SIGINT) for sig in early):
+        if any(sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL) for sig in early):
             # Stopped before it started: nothing ran, so there is nothing to save.
+            code = -signal.SIGKILL if signal.SIGKILL in early else -signal.SIGTERM
             for entry in self.ranks:
-                self.report[str(int(entry["rank"]))] = _exited(None, -signal.SIGTERM)
+                self.report[str(int(entry["rank"]))] = _exited(None, code)
             self.write(done=True)
             return 0
         self.start()

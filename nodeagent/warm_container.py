@@ -16,7 +16,10 @@ no GPU context: the server never initialises CUDA, so the forked ranks can). It 
 - another attempt starts on any of its GPUs (those GPUs are someone else's now, so its job will
   not restart here on them soon);
 - its job's next attempt here needs a different container (new image, other GPUs);
-- any attempt in it is killed (a stop's deadline, fencing), or the agent stops.
+- an attempt in it is killed (a stop's deadline, fencing) and the server does not report its
+  ranks dead within KILL_WAIT_S (the server kills a killed attempt's ranks itself, inside, and
+  the container stays for the restart);
+- the agent stops.
 An agent that starts removes every container of its predecessors, warm ones included
 (`WorkerSupervisor.remove_stale_containers`).
 """
@@ -27,6 +30,7 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +40,7 @@ from nodeagent.container import ContainerAttempt, Engine
 from nodeagent.workers import AttemptWorkers
 
 DEFAULT_IDLE_S = 600.0
+KILL_WAIT_S = 5.0  # for the server to report an attempt's ranks killed
 # Imported by the server when the image does not say what is safe to import (its
 # `lockstep.preload` label); a module the image lacks is skipped.
 DEFAULT_PRELOAD = "torch,torch.distributed,torch.distributed.checkpoint"
@@ -54,6 +59,20 @@ class WarmAttempt(ContainerAttempt):
         self.serve_dir = serve_dir
         self.attempt_id = attempt_id
         self._sent = 0
+
+    def kill(self) -> None:
+        """SIGKILL this attempt's ranks (fencing, a stop's deadline) and keep the container
+        for the job's next attempt, unless the server does not answer within KILL_WAIT_S:
+        then the container goes, as a cold attempt's does."""
+        if self.engine_exit() is not None:
+            return
+        self.signal(signal.SIGKILL)
+        deadline = time.monotonic() + KILL_WAIT_S
+        while time.monotonic() < deadline:
+            if self.status(fresh=True).get("done") or self.engine_exit() is not None:
+                return
+            time.sleep(0.05)
+        self.remove()
 
     def signal(self, sig: int) -> None:
         self._sent += 1
@@ -175,5 +194,5 @@ class WarmContainers:
     def _remove(self, warm: Warm, why: str) -> None:
         if self.log is not None:
             self.log.info("removing warm container %s: %s", warm.container.name, why)
-        warm.container.kill()
+        warm.container.remove()
         self.warm.remove(warm)

@@ -178,14 +178,37 @@ def test_a_stop_reaches_the_forked_ranks_and_one_before_they_start_ends_them_uns
         assert agent.wait(attempt.attempt_id, 90)
     assert not any(a.killed for a in long)  # they stopped on their own, before the deadline
     assert sorted(p.name for p in (ckpt / "attempt-2").iterdir() if p.name.startswith("step-"))
-    # A stop sent before the server took the attempt up: its ranks never start.
-    early = _gang(agents, 3, ckpt / "attempt-3", steps=100_000)
+    # A stop sent before the server took the attempt up: its ranks never start. (Another
+    # job, so a new container whose server is still importing when the stop arrives; an idle
+    # server takes a request up within 50 ms, and the stop would race the start.)
+    early = _gang(agents, 3, tmp_path / "ckpt" / "job-2" / "attempt-3", job=2, steps=100_000)
     for agent, attempt in zip(agents, early, strict=True):
         agent.stop(attempt.attempt_id, deadline_s=60)
     for agent, attempt in zip(agents, early, strict=True):
         assert agent.wait(attempt.attempt_id, 30)
     assert {w.exit_code for a in early for w in a.workers} == {-signal.SIGTERM}
     assert not any(_records(w) for a in early for w in a.workers)
+
+
+def test_a_killed_attempt_dies_inside_and_its_container_serves_the_restart(agents, tmp_path):
+    """Fencing (a rank failed elsewhere in the gang) kills the attempt's ranks, not the
+    container: the restart on this node is still warm."""
+    ckpt = tmp_path / "ckpt" / "job-1"
+    running = _gang(agents, 1, ckpt / "attempt-1", steps=100_000)
+    names = _names(agents)
+    deadline = time.monotonic() + 120
+    while not all(_records(w) for a in running for w in a.workers):
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.2)
+    for agent, attempt in zip(agents, running, strict=True):
+        agent.kill(attempt.attempt_id)
+        assert agent.wait(attempt.attempt_id, 10)
+    assert [w.exit_code for w in running[0].workers] == [-signal.SIGKILL] * 2
+    # The other node's ranks may have died of their peers' deaths first (gloo: exit 1).
+    assert {w.exit_code for w in running[1].workers} <= {-signal.SIGKILL, 1}
+    assert all(_running(n) for n in names)
+    _finish(agents, _gang(agents, 2, ckpt / "attempt-2", steps=2))
+    assert _names(agents) == names
 
 
 def test_other_gpus_another_job_or_idleness_retire_a_warm_container(tmp_path, monkeypatch):
