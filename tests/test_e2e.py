@@ -423,6 +423,10 @@ def test_hung_job_is_detected_its_stacks_captured_and_it_resumes(cluster):
     failed = next(e for e in events if e["kind"] == "attempt.failed")
     stacks = failed["data"]["stacks"]
     assert "0" in stacks and "in fault" in stacks["0"], stacks.keys()
+    # Read from outside too (py-spy), and compared: rank 0 is the one not in the all-reduce.
+    assert all("read from outside (py-spy dump)" in stacks[r] for r in "0123"), stacks.keys()
+    assert failed["data"].get("odd_rank") == 0, failed["message"]
+    assert "rank 0 on e2e-" in failed["message"], failed["message"]
     assert failed["data"]["detect_s"] < 12 + 3 + 10
     wait_for(
         lambda: api.get(f"/api/v1/jobs/{job}/").json()["state"] == "SUCCEEDED",
