@@ -463,6 +463,13 @@ class Agent(Leaving):
 
         # Fencing (invariant 4) comes first: a worker the portal no longer wants may hold GPUs
         # it has already handed to someone else.
+        if response.get("rejoined"):
+            # This node had been declared lost (the agent froze, or the network cut it off):
+            # every container not in the desired set goes, warm ones with their idle servers
+            # too, since their jobs have moved on.
+            removed = self.supervisor.remove_stale_containers(keep=desired)
+            if removed:
+                self.log.warning("back after being declared lost: removed %d container(s)", removed)
         for attempt_id in self.supervisor.attempt_ids():
             attempt = self.supervisor.get(attempt_id)
             if attempt_id in desired or attempt is None or attempt.all_exited or attempt.killed:

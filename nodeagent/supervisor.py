@@ -466,16 +466,20 @@ class WorkerSupervisor:
         )
 
     def remove_stale_containers(self, keep: set[int] = frozenset()) -> int:  # type: ignore[assignment]
-        """Remove every container of this node whose attempt is not in `keep`: those an
-        earlier agent process left (it crashed, was killed, or was declared lost and its
-        attempts given away). Done before anything else, so a zombie never trains beside the
-        attempt that replaced it. Returns how many were removed."""
+        """Remove every container of this node that serves no attempt in `keep`: at start-up
+        (`keep` empty) those an earlier agent process left (it crashed, was killed, or was
+        declared lost and its attempts given away), before anything else, so a zombie never
+        trains beside the attempt that replaced it; and when the portal says this node is
+        back after being declared lost (`keep`: its desired attempts). A warm container is
+        labelled with the attempt that started it and may serve a later one: both count.
+        Returns how many were removed."""
         if self.engine is None:
             return 0
         removed = 0
         for found in self.engine.containers(self._containers.agent):
-            attempt_id = int(found["attempt"]) if found["attempt"].isdigit() else None
-            if attempt_id in keep or attempt_id in self._attempts:
+            label = {int(found["attempt"])} if found["attempt"].isdigit() else set()
+            served = self._warm.attempts_in(found["name"]) if self._warm is not None else set()
+            if (label | served) & set(keep):
                 continue
             self.engine.remove(found["name"])
             removed += 1

@@ -147,6 +147,10 @@ class WarmContainers:
                 return warm
         return None
 
+    def attempts_in(self, name: str) -> set[int]:
+        """The attempts a warm container of this agent has served."""
+        return {a.attempt_id for w in self.warm if w.container.name == name for a in w.attempts}
+
     def hand_over(self, warm: Warm, attempt: AttemptWorkers, spec: dict, uid: int) -> None:
         """Give the attempt to a running server: its spec appears as request-<attempt>.json
         in one rename (the server never reads half a file)."""

@@ -160,14 +160,20 @@ def _job(api: Api, job: int) -> dict:
     return api.get(f"/api/v1/jobs/{job}/").json()
 
 
-def _containers(label: str) -> list[dict]:
+def _containers(label: str, cluster=None) -> list[dict]:
+    """Containers with the label; with `cluster`, only its agents' (job and attempt ids start
+    at 1 in every test cluster, and another's containers may still be up)."""
     done = subprocess.run(
         ["podman", "ps", "--all", "--filter", f"label={label}", "--format", "json"],
         capture_output=True,
         text=True,
         check=True,
     )
-    return json.loads(done.stdout or "[]")
+    found = json.loads(done.stdout or "[]")
+    if cluster is not None:
+        agents = {agent_identity(cluster.work / "agents" / n) for n in cluster.agent_names}
+        found = [c for c in found if c["Labels"].get("lockstep.agent") in agents]
+    return found
 
 
 def _logs(api: Api, job: int, ranks=(0,)) -> str:
@@ -267,7 +273,7 @@ def test_a_two_node_job_trains_in_its_image_loses_a_rank_and_resumes(cluster):
         )
         (first,) = running["attempts"]
         assert sorted(first["nodes"]) == ["e2e-a", "e2e-b"]
-        containers = _containers(f"lockstep.job={job}")
+        containers = _containers(f"lockstep.job={job}", cluster)
         assert len(containers) == 2 and {c["Labels"]["lockstep.node"] for c in containers} == {
             "e2e-a",
             "e2e-b",
@@ -302,7 +308,7 @@ def test_a_two_node_job_trains_in_its_image_loses_a_rank_and_resumes(cluster):
         # The restart ran in the job's warm containers, the same two: the ranks were forked
         # by the server inside each, which has torch imported (nodeagent/warm_container.py).
         names = {c["Names"][0] for c in containers}
-        assert {c["Names"][0] for c in _containers(f"lockstep.job={job}")} == names
+        assert {c["Names"][0] for c in _containers(f"lockstep.job={job}", cluster)} == names
         pids = worker_pids(second["id"])
         assert len(pids) == 4
         parents = {_ppid(pid) for pid in pids.values()}  # one server per node
@@ -513,11 +519,13 @@ def test_a_frozen_agent_declared_lost_removes_its_container_when_it_thaws(cluste
         assert resumed["attempts"][1]["nodes"] != [node]
         assert (resumed["attempts"][1]["resumed_from_step"] or 0) > 0
         # Still frozen: its container trains on (a zombie), which is what fencing is for.
-        assert [c["State"] for c in _containers(f"lockstep.attempt={first}")] == ["running"]
+        assert [c["State"] for c in _containers(f"lockstep.attempt={first}", cluster)] == [
+            "running"
+        ]
         os.kill(frozen.pid, signal.SIGCONT)
         frozen = None
         wait_for(
-            lambda: not _containers(f"lockstep.attempt={first}"),
+            lambda: not _containers(f"lockstep.attempt={first}", cluster),
             60,
             "the thawed agent to remove the lost attempt's container",
         )
@@ -547,10 +555,12 @@ def test_an_agent_that_comes_back_removes_its_stale_containers_first(cluster):
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait(timeout=10)
         time.sleep(1)
-        assert [c["State"] for c in _containers(f"lockstep.attempt={attempt_id}")] == ["running"]
+        assert [c["State"] for c in _containers(f"lockstep.attempt={attempt_id}", cluster)] == [
+            "running"
+        ]
         cluster.start_agent(node)
         wait_for(
-            lambda: not _containers(f"lockstep.attempt={attempt_id}"),
+            lambda: not _containers(f"lockstep.attempt={attempt_id}", cluster),
             60,
             "the restarted agent to remove its stale container",
         )

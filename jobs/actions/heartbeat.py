@@ -46,7 +46,10 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
         node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
         # A node whose agent said it is leaving stays down while that agent reports its
         # workers' last exits; it is up again when an agent registers with a new boot.
-        if node.state == Node.State.DOWN and node.leaving_at is None:
+        # Back after being declared lost (not after a planned leave): the agent then removes
+        # everything it still holds that is not wanted (nodeagent/agent.py).
+        rejoined = node.state == Node.State.DOWN and node.leaving_at is None
+        if rejoined:
             node.state, node.state_reason = Node.State.UP, ""
             record_event(
                 EventKind.NODE_UP, f"node {node.name} is back (heartbeat resumed)", node=node
@@ -141,6 +144,7 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
         "heartbeat_s": lockstep_setting("HEARTBEAT_S"),
         "desired": desired_for_node(node, now),
         "acked": acked,
+        **({"rejoined": True} if rejoined else {}),
     }
 
 
