@@ -17,6 +17,13 @@ from typing import Any
 # A plain process inherits them with the rest of the agent's environment; a container gets
 # exactly these.
 PASSTHROUGH_NETWORK_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+# PyTorch's NCCL flight recorder (a ring of the last 2,000 collectives per rank) and its dump
+# on a watchdog timeout; TORCH_NCCL_DEBUG_INFO_TEMP_FILE is set per attempt (build_worker_env).
+NCCL_DEBUG_DEFAULTS = {
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+}
 
 
 def resolve_command(command: list[str]) -> list[str]:
@@ -124,6 +131,14 @@ def build_worker_env(
         env["OMP_NUM_THREADS"] = "1"
     if gpu_kind == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = str(rank["gpu_index"])
+        # PyTorch's NCCL watchdog and flight recorder: on a collective timeout each rank dumps
+        # its last collectives (what it entered, in which order, what completed) to a file in
+        # the attempt's directory, which the agent keeps. A job's own values win.
+        for name, value in NCCL_DEBUG_DEFAULTS.items():
+            env.setdefault(name, value)
+        env.setdefault(
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(metrics_path).parent / "nccl-trace-rank-")
+        )
     return env
 
 
