@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from statistics import median
 
 
@@ -91,11 +92,7 @@ def odd_rank_out(stacks: dict[int, str]) -> tuple[int, str, str] | None:
     frames = {rank: frame for rank, frame in frames.items() if frame}
     if len(frames) < 3:
         return None
-    counts: dict[str, int] = {}
-    for frame in frames.values():
-        counts[frame] = counts.get(frame, 0) + 1
-    common, shared = max(counts.items(), key=lambda item: item[1])
+    ((common, _),) = Counter(frames.values()).most_common(1)
     odd = [rank for rank, frame in frames.items() if frame != common]
-    if len(odd) == 1 and shared == len(frames) - 1 and shared >= 2:
-        return odd[0], frames[odd[0]], common
-    return None
+    # With at least three frames, one odd rank leaves two or more agreeing on `common`.
+    return (odd[0], frames[odd[0]], common) if len(odd) == 1 else None

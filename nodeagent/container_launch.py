@@ -199,6 +199,7 @@ class ContainerLaunch:
         serve_dir = attempt_dir.parent if self.warm is not None else None
         prepare_dirs(launch, attempt_dir, serve_dir)
         gpus = sorted(w.gpu_index for w in attempt.workers)
+        preload = self.warm.preload(launch["image"], attempt.image_digest) if self.warm else ""
 
         def argv_for(attempt_id: int, spec_path: Path) -> list[str]:
             return run_argv(
@@ -217,21 +218,23 @@ class ContainerLaunch:
                 idle_s=2 * self.warm.idle_s if self.warm is not None else 0,
             )
 
+        def warm_attempt(name: str, popen: subprocess.Popen) -> WarmAttempt:
+            return WarmAttempt(
+                self.engine,
+                name,
+                status_path,
+                popen,
+                serve_dir=serve_dir,
+                attempt_id=attempt.attempt_id,
+            )
+
         name = container_name(self.node, self.agent, attempt.attempt_id)
         uid = os.stat(attempt_dir).st_uid
         if self.warm is not None:
-            preload = self.warm.preload(launch["image"], attempt.image_digest)
             key = warm_key(argv_for(0, Path()), attempt.image_digest, gpus)
             reused = self.warm.reusable(int(launch["job_id"]), key)
             if reused is not None:
-                attempt.container = WarmAttempt(
-                    self.engine,
-                    reused.container.name,
-                    status_path,
-                    reused.container.popen,
-                    serve_dir=serve_dir,
-                    attempt_id=attempt.attempt_id,
-                )
+                attempt.container = warm_attempt(reused.container.name, reused.container.popen)
                 self.warm.hand_over(reused, attempt, spec, uid)
                 self._ranks_in(attempt, launch, "warm container " + reused.container.name)
                 return
@@ -239,7 +242,6 @@ class ContainerLaunch:
             self.warm.request(serve_dir, attempt.attempt_id, spec, uid)
             argv = argv_for(attempt.attempt_id, Path())
         else:
-            preload = ""
             spec_path = attempt_dir / "launch.json"
             spec_path.write_text(json.dumps(spec))
             with contextlib.suppress(OSError):
@@ -256,14 +258,7 @@ class ContainerLaunch:
         if self.warm is None:
             attempt.container = ContainerAttempt(self.engine, name, status_path, popen)
         else:
-            attempt.container = WarmAttempt(
-                self.engine,
-                name,
-                status_path,
-                popen,
-                serve_dir=serve_dir,
-                attempt_id=attempt.attempt_id,
-            )
+            attempt.container = warm_attempt(name, popen)
             self.warm.add(int(launch["job_id"]), key, frozenset(gpus), attempt)
         self._ranks_in(attempt, launch, f"container {name} started")
 

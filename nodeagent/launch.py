@@ -215,31 +215,25 @@ class Forked:
 
 
 class Server:
-    """The warm container's main loop (see the module's docstring)."""
+    """The warm container's main loop (see the module's docstring). `zygote` is
+    nodeagent/zygote.py, mounted beside this file: its worker set-up and its fork rules."""
 
-    THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-
-    def __init__(self, serve_dir: str, preload: list[str], idle_s: float) -> None:
+    def __init__(self, serve_dir: str, preload: list[str], idle_s: float, zygote) -> None:
         self.dir = serve_dir
         self.preload = preload
         self.idle_s = idle_s
+        self.zygote = zygote
         # What a rank inherits: the container's environment as the image set it, not the
         # thread limits the server sets for its own imports below, nor its room.
-        self.base_env = {k: v for k, v in os.environ.items() if k != ROOM_VAR}
-        self.zygote = None
+        self.base_env = {k: v for k, v in os.environ.items() if k != zygote.ROOM_VAR}
+        self.forking = False
         self.loaded: list[str] = []
         self.launcher: Launcher | None = None
 
     def warm_up(self) -> None:
         """Import the heavy modules once; forking is on only if that left one thread (fork
         copies only the calling thread: a lock another thread held would stay held)."""
-        for var in self.THREAD_VARS:
-            os.environ[var] = "1"
-        try:
-            import lockstep_zygote as zygote  # mounted beside this file
-        except ImportError as exc:
-            print(f"lockstep launcher: no warm start ({exc})", file=sys.stderr)
-            return
+        os.environ.update(self.zygote.SINGLE_THREADED)
         for name in self.preload:
             try:
                 __import__(name)
@@ -252,11 +246,20 @@ class Server:
             print("lockstep launcher: a preloaded module initialised CUDA; no warm start",
                   file=sys.stderr)  # fmt: skip
             return
-        if zygote._threads() == 1:
-            self.zygote = zygote
+        self.forking = self.zygote._threads() == 1
 
     def fork(self, argv: list[str], env: dict, log: str) -> Forked | None:
-        if self.zygote is None or not self._forkable(argv, env):
+        """A rank forked from this server, or None to start it plainly: what a fresh
+        `python3` of this image would run the same way (`python` on the rank's PATH is this
+        interpreter, and the zygote's rules: a module or a script, no interpreter options,
+        the thread count given, the same PYTHON* variables)."""
+        found = shutil.which(argv[0], path=env.get("PATH")) if argv else None
+        if not self.forking or found is None:
+            return None
+        if os.path.realpath(found) != os.path.realpath(sys.executable):
+            return None
+        argv = [sys.executable, *argv[1:]]
+        if not self.zygote.can_fork(argv, env, self.base_env):
             return None
         sys.stdout.flush()
         sys.stderr.flush()
@@ -265,29 +268,11 @@ class Server:
             for sig in FORWARDED:  # the server's forwarding is not the rank's to run
                 signal.signal(sig, signal.SIG_DFL)
             try:
-                code = self.zygote._run_worker([sys.executable, *argv[1:]], env, log)
+                code = self.zygote._run_worker(argv, env, log)
             except BaseException:  # noqa: BLE001 - nothing may return into the server's loop
                 code = 1
             os._exit(code)
         return Forked(pid)
-
-    def _forkable(self, argv: list[str], env: dict) -> bool:
-        """What a fresh `python3` of this image would run the same way as a fork of this one:
-        the image's python, a module or a script, no interpreter options, the thread count
-        given (set again after the fork), and the same PYTHON* variables as the server's."""
-        if len(argv) < 2:
-            return False
-        found = shutil.which(argv[0], path=env.get("PATH"))
-        if found is None or os.path.realpath(found) != os.path.realpath(sys.executable):
-            return False
-        if not env.get("OMP_NUM_THREADS", "").isdigit():
-            return False
-        python_vars = {k for k in (*env, *self.base_env) if k.startswith("PYTHON")}
-        if any(env.get(k) != self.base_env.get(k) for k in python_vars):
-            return False
-        if argv[1] == "-m":
-            return len(argv) >= 3 and bool(argv[2]) and not argv[2].startswith("-")
-        return not argv[1].startswith("-")
 
     def forward(self, signum: int, frame: object) -> None:
         if self.launcher is not None:
@@ -338,7 +323,7 @@ class Server:
                     "state": state,
                     "attempt": attempt,
                     "preloaded": self.loaded,
-                    "forking": self.zygote is not None,
+                    "forking": self.forking,
                     "pid": os.getpid(),
                     "at": time.time(),
                 },
@@ -370,20 +355,20 @@ class Server:
             self.state("idle")
 
 
-# Spare room in the server's command line and environment, which a forked rank overwrites with
-# its own so that /proc/<pid>/cmdline and environ (what ps and operators' tools read) show the
-# rank, not the server (nodeagent/zygote.py's _show_as).
-ROOM_VAR = "LOCKSTEP_ZYGOTE_ROOM"
-
-
 def main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[1] == "--serve":
-        if ROOM_VAR not in os.environ:
-            room = {ROOM_VAR: " " * 65536}
-            os.execve(sys.executable, [sys.executable, *argv, " " * 4096], {**os.environ, **room})
+        import lockstep_zygote as zygote  # nodeagent/zygote.py, mounted beside this file
+
+        if zygote.ROOM_VAR not in os.environ:
+            # Spare room in the server's command line and environment, which a forked rank
+            # overwrites with its own, so that /proc shows the rank, not the server.
+            room = {zygote.ROOM_VAR: zygote.ROOM_ENV}
+            argv = [sys.executable, *argv, zygote.ROOM_ARG]
+            os.execve(sys.executable, argv, {**os.environ, **room})
         options = dict(zip(argv[3::2], argv[4::2], strict=False))
         preload = [m for m in options.get("--preload", "").split(",") if m.strip()]
-        return Server(argv[2], preload, float(options.get("--idle-s", "600"))).run()
+        idle_s = float(options.get("--idle-s", "600"))
+        return Server(argv[2], preload, idle_s, zygote).run()
     if len(argv) != 2:
         print("usage: launch.py SPEC.json | launch.py --serve DIR [--preload M,M]", file=sys.stderr)
         return 2

@@ -45,6 +45,7 @@ DUMP_SIGNAL = signal.SIGUSR1
 # signal handler, but the process must first be scheduled to run it; a second is ample even on
 # a busy node and costs nothing next to the hang detection that led to the dump.
 DUMP_SETTLE_S = 1.0
+CPU_READ_EVERY_S = 0.5  # the ranks' CPU use is a heartbeat's figure (one a second)
 
 
 def detect_gpu_kind(requested: str = "auto") -> str:
@@ -114,6 +115,7 @@ class WorkerSupervisor:
         )
         self._base_env = base_env
         self._clock = clock
+        self._cpu_read_at = -CPU_READ_EVERY_S
         self._attempts: dict[int, AttemptWorkers] = {}
         # Warm start (nodeagent/zygote.py): workers forked from a process that has imported
         # torch already; started now, so it is warm before the first job arrives.
@@ -140,17 +142,25 @@ class WorkerSupervisor:
 
     def status(self, attempt_id: int) -> list[dict[str, Any]]:
         """Per-rank `{"rank", "pid", "state", "exit_code"[, "exited_at"][, "cpu_s"]}` for the
-        heartbeat; `cpu_s`, the CPU seconds a live rank's session used so far, is read now."""
-        attempt = self._attempts[attempt_id]
-        if attempt.container is None:
-            live = {w.pid: w for w in attempt.workers if w.alive and w.pid is not None}
-            for pid, used in session_cpu_seconds(set(live)).items():
-                live[pid].cpu_s = round(used, 2)
-        else:
-            for worker in attempt.workers:
-                if worker.alive and isinstance(worker.popen, ContainerRank):
-                    worker.cpu_s = worker.popen.cpu_s
-        return [w.report() for w in attempt.workers]
+        heartbeat; `cpu_s`: the CPU seconds a live rank's session used so far (`_read_cpu`)."""
+        self._read_cpu()
+        return [w.report() for w in self._attempts[attempt_id].workers]
+
+    def _read_cpu(self) -> None:
+        """Every live rank's CPU use, for all attempts at once and at most every
+        CPU_READ_EVERY_S: one scan of /proc serves a heartbeat's many status() calls."""
+        now = time.monotonic()
+        if now - self._cpu_read_at < CPU_READ_EVERY_S:
+            return
+        self._cpu_read_at = now
+        plain = {}
+        for worker in (w for a in self._attempts.values() for w in a.workers if w.alive):
+            if isinstance(worker.popen, ContainerRank):  # its launcher reads it inside
+                worker.cpu_s = worker.popen.cpu_s
+            elif worker.pid is not None:
+                plain[worker.pid] = worker
+        for pid, used in session_cpu_seconds(set(plain)).items():
+            plain[pid].cpu_s = round(used, 2)
 
     def all_exited(self, attempt_id: int) -> bool:
         return self._attempts[attempt_id].all_exited

@@ -32,7 +32,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,8 +97,7 @@ class Warm:
     job_id: int
     key: str
     gpus: frozenset[int]
-    container: ContainerAttempt  # its first attempt's; name and engine process are shared
-    serve_dir: Path
+    container: WarmAttempt  # its first attempt's; name, engine process and directory shared
     attempts: list[AttemptWorkers] = field(default_factory=list)
     idle_since: float | None = None
 
@@ -122,13 +120,11 @@ class WarmContainers:
         *,
         idle_s: float = DEFAULT_IDLE_S,
         log=None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
         self.root = root
         self.idle_s = idle_s
         self.log = log
-        self.clock = clock
         self.warm: list[Warm] = []
         self._preload: dict[str, str] = {}  # image id -> modules to import
 
@@ -154,9 +150,8 @@ class WarmContainers:
     def hand_over(self, warm: Warm, attempt: AttemptWorkers, spec: dict, uid: int) -> None:
         """Give the attempt to a running server: its spec appears as request-<attempt>.json
         in one rename (the server never reads half a file)."""
-        self.request(warm.serve_dir, attempt.attempt_id, spec, uid)
+        self.request(warm.container.serve_dir, attempt.attempt_id, spec, uid)
         warm.attempts.append(attempt)
-        warm.idle_since = None
 
     @staticmethod
     def request(serve_dir: Path, attempt_id: int, spec: dict, uid: int) -> None:
@@ -167,9 +162,7 @@ class WarmContainers:
         tmp.replace(serve_dir / f"request-{attempt_id}.json")
 
     def add(self, job_id: int, key: str, gpus: frozenset[int], attempt: AttemptWorkers) -> None:
-        self.warm.append(
-            Warm(job_id, key, gpus, attempt.container, attempt.dir.parent, attempts=[attempt])
-        )
+        self.warm.append(Warm(job_id, key, gpus, attempt.container, attempts=[attempt]))
 
     def evict(self, gpus: frozenset[int]) -> None:
         """Remove the idle warm containers that hold any of these GPUs (a new container is
@@ -180,7 +173,7 @@ class WarmContainers:
 
     def tick(self) -> None:
         """Drop the containers that are gone; remove those idle for longer than idle_s."""
-        now = self.clock()
+        now = time.monotonic()
         for warm in list(self.warm):
             if not warm.alive:
                 self.warm.remove(warm)

@@ -49,6 +49,11 @@ logger = logging.getLogger("nodeagent.zygote")
 # Room for a worker's command line and environment in what /proc shows (see _show_as).
 ROOM_ARG = " " * 4096
 ROOM_ENV = " " * 65536
+ROOM_VAR = "LOCKSTEP_ZYGOTE_ROOM"
+# One thread per math library while preloading: numpy's OpenBLAS and libgomp would otherwise
+# start worker pools at import, and a process with threads must not fork. Workers only fork
+# from it when they run with OMP_NUM_THREADS set too (can_fork).
+SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "trainer.train")
 REAP_EVERY_S = 0.05
 
@@ -354,15 +359,10 @@ class Zygote:
                 str(theirs.fileno()),
                 ROOM_ARG,
             ],
-            # One thread per math library in the zygote: numpy's OpenBLAS and libgomp would
-            # otherwise start worker pools at import, and a process with threads must not fork.
-            # Workers only fork from it when they run with OMP_NUM_THREADS set too (can_fork).
             env={
                 **self.env,
-                "OMP_NUM_THREADS": "1",
-                "OPENBLAS_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1",
-                "LOCKSTEP_ZYGOTE_ROOM": ROOM_ENV,
+                **SINGLE_THREADED,
+                ROOM_VAR: ROOM_ENV,
                 "LOCKSTEP_ZYGOTE_PRELOAD": self.preload,
             },  # fmt: skip
             pass_fds=(theirs.fileno(),),

@@ -10,8 +10,9 @@ activity, or had its GPU busy (NVML utilisation of at least GPU_BUSY_PERCENT, on
 (jobs/scheduling/detect.py) counts silence from it.
 
 What this cannot tell: a rank spinning at full CPU inside a collective that will never finish
-(NCCL busy-polls) looks busy. Such a hang is found once the script reports steps, or by its
-stacks (issue 19's sampling from outside, not built yet).
+(NCCL busy-polls) looks busy. Such a hang is found once the script reports steps; sampling the
+ranks' stacks periodically (they are read from outside only once a hang is declared) would
+find it, and is not built yet.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from jobs.conf import lockstep_setting
-from jobs.models import Attempt, Node
+from jobs.models import Allocation, Attempt, Node
 
 GPU_BUSY_PERCENT = 5.0  # NVML's utilisation: the share of time a kernel ran on the GPU
 
@@ -66,7 +67,7 @@ def note_activity(
             changed.append(allocation)
             active = True
     if changed:
-        type(changed[0]).objects.bulk_update(changed, ["cpu_s"])
+        Allocation.objects.bulk_update(changed, ["cpu_s"])
     if active:
         Attempt.objects.filter(pk=attempt.pk).update(last_activity_at=now)
         attempt.last_activity_at = now
