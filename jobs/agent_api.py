@@ -92,9 +92,16 @@ class LogReportSerializer(serializers.Serializer):
 
 METRIC_RECORD = {
     "type": "object",
-    "description": "A line of the rank's LOCKSTEP_METRICS_PATH file; bad ones are skipped",
+    "description": (
+        "A line of the rank's LOCKSTEP_METRICS_PATH file, a TensorBoard scalar (`scalar`: "
+        "name, step, value) or a framework's save the agent saw (`checkpoint` with a format); "
+        "bad ones are skipped"
+    ),
     "properties": {
-        "kind": {"type": "string", "enum": ["step", "checkpoint", "start", "end"]},
+        "kind": {"type": "string", "enum": ["step", "checkpoint", "scalar", "start", "end"]},
+        "name": {"type": "string"},
+        "value": {"type": ["number", "null"]},
+        "format": {"type": "string", "enum": ["dcp", "lightning", "hf", "torch"]},
         "rank": {"type": "integer", "minimum": 0},
         "step": {"type": "integer", "minimum": 0},
         "time": {"type": "number"},

@@ -13,7 +13,7 @@ from rest_framework.response import Response
 from rest_framework.throttling import ScopedRateThrottle
 
 from jobs import actions
-from jobs.metrics_query import gpu_history, metric_series
+from jobs.metrics_query import gpu_history, metric_names, metric_series
 from jobs.models import Allocation, Attempt, LogChunk, ModelVersion, Node
 from jobs.serializers import (
     CheckpointSerializer,
@@ -150,6 +150,13 @@ class JobViewSet(
                 attempt=attempt,
             )
         )
+
+    @action(detail=True, methods=["get"], url_path="metrics/names")
+    def metric_names(self, request, pk=None):
+        """Every series name the job has: the steps' metrics and every scalar its script
+        logged (each one readable with metrics/?name=...)."""
+        job = self.get_object()
+        return Response({"names": metric_names(job.id)})
 
     @action(detail=True, methods=["get"])
     def gpus(self, request, pk=None):

@@ -21,7 +21,7 @@ from django.db.models.expressions import ExpressionWrapper
 
 from jobs import rollup
 from jobs.conf import lockstep_setting
-from jobs.models import Allocation, Attempt, GpuSample, MetricPoint
+from jobs.models import Allocation, Attempt, GpuSample, MetricPoint, MetricRollup
 
 
 def metric_series(
@@ -202,3 +202,13 @@ def gpu_history(job_id: int, *, max_points: int = 300, since: int | None = None)
         line["mem_used"].append(None if row["mem_used"] is None else round(row["mem_used"]))
         line["mem_total"] = max(line["mem_total"] or 0, row["mem_total"] or 0) or None
     return {"bucket_s": width, "series": list(series.values())}
+
+
+def metric_names(job_id: int) -> list[str]:
+    """Every series the job has stored, by name: the steps' metrics and whatever scalars its
+    script logged (TensorBoard tags). Read from the rollups' header rows, one per series."""
+    return sorted(
+        MetricRollup.objects.filter(job_id=job_id, width=rollup.HEADER)
+        .values_list("name", flat=True)
+        .distinct()
+    )

@@ -261,6 +261,14 @@ class Allocation(models.Model):
 
 
 class Checkpoint(models.Model):
+    class Format(models.TextChoices):
+        # The reference trainer's (or trainer.api's) sharded save with its COMMITTED marker.
+        DCP = "dcp", "DCP"
+        # Saves a framework wrote on its own, seen by the agent (nodeagent/saves.py).
+        LIGHTNING = "lightning", "Lightning .ckpt"
+        HF = "hf", "Hugging Face checkpoint-N/"
+        TORCH = "torch", "torch.save file"
+
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
     attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="checkpoints")
     step = models.PositiveIntegerField()
@@ -272,6 +280,7 @@ class Checkpoint(models.Model):
         default=False, help_text="Saved by a checkpoint-and-stop: kept by retention"
     )
     deleted_at = models.DateTimeField(null=True, blank=True, help_text="Pruned by retention")
+    format = models.CharField(max_length=16, choices=Format.choices, default=Format.DCP)
 
     class Meta:
         ordering = ["job_id", "-step"]

@@ -80,6 +80,12 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
         "max_restarts": job.max_restarts,
         "checkpoint_dir": str(checkpoint_dir),
         "resume_from": attempt.resumed_from.path if attempt.resumed_from else "",
+        # A framework's save is laid out where the framework looks (nodeagent/saves.py).
+        "resume_format": (
+            attempt.resumed_from.format
+            if attempt.resumed_from and attempt.resumed_from.format != Checkpoint.Format.DCP
+            else ""
+        ),
         "dataset": job.dataset,
         "ranks": [
             {"rank": a.rank, "local_rank": a.local_rank, "gpu_index": a.gpu.index}
@@ -214,3 +220,4 @@ def protection(job: Job, *, now: datetime) -> dict | None:
         "preemptions_today": recent_preemptions([job.id], now=now).get(job.id, 0),
         "safety_stop": int(lockstep_setting("PREEMPT_MAX_PER_DAY")),
     }
+

@@ -125,7 +125,7 @@ class AttemptSerializer(serializers.ModelSerializer):
 class CheckpointSerializer(serializers.ModelSerializer):
     class Meta:
         model = Checkpoint
-        fields = ["id", "job", "attempt", "step", "path", "bytes", "save_s", "created_at"]
+        fields = ["id", "job", "attempt", "step", "path", "format", "bytes", "save_s", "created_at"]
 
 
 class JobSerializer(serializers.ModelSerializer):

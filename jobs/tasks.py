@@ -24,7 +24,8 @@ EXPORT_TIMEOUT_S = 3000  # under the queue's 3600 s, so a timeout is recorded
 
 
 def export_model_version(version_id: int) -> str | None:
-    """Consolidate the version's sharded DCP checkpoint into one torch.save file."""
+    """Export the version's checkpoint: a DCP save consolidated into one torch.save file, a
+    framework's save as the model's weights in one safetensors file."""
     version = ModelVersion.objects.select_related("checkpoint").get(pk=version_id)
     root = Path(lockstep_setting("MODEL_ROOT")).resolve()
     out_dir = (root / version.name / f"v{version.version}").resolve()
@@ -32,10 +33,21 @@ def export_model_version(version_id: int) -> str | None:
         # Names are validated where they are entered; this holds even for one that was not.
         do_finish_model_export(version, path=None, error=f"unsafe model name {version.name!r}")
         return None
-    out = out_dir / "state_dict.pt"
+    fmt = version.checkpoint.format
+    # The reference trainer's save becomes one torch.save file; a framework's, the model's
+    # weights as safetensors (trainer/export.py).
+    out = out_dir / ("state_dict.pt" if fmt == Checkpoint.Format.DCP else "model.safetensors")
     out_dir.mkdir(parents=True, exist_ok=True)
     # The trainer's own command does the torch work: the domain's processes import no torch.
-    command = [sys.executable, "-m", "trainer.export", version.checkpoint.path, str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "trainer.export",
+        version.checkpoint.path,
+        str(out),
+        "--format",
+        fmt,
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=EXPORT_TIMEOUT_S)
         error = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
@@ -51,7 +63,8 @@ def export_model_version(version_id: int) -> str | None:
 
 def prune_checkpoints(job_id: int) -> list[int]:
     """Retention: keep the last KEEP_CHECKPOINTS, every registered one, every preemption
-    checkpoint and any a live attempt resumed from; delete the rest from disk."""
+    checkpoint, any a live attempt resumed from, and every framework's save (its own rotation
+    decides); delete the rest from disk."""
     # First, so that a checkpoint committed from here on queues a prune of its own.
     django_rq.get_connection().delete(prune_mark(job_id))
 
@@ -68,6 +81,9 @@ def prune_checkpoints(job_id: int) -> list[int]:
     for index, checkpoint in enumerate(live):
         if (
             index < keep_last
+            # A framework keeps its own saves (Lightning's save_top_k, the Hugging Face
+            # Trainer's save_total_limit): deleting them would surprise its rotation.
+            or checkpoint.format != Checkpoint.Format.DCP
             or checkpoint.preemption
             or checkpoint.id in protected
             or checkpoint.versions.exists()

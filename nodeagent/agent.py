@@ -24,6 +24,8 @@ import requests
 
 from nodeagent.container import Engine
 from nodeagent.leaving import Leaving, bearer, short_error
+from nodeagent.saves import SaveWatcher
+from nodeagent.scalars import ScalarTail
 from nodeagent.supervisor import WorkerSupervisor
 from nodeagent.tail import LogTail, MetricsTail
 from nodeagent.telemetry import Telemetry
@@ -78,6 +80,10 @@ class _Tracked:
     """What the agent remembers about an attempt besides its processes."""
 
     tails: list[_RankTails] = field(default_factory=list)
+    # What frameworks write on their own: TensorBoard scalars of this node's ranks, and (on the
+    # gang's first node) saves under the attempt's checkpoint directory.
+    scalars: ScalarTail | None = None
+    saves: SaveWatcher | None = None
     # Set once a successful heartbeat carried the exit of every rank and the last of its data.
     exit_reported: bool = False
     # Each rank's log size once a stack dump had settled: `dumped` is reported when the logs
@@ -409,6 +415,18 @@ class Agent(Leaving):
                     # next read; it cannot be part of the dump, so it does not hold `dumped` up.
                     target = tracked.dump_log_ends[rt.worker.rank]
                     dump_shipped = log_end + 3 >= target
+            if tracked.scalars is not None:
+                tracked.scalars.discover(self.supervisor.rank_pids(attempt_id), final=all_exited)
+                scalars, count = tracked.scalars.read()
+                records.extend(scalars)
+                acks.append((tracked.scalars, count))
+                drained = drained and tracked.scalars.at_eof
+            if tracked.saves is not None:
+                tracked.saves.scan(final=all_exited)
+                saves, count = tracked.saves.read()
+                records.extend(saves)
+                acks.append((tracked.saves, count))
+                drained = drained and tracked.saves.at_eof
             report: dict[str, Any] = {
                 "attempt_id": attempt_id,
                 "ranks": ranks,
@@ -517,6 +535,8 @@ class Agent(Leaving):
                 and (attempt_id not in run or attempt_id in acked)
             ):
                 self.supervisor.forget(attempt_id)
+                if tracked.scalars is not None:
+                    tracked.scalars.close()
                 del self._tracked[attempt_id]
                 self._finished.add(attempt_id)
                 self.log.info("attempt %s: exit recorded by the portal; forgotten", attempt_id)
@@ -540,7 +560,13 @@ class Agent(Leaving):
                     log=LogTail(w.log_path, w.rank, log=self.log),
                 )
                 for w in attempt.workers
-            ]
+            ],
+            scalars=ScalarTail(launch.get("checkpoint_dir"), attempt.launched_at, log=self.log),
+            saves=(
+                SaveWatcher(launch["checkpoint_dir"])
+                if launch.get("checkpoint_dir") and int(launch.get("group_rank", 0)) == 0
+                else None
+            ),
         )
 
     def _set_heartbeat_s(self, value: Any) -> None:

@@ -31,7 +31,7 @@ from nodeagent.container import (
     prepare_dirs,
     run_argv,
 )
-from nodeagent.contract import build_worker_env, container_base_env
+from nodeagent.contract import build_worker_env, container_base_env, expand_command
 from nodeagent.warm_container import WarmAttempt, WarmContainers, warm_key
 from nodeagent.workers import AttemptWorkers, Pull, RankWorker
 
@@ -187,7 +187,16 @@ class ContainerLaunch:
         launch, attempt_dir = attempt.launch, attempt.dir
         status_path = attempt_dir / "ranks.json"
         status_path.unlink(missing_ok=True)
-        specs = [{"rank": w.rank, "env": w.env, "log": str(w.log_path)} for w in attempt.workers]
+        # Each rank's own command: $(NAME) expands to that rank's value (contract.expand_command).
+        specs = [
+            {
+                "rank": w.rank,
+                "env": w.env,
+                "log": str(w.log_path),
+                "command": expand_command(list(launch["command"]), w.env),
+            }
+            for w in attempt.workers
+        ]
         spec = {
             "attempt": attempt.attempt_id,
             "command": launch["command"],

@@ -39,6 +39,24 @@ def resolve_command(command: list[str]) -> list[str]:
     return argv
 
 
+# $(NAME) in a command, and $$ for a literal $ (Kubernetes' rule for a container's command).
+ENV_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand_command(argv: list[str], env: Mapping[str, str]) -> list[str]:
+    """A rank's command with `$(NAME)` replaced by NAME's value in the rank's environment, so
+    an unmodified script can be pointed at the platform's paths without a shell:
+    `--output_dir $(LOCKSTEP_CHECKPOINT_DIR)`. `$$` is a literal `$` (so `$$(NAME)` stays
+    `$(NAME)`), and a name the environment lacks is left as written, as Kubernetes does."""
+
+    def value(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return [ENV_REFERENCE.sub(value, part) for part in argv]
+
+
 # What a worker must not inherit from the agent: workers run users' code, and these hold the
 # cluster agent token (which registers nodes), the agent's own settings, and, under
 # `lockstep up`, the portal's database, Redis and Django settings.

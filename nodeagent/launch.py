@@ -21,7 +21,8 @@ rules: `python -m X` or `python SCRIPT` with OMP_NUM_THREADS set), so a restart 
 on the same node skips both the container's start and every rank's imports. It says where it
 stands in DIR/warm.json and exits after S seconds without an attempt.
 
-SPEC: {"command": [...], "status": PATH, "ranks": [{"rank": 0, "env": {...}, "log": PATH}]}.
+SPEC: {"command": [...], "status": PATH, "ranks": [{"rank": 0, "env": {...}, "log": PATH,
+"command": [...] (optional: this rank's own, with $(NAME) expanded)}]}.
 Every rank gets the container's environment (the image's PATH, ...) plus its own `env`. The
 status file is rewritten atomically on every change: {"ranks": {"0": {"pid", "state",
 "exit_code", "exited_at"}}, "done": bool}; exit codes are Popen's (negative for a signal).
@@ -62,7 +63,9 @@ class Launcher:
         for entry in self.ranks:
             rank = int(entry["rank"])
             env = {**self.base_env, **{str(k): str(v) for k, v in entry["env"].items()}}
-            forked = self.fork(self.command, env, entry["log"]) if self.fork else None
+            # The agent expanded $(NAME) per rank; a spec without it runs the shared command.
+            command = [str(part) for part in entry.get("command") or self.command]
+            forked = self.fork(command, env, entry["log"]) if self.fork else None
             if forked is not None:
                 self.procs[rank] = forked
                 self.report[str(rank)] = {"pid": forked.pid, "state": "running", "exit_code": None}
@@ -70,7 +73,7 @@ class Launcher:
             with open(entry["log"], "ab") as log:
                 try:
                     proc = subprocess.Popen(
-                        self.command,
+                        command,
                         env=env,
                         stdin=subprocess.DEVNULL,
                         stdout=log,
@@ -81,7 +84,7 @@ class Launcher:
                     code = (
                         EXIT_NOT_EXECUTABLE if isinstance(exc, PermissionError) else EXIT_NOT_FOUND
                     )
-                    log.write(f"lockstep launcher: cannot start {self.command!r}: {exc}\n".encode())
+                    log.write(f"lockstep launcher: cannot start {command!r}: {exc}\n".encode())
                     self.report[str(rank)] = _exited(None, code)
                     continue
             self.procs[rank] = proc

@@ -21,8 +21,14 @@ from typing import Any
 
 from nodeagent.container import ContainerRank, Engine, agent_identity
 from nodeagent.container_launch import ContainerLaunch
-from nodeagent.contract import build_worker_env, inheritable_env, resolve_command
+from nodeagent.contract import (
+    build_worker_env,
+    expand_command,
+    inheritable_env,
+    resolve_command,
+)
 from nodeagent.launch import catches, session_cpu_seconds
+from nodeagent.saves import seed_resume
 from nodeagent.stacks import TIMEOUT_S as STACKS_TIMEOUT_S
 from nodeagent.stacks import OutsideDump, container_host_pids, py_spy
 from nodeagent.warm_container import DEFAULT_IDLE_S, WarmContainers
@@ -179,6 +185,11 @@ class WorkerSupervisor:
         """
         if attempt_id in self._attempts:
             raise ValueError(f"attempt {attempt_id} already has workers on this node")
+        if launch.get("resume_format") and launch.get("checkpoint_dir"):
+            # A framework's own save, laid out where the framework looks (nodeagent/saves.py).
+            seed_resume(
+                launch["checkpoint_dir"], launch.get("resume_from", ""), launch["resume_format"]
+            )
         if self._containers is not None:
             attempt = self._containers.launch(attempt_id, launch, self.attempt_dir(attempt_id))
             self._attempts[attempt_id] = attempt
@@ -220,10 +231,11 @@ class WorkerSupervisor:
         for worker in planned:
             # A fresh start: tails read from offset 0, so stale bytes would be re-shipped.
             worker.metrics_path.unlink(missing_ok=True)
+            argv = expand_command(command, worker.env)
             with open(worker.log_path, "wb") as log_file:
-                if self._zygote is not None and can_fork(command, worker.env, self._zygote.env):
+                if self._zygote is not None and can_fork(argv, worker.env, self._zygote.env):
                     try:
-                        worker.popen = self._zygote.spawn(command, worker.env, worker.log_path)
+                        worker.popen = self._zygote.spawn(argv, worker.env, worker.log_path)
                         attempt.workers.append(worker)
                         continue
                     except ZygoteError as exc:
@@ -237,7 +249,7 @@ class WorkerSupervisor:
                             self._zygote.start()
                 try:
                     worker.popen = subprocess.Popen(
-                        command,
+                        argv,
                         env=worker.env,
                         stdin=subprocess.DEVNULL,
                         stdout=log_file,
@@ -248,14 +260,14 @@ class WorkerSupervisor:
                     code = (
                         EXIT_NOT_EXECUTABLE if isinstance(exc, PermissionError) else EXIT_NOT_FOUND
                     )
-                    log_file.write(f"lockstep agent: cannot start {command!r}: {exc}\n".encode())
+                    log_file.write(f"lockstep agent: cannot start {argv!r}: {exc}\n".encode())
                     worker.state, worker.exit_code = "exited", code
                     worker.exited_at = time.time()
                     self._log.error(
                         "attempt %s rank %s: cannot start %r: %s",
                         attempt_id,
                         worker.rank,
-                        command,
+                        argv,
                         exc,
                     )
             attempt.workers.append(worker)
@@ -390,19 +402,34 @@ class WorkerSupervisor:
             f" (not to ranks {skipped}: no handler for it)" if skipped else "",
         )
 
+    def rank_pids(self, attempt_id: int) -> dict[int, tuple[int | None, int | None]]:
+        """rank -> (its pid as it sees itself, its pid on this host, None once it exited) for
+        the attempt's started ranks. Inside a container the two differ; the host pids are
+        looked up once."""
+        attempt = self._attempts[attempt_id]
+        started = [w for w in attempt.workers if w.pid is not None]
+        if attempt.container is None:
+            return {w.rank: (w.pid, w.pid if w.alive else None) for w in started}
+        missing = {w.pid for w in started if w.alive} - set(attempt.host_pids)
+        if missing:
+            # The launcher's pids are the container's; /proc here knows them by host pids.
+            init = self.engine.container_pid(attempt.container.name) if self.engine else None
+            if init:
+                attempt.host_pids.update(container_host_pids(init, missing))
+        return {w.rank: (w.pid, attempt.host_pids.get(w.pid) if w.alive else None) for w in started}
+
     def _dump_from_outside(self, attempt: AttemptWorkers) -> None:
         """py-spy on every live rank, in the background (nodeagent/stacks.py): stacks from
         scripts that cannot dump their own, native frames from those that can."""
         binary = py_spy()
-        live = [w for w in attempt.workers if w.alive and w.pid is not None]
-        if binary is None or not live:
+        pids = self.rank_pids(attempt.attempt_id)
+        if binary is None or not pids:
             return
-        if attempt.container is None:
-            hosts = {w.pid: w.pid for w in live}
-        else:  # the launcher's pids are the container's; py-spy runs here, on the host's
-            init = self.engine.container_pid(attempt.container.name)
-            hosts = container_host_pids(init, {w.pid for w in live}) if init else {}
-        targets = [(w.rank, hosts[w.pid], w.log_path) for w in live if w.pid in hosts]
+        targets = [
+            (w.rank, pids[w.rank][1], w.log_path)
+            for w in attempt.workers
+            if pids.get(w.rank, (None, None))[1] is not None
+        ]
         if targets:
             attempt.outside_dump = OutsideDump(binary, targets)
 

@@ -92,6 +92,9 @@ class AttemptWorkers:
     error: dict[str, str] | None = None
     image_digest: str = ""  # the image id the container ran (container runtime)
     pull_s: float = 0.0  # seconds spent pulling its image before the start
+    # Container ranks' host pids by the pids the launcher reports (the container's own).
+    host_pids: dict[int, int] = field(default_factory=dict)
+    launched_at: float = field(default_factory=time.time)  # epoch seconds
 
     @property
     def all_exited(self) -> bool:

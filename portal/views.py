@@ -12,8 +12,10 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from jobs import actions
+from jobs.actions.ingest import STEP_METRICS
 from jobs.checkpoint_policy import checkpoint_advice
 from jobs.event_kinds import EventKind
+from jobs.metrics_query import metric_names
 from jobs.models import (
     PRIORITY_RANK,
     Allocation,
@@ -285,6 +287,8 @@ def job_page(request, job_id: int):
                 "ranks": world,
                 "timeline": timeline,
                 "max_points": CHART_POINTS,
+                # Charts of their own for what the script logs besides the steps' metrics.
+                "scalars": [n for n in metric_names(job.id) if n not in STEP_METRICS],
             },
         },
     )

@@ -112,7 +112,13 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
                     do_mark_attempt_running(attempt, now=now)
                     attempt.refresh_from_db()
             if attempt.state == Attempt.State.RUNNING:
-                note_activity(attempt, node, ranks, printed={c.rank for c in chunks}, now=now)
+                # A framework's logged scalars are output too (they are not steps).
+                printed = {c.rank for c in chunks} | {
+                    int(r.get("rank", 0))
+                    for r in report.get("records") or []
+                    if isinstance(r, dict) and r.get("kind") == "scalar"
+                }
+                note_activity(attempt, node, ranks, printed=printed, now=now)
             if report.get("pull") and not attempt.image_digest:
                 note_pull(attempt, node, report["pull"])
             if report.get("image") and not attempt.image_digest:

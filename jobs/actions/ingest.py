@@ -1,5 +1,12 @@
 """What a heartbeat brings in for one attempt: metric points (bulk insert and rollups),
-checkpoint commits and the trainer's start and end records."""
+checkpoint commits and the trainer's start and end records.
+
+Two kinds of records: what a script writes through trainer.api (`step` records with the
+STEP_METRICS, `checkpoint` records of committed DCP saves), and what the agent sees a framework
+write on its own (`scalar` records read from TensorBoard event files, `checkpoint` records with
+a `format` for Lightning, Hugging Face and torch.save files: nodeagent/scalars.py, saves.py).
+Steps are progress (the hang detector's clock); scalars are the script's output, so they count
+as activity only: a framework logs every N steps, too seldom to time a step by."""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from django.db import connection
+from django.db.models import Max
 from django.template.defaultfilters import filesizeformat
 
 from jobs import queue, rollup
@@ -33,15 +41,39 @@ STEP_METRICS = ("loss", "tokens_per_s", "step_time_s", "compute_s")
 MAX_COUNTER = 2**31 - 1
 
 
+FRAMEWORK_FORMATS = {
+    Checkpoint.Format.LIGHTNING,
+    Checkpoint.Format.HF,
+    Checkpoint.Format.TORCH,
+}
+# Longest series name kept; TensorBoard tags are free text, the column is not.
+MAX_NAME = 64
+
+
+def _is_whole(path: Path, fmt: str) -> bool:
+    """The portal's own check that a reported save is there and finished: the DCP marker, the
+    Hugging Face Trainer's last file, or a file (the agent checked the zip index)."""
+    if fmt == Checkpoint.Format.DCP:
+        return (path / MARKER).exists()
+    if fmt == Checkpoint.Format.HF:
+        return (path / "trainer_state.json").is_file()
+    return path.is_file()
+
+
 def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Checkpoint | None:
     path = str(record.get("path", ""))
+    fmt = str(record.get("format") or Checkpoint.Format.DCP)
+    if fmt not in Checkpoint.Format.values:
+        raise ValueError(f"unknown checkpoint format {fmt!r}")
     own = job_dir(lockstep_setting("CHECKPOINT_ROOT"), attempt.job_id)
     resolved = Path(path).resolve()
-    # Only paths inside the job's own checkpoint directory, and only committed saves.
-    if not resolved.is_relative_to(own) or not (resolved / MARKER).exists():
-        log.warning("ignoring checkpoint record outside %s or uncommitted: %s", own, path)
+    # Only paths inside the job's own checkpoint directory, and only finished saves.
+    if not resolved.is_relative_to(own) or not _is_whole(resolved, fmt):
+        log.warning("ignoring checkpoint record outside %s or unfinished: %s", own, path)
         return None
-    if not 0 <= int(record["step"]) <= MAX_COUNTER or not 0 <= int(record.get("bytes", 0)) < 2**63:
+    # A framework's save may carry no step in its name: it is then the attempt's latest.
+    step = int(record["step"]) if "step" in record else _latest_step(attempt)
+    if not 0 <= step <= MAX_COUNTER or not 0 <= int(record.get("bytes", 0)) < 2**63:
         raise ValueError(f"checkpoint step or size out of range: {record}")
     checkpoint, created = Checkpoint.objects.get_or_create(
         job_id=attempt.job_id,
@@ -49,20 +81,23 @@ def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Chec
         defaults={
             "attempt": attempt,
             "preemption": attempt.state == Attempt.State.STOPPING,
-            "step": int(record["step"]),
+            "step": step,
             "bytes": int(record.get("bytes", 0)),
             "save_s": float(record.get("save_s", 0)),
             "created_at": now,
+            "format": fmt,
         },
     )
     if created:
+        label = "" if fmt == Checkpoint.Format.DCP else f"{Checkpoint.Format(fmt).label} "
+        took = f", saved in {checkpoint.save_s:.2f}s" if checkpoint.save_s else ""
         record_event(
             EventKind.CHECKPOINT_COMMITTED,
-            f"checkpoint at step {checkpoint.step} ({filesizeformat(checkpoint.bytes)}, "
-            f"saved in {checkpoint.save_s:.2f}s)",
+            f"{label}checkpoint at step {checkpoint.step} "
+            f"({filesizeformat(checkpoint.bytes)}{took})",
             job_id=attempt.job_id,
             attempt=attempt,
-            data={"step": checkpoint.step},
+            data={"step": checkpoint.step, "format": fmt},
         )
         on_commit_send(
             attempt.job_id, {"type": "checkpoint", "step": checkpoint.step, "id": checkpoint.id}
@@ -93,8 +128,26 @@ def _insert_points(job_id: int, attempt_id: int, points: list[_Point]) -> None:
     )
 
 
+def _latest_step(attempt: Attempt) -> int:
+    latest = MetricPoint.objects.filter(attempt=attempt).aggregate(step=Max("step"))["step"]
+    return max(attempt.last_step, latest or 0)
+
+
+def _scalar(rank: int, record: dict, now: datetime) -> _Point | None:
+    """A TensorBoard scalar as a point, or None for a non-finite value (a diverged loss: the
+    agent sends null)."""
+    step, name, value = int(record["step"]), str(record["name"])[:MAX_NAME], record["value"]
+    if not 0 <= step <= MAX_COUNTER or not name:
+        raise ValueError(f"scalar step {step} or name {name!r} out of range")
+    if value is None:
+        return None
+    when = datetime.fromtimestamp(float(record.get("time", now.timestamp())), now.tzinfo)
+    return _Point(rank, step, name, float(value), when)
+
+
 def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[dict]:
     points, pushed = [], []
+    step_keys = set()  # points that are steps (progress); the rest are a framework's scalars
     for record in records:
         if not isinstance(record, dict):
             continue
@@ -114,16 +167,12 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
                     if isinstance(record.get(name), int | float):
                         value = float(record[name])
                         points.append(_Point(rank, step, name, value, when))
-                        pushed.append(
-                            {
-                                "rank": rank,
-                                "step": step,
-                                "name": name,
-                                "value": value,
-                                "attempt": attempt.number,
-                            }
-                        )
+                        step_keys.add((rank, step, name))
                 attempt.last_step = max(attempt.last_step, step)
+            elif kind == "scalar":
+                point = _scalar(rank, record, now)
+                if point is not None:
+                    points.append(point)
             elif kind == "checkpoint":
                 _record_checkpoint(attempt, record, now=now)
             elif kind == "start" and rank == 0:
@@ -149,20 +198,35 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
         # Delivery is at least once: a heartbeat the portal committed but whose answer the
         # agent never got (the portal restarted in between) is sent again. A step of one rank
         # is stored once per attempt; the attempt's row lock keeps two heartbeats from racing.
+        # Within one batch too: a framework may log a tag twice at one step; the first stays.
         stored = set(
             MetricPoint.objects.filter(
                 job_id=attempt.job_id,
-                name__in=STEP_METRICS,
+                name__in={p.name for p in points},
                 step__in={p.step for p in points},
                 attempt=attempt,
             ).values_list("rank", "step", "name")
         )
-        if stored:
-            points = [p for p in points if (p.rank, p.step, p.name) not in stored]
-            pushed = [p for p in pushed if (p["rank"], p["step"], p["name"]) not in stored]
+        fresh = []
+        for point in points:
+            if (point.rank, point.step, point.name) not in stored:
+                stored.add((point.rank, point.step, point.name))
+                fresh.append(point)
+        points = fresh
+        pushed = [
+            {
+                "rank": p.rank,
+                "step": p.step,
+                "name": p.name,
+                "value": p.value,
+                "attempt": attempt.number,
+            }
+            for p in points
+        ]
     if points:
         _insert_points(attempt.job_id, attempt.id, points)
         rollup.record(attempt.job_id, points)
+    if any((p.rank, p.step, p.name) in step_keys for p in points):
         # Progress is what the hang detector watches: the portal's clock, not the workers'.
         attempt.last_progress_at = now
         attempt.first_step_at = attempt.first_step_at or now

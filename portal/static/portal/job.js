@@ -170,6 +170,25 @@
     }).catch(function () { /* the next zoom or reload tries again */ });
   }
 
+  // A chart for each scalar the script logs (a TensorBoard tag): those the page was served
+  // with, and any that first arrives live.
+  var scalarCharts = 0;
+  function addScalarSeries(name) {
+    if (SERIES[name]) return null;
+    var id = "scalar-chart-" + scalarCharts++;
+    var card = document.createElement("div");
+    card.className = "card";
+    var div = document.createElement("div");
+    div.id = id;
+    div.className = "chart";
+    div.dataset.series = name;
+    card.appendChild(div);
+    document.getElementById("scalar-charts").appendChild(card);
+    document.getElementById("scalars-title").hidden = false;
+    SERIES[name] = {el: id, title: name, y: name.split("/").pop()};
+    return drawInitial(name);
+  }
+
   function addPoints(name, rank, steps, values) {
     var chart = state.charts[name];
     var s = SERIES[name];
@@ -431,6 +450,7 @@
       Object.keys(grouped).forEach(function (k) {
         var g = grouped[k];
         if (SERIES[g.name]) addPoints(g.name, String(g.rank), g.s, g.v);
+        else addScalarSeries(g.name);
       });
       live += msg.points.length;
       state.liveAt.push(Date.now());
@@ -456,7 +476,7 @@
 
   loadLogs();
   watchGpus(page.state);
-  var charts = Object.keys(SERIES).map(drawInitial);
+  var charts = Object.keys(SERIES).map(drawInitial).concat((page.scalars || []).map(addScalarSeries));
   Promise.all(charts).then(function () {
     state.ready = true;
     state.readyAt = performance.now();
