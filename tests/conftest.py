@@ -30,6 +30,7 @@ ONE_LEG = {
     "test_flops.py": "FLOP counts and the MFU benchmark; no database",
     "test_zygote.py": "the agent's fork server; no database",
     "test_nodeagent.py": "the agent against a stub portal; no database",
+    "test_framework_outputs.py": "the agent's readers of framework files; no database",
     "test_planner.py": "the memory planner's arithmetic and its read-only endpoint",
     "test_policy.py": "the pure policy",
     "test_policy_properties.py": "the pure policy",

@@ -21,14 +21,12 @@ FORMATS = ("dcp", "lightning", "hf", "torch")
 WEIGHT_KEYS = ("state_dict", "model_state_dict", "model")
 
 
-class _PlainDict(dict):
-    """What Lightning's AttributeDict (a dict with attribute access) is read as."""
-
-
+# Lightning's AttributeDict (a dict with attribute access), read as a plain dict by its name:
+# nothing of Lightning is imported, and the restricted reader builds only a dict.
 SAFE_BY_NAME = [
-    (_PlainDict, "lightning.fabric.utilities.data.AttributeDict"),
-    (_PlainDict, "lightning_fabric.utilities.data.AttributeDict"),
-    (_PlainDict, "pytorch_lightning.utilities.parsing.AttributeDict"),
+    (dict, "lightning.fabric.utilities.data.AttributeDict"),
+    (dict, "lightning_fabric.utilities.data.AttributeDict"),
+    (dict, "pytorch_lightning.utilities.parsing.AttributeDict"),
 ]
 
 
@@ -72,11 +70,12 @@ def _safe_load(path: Path) -> Any:
         with torch.serialization.safe_globals(SAFE_BY_NAME):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        # torch's message runs to many lines of advice; the first names what was refused.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        # torch's message runs to many lines of advice; one names what was refused.
+        lines = [line.strip() for line in str(exc).splitlines()]
+        refused = next((line for line in lines if "Unsupported global" in line), lines[-1])
         raise ValueError(
             f"{path.name} holds more than tensors and plain data, and a save is never "
-            f"unpickled unrestricted here ({first[:300]})"
+            f"unpickled unrestricted here ({refused.split(' was not')[0][:300]})"
         ) from None
 
 
