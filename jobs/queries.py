@@ -220,4 +220,3 @@ def protection(job: Job, *, now: datetime) -> dict | None:
         "preemptions_today": recent_preemptions([job.id], now=now).get(job.id, 0),
         "safety_stop": int(lockstep_setting("PREEMPT_MAX_PER_DAY")),
     }
-

@@ -1,18 +1,11 @@
 """Checkpoints that frameworks write on their own, seen without the script's help, and laid out
 for the next attempt the way each framework looks for them.
 
-Seen (`SaveWatcher`, run by the agent of the gang's first node): under the attempt's
-checkpoint directory,
-- `lightning`: a `*.ckpt` file (`last*.ckpt` excepted: Lightning rewrites it at every save, so
-  it is an alias, not a save);
-- `hf`: a `checkpoint-N/` directory with its `trainer_state.json` (the Hugging Face Trainer
-  writes that file last);
-- `torch`: a `*.pt`, `*.pth` or `*.bin` file outside those directories (a script's
-  `torch.save`).
-A save is reported once it is complete and settled: a file save is a whole zip archive
-(`torch.save`'s format, whose index is written last, so a save cut short never passes) and
-neither its size nor its time changed for SETTLE_S. The reference trainer's `step-*/` saves
-are its own business (it reports them when their COMMITTED marker is written) and are skipped.
+Seen (`SaveWatcher`, run by the agent of the gang's first node): the saves under the attempt's
+checkpoint directory that trainer/framework_saves.py recognises (Lightning `.ckpt` files,
+Hugging Face `checkpoint-N/` directories, `torch.save` files), each reported once it is whole
+and settled (neither its size nor its time changed for SETTLE_S; at the attempt's end, when
+nobody writes any more, at once).
 
 Laid out (`seed_resume`): before a restarted attempt's ranks start, the save it resumes from is
 placed in its new checkpoint directory at the same relative path (`seed_resume` says when by
@@ -24,91 +17,23 @@ itself.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import re
 import shutil
 import time
-import zipfile
 from pathlib import Path
 from typing import Any
 
+from trainer.framework_saves import (
+    LIGHTNING_RESUME,
+    attempt_root,
+    candidates,
+    classify,
+    complete,
+    signature,
+)
+
 SETTLE_S = 2.0
 SCAN_EVERY_S = 5.0
-SCAN_DEPTH = 5
-HF_DIR = re.compile(r"^checkpoint-(\d+)$")
-LIGHTNING_STEP = re.compile(r"step=(\d+)")
-LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
-TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-DCP_DIR = re.compile(r"^step-\d+$")
-ATTEMPT_DIR = re.compile(r"^attempt-\d+$")
-LIGHTNING_RESUME = "last-resume.ckpt"
-
-
-def classify(path: Path) -> tuple[str, int | None] | None:
-    """(format, step or None) of a save at path, or None if it is not one."""
-    if path.is_dir():
-        match = HF_DIR.match(path.name)
-        return ("hf", int(match.group(1))) if match else None
-    if path.suffix == ".ckpt":
-        if path.stem.startswith("last"):
-            return None
-        match = LIGHTNING_STEP.search(path.stem)
-        return "lightning", int(match.group(1)) if match else None
-    if path.suffix in TORCH_SUFFIXES:
-        match = LAST_NUMBER.search(path.stem)
-        return "torch", int(match.group(1)) if match else None
-    return None
-
-
-def candidates(root: Path, depth: int = SCAN_DEPTH) -> list[Path]:
-    """Saves of any format under root, not descending into a save directory."""
-    found: list[Path] = []
-    level = [root]
-    for _ in range(depth + 1):
-        below: list[Path] = []
-        for directory in level:
-            try:
-                entries = list(os.scandir(directory))
-            except OSError:
-                continue
-            for entry in entries:
-                path = Path(entry.path)
-                try:
-                    is_dir = entry.is_dir(follow_symlinks=False)
-                except OSError:
-                    continue
-                if is_dir and (DCP_DIR.match(entry.name) or entry.name.startswith(".")):
-                    continue
-                if classify(path) is not None:
-                    found.append(path)
-                elif is_dir:
-                    below.append(path)
-        level = below
-    return found
-
-
-def complete(path: Path, fmt: str) -> bool:
-    """Whether the save is whole: its last-written part exists and reads."""
-    try:
-        if fmt == "hf":
-            json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-            return True
-        return zipfile.is_zipfile(path)
-    except (OSError, ValueError):
-        return False
-
-
-def signature(path: Path) -> tuple[int, int]:
-    """(bytes, newest modification in ns) of a file or a directory's files."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    total, newest = 0, 0
-    for file in files:
-        with contextlib.suppress(OSError):
-            st = file.stat()
-            total, newest = total + st.st_size, max(newest, st.st_mtime_ns)
-    return total, newest
 
 
 class SaveWatcher:
@@ -167,13 +92,6 @@ class SaveWatcher:
         return not self._pending
 
 
-def _attempt_root(path: Path) -> Path | None:
-    for parent in path.parents:
-        if ATTEMPT_DIR.match(parent.name):
-            return parent
-    return None
-
-
 def seed_resume(checkpoint_dir: str | os.PathLike[str], resume_from: str, fmt: str) -> list[Path]:
     """Lay a framework save of an earlier attempt into this attempt's checkpoint directory at
     the same relative path. Idempotent: every node's agent does it before its ranks start, and
@@ -189,7 +107,7 @@ def seed_resume(checkpoint_dir: str | os.PathLike[str], resume_from: str, fmt: s
     if fmt not in ("lightning", "hf", "torch") or not resume_from:
         return []
     source = Path(resume_from)
-    origin = _attempt_root(source)
+    origin = attempt_root(source)
     if origin is None or not source.exists():
         return []
     target = Path(checkpoint_dir) / source.relative_to(origin)

@@ -10,6 +10,9 @@ registers as a model version whose export is a safetensors file of the model's w
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +23,10 @@ from tests.live import Api, LiveCluster, wait_for
 pytestmark = pytest.mark.e2e
 
 SCRIPTS = Path(__file__).parent / "scripts"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SCREENSHOTS = Path(
+    os.environ.get("LOCKSTEP_PORTAL_SCREENSHOTS", Path(__file__).parent.parent / "docs/screenshots")
+)
 STEPS, EVERY, CRASH_AT = 40, 10, 25
 
 FRAMEWORKS = {
@@ -53,7 +60,9 @@ def cluster(tmp_path_factory):
     live = LiveCluster(tmp_path_factory.mktemp("frameworks"), agents=2, gpus_per_agent=1)
     try:
         live.start()
-        live.alice = Api(live.url, live.token("alice", "--team", "labs", "--quota", "2"))
+        live.demo = json.loads(live.manage("seed_demo", "--quota", "2").strip().splitlines()[-1])
+        live.alice = Api(live.url, live.demo["alice_token"])
+        live.jobs = {}
         wait_for(lambda: len(live.alice.get("/api/v1/nodes/").json()["results"]) == 2, 60, "agents")
         yield live
     finally:
@@ -66,7 +75,7 @@ def _run(cluster, name: str, command: list[str]) -> tuple[int, dict]:
         "/api/v1/jobs/",
         {
             "name": name,
-            "team": "labs",
+            "team": "demo",
             "image": "lockstep/trainer:latest",
             "command": command,
             "gpus": 2,
@@ -93,6 +102,7 @@ def test_an_unmodified_framework_script_is_a_first_class_job(cluster, framework)
     ]
     api = cluster.alice
     job, done = _run(cluster, f"{framework}-ddp", command)
+    cluster.jobs[framework] = job
     assert done["state"] == "SUCCEEDED", (done["reason"], cluster.logs()[-3000:])
     first, second = done["attempts"][0], done["attempts"][1]
     assert first["state"] == "failed" and len(done["attempts"]) == 2, done["attempts"]
@@ -132,3 +142,46 @@ def test_an_unmodified_framework_script_is_a_first_class_job(cluster, framework)
     weights = load_file(exported["export_path"])
     assert set(weights) == {"net.weight", "net.bias"}, sorted(weights)
     assert tuple(weights["net.weight"].shape) == (1, 8)
+
+
+@pytest.mark.browser
+def test_the_job_page_charts_every_scalar_the_script_logged(cluster):
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium); .ci/run does")
+    if "hf" not in cluster.jobs:  # run alone: the job the test above would have left
+        cluster.jobs["hf"], _ = _run(cluster, "hf-ddp", [*FRAMEWORKS["hf"]["command"]])
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.set_default_timeout(20_000)
+        page.goto(cluster.url + "/login/")
+        page.fill("#id_username", "alice")
+        page.fill("#id_password", cluster.demo["alice_password"])
+        page.click("main button[type=submit]")
+        page.wait_for_url(cluster.url + "/")
+        page.goto(f"{cluster.url}/jobs/{cluster.jobs['hf']}/")
+        # Drawn: every chart has its data (a tag logged once, like train_runtime, has 1 point).
+        page.wait_for_function(
+            "() => { const c = [...document.querySelectorAll('#scalar-charts .chart')];"
+            " return c.length >= 4 && c.every(e => e.data && e.data.length); }"
+        )
+        charts = page.evaluate(
+            "() => [...document.querySelectorAll('#scalar-charts .chart')].map(e => "
+            "({series: e.dataset.series, title: e.layout.title.text, points: e.data[0].x.length}))"
+        )
+        assert page.is_visible("#scalars-title")
+        series = {c["series"]: c["points"] for c in charts}
+        assert {"train/loss", "train/learning_rate", "train/grad_norm"} <= set(series), charts
+        # logging_steps=2 over 40 steps: every logged point is drawn.
+        assert series["train/loss"] == STEPS // 2, charts
+        assert all(c["title"] == c["series"] for c in charts)
+        page.locator("#scalars-title").scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / "portal-framework-scalars.png"), full_page=True)
+        browser.close()

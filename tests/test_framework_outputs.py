@@ -17,6 +17,7 @@ from nodeagent import saves, scalars
 from nodeagent.contract import expand_command
 from nodeagent.saves import SaveWatcher, classify, seed_resume
 from nodeagent.scalars import EventFileName, ScalarTail
+from trainer import framework_saves
 
 WRITER = """
 import sys, time
@@ -215,7 +216,7 @@ def test_the_save_resumed_from_is_laid_out_where_each_framework_looks(tmp_path):
     assert seed_resume(new, str(hf), "hf") == []  # idempotent: every node's agent calls it
 
     seed_resume(new, str(lightning), "lightning")
-    alias = new / "ckpt" / saves.LIGHTNING_RESUME
+    alias = new / "ckpt" / framework_saves.LIGHTNING_RESUME
     assert alias.stat().st_ino == lightning.stat().st_ino
     assert classify(alias) is None  # Lightning's `last*` pattern; never reported as a save
 

@@ -14,7 +14,9 @@ from jobs.event_kinds import EventKind
 from jobs.models import (
     Allocation,
     Attempt,
+    Checkpoint,
     Job,
+    MetricPoint,
     Node,
 )
 from jobs.queries import (
@@ -33,12 +35,22 @@ def _backoff(restart_count: int) -> float:
     return min(base * (2 ** max(restart_count - 1, 0)), lockstep_setting("RESTART_BACKOFF_MAX_S"))
 
 
+def did_work(attempt: Attempt) -> bool:
+    """Whether the attempt got as far as training: a step reported, or, for a script that
+    reports none, a scalar it logged or a save it wrote (a framework's, seen by the agent).
+    A failure before that is the command's or the image's, not a node's."""
+    if attempt.first_step_at is not None:
+        return True
+    return (
+        MetricPoint.objects.filter(attempt=attempt).exists()
+        or Checkpoint.objects.filter(attempt=attempt).exists()
+    )
+
+
 def _early_failures(job: Job, limit: int) -> list[Attempt]:
-    """The job's latest ended attempts if the last `limit` all failed before their first step."""
+    """The job's latest ended attempts if the last `limit` all failed before doing any work."""
     recent = list(job.attempts.filter(ended_at__isnull=False).order_by("-number")[:limit])
-    if len(recent) < limit or any(
-        a.state != Attempt.State.FAILED or a.first_step_at is not None for a in recent
-    ):
+    if len(recent) < limit or any(a.state != Attempt.State.FAILED or did_work(a) for a in recent):
         return []
     return recent
 
@@ -90,9 +102,7 @@ def do_end_attempt(
                 "last_step": attempt.last_step,
             },
         )
-        if blame_node is not None and (
-            attempt.first_step_at is not None or state == Attempt.State.LOST
-        ):
+        if blame_node is not None and (did_work(attempt) or state == Attempt.State.LOST):
             strike_node(
                 blame_node,
                 f"job {job.id} attempt {attempt.number}: {reason}",

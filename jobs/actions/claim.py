@@ -30,7 +30,9 @@ from jobs.queries import (
 from jobs.scheduling.vocab import elastic_sizes
 from jobs.validation import dataset_location
 from teams.models import Team
+from trainer import framework_saves
 from trainer.checkpoint_layout import attempt_dir, dir_bytes, read_marker, step_dirs
+from trainer.framework_saves import seeded_path
 
 
 class ClaimRejected(Exception):
@@ -56,41 +58,64 @@ def _master_port(master: Node, attempt_id: int, taken: set[int]) -> int:
 
 
 def adopt_unreported_checkpoints(job: Job, *, now: datetime) -> list[Checkpoint]:
-    """Committed saves of ended attempts that the portal never heard of (rank 0's node was lost
-    before its agent reported them): the COMMITTED marker is the proof, so record them and
-    resume from the newest instead of redoing their steps."""
+    """Saves of ended attempts that the portal never heard of, recorded so the next attempt
+    resumes from the newest instead of redoing their steps:
+    - committed DCP saves whose report was lost with rank 0's node (the COMMITTED marker is
+      the proof);
+    - a framework's own saves (trainer/framework_saves.py) that the agent saw too late: a
+      script that saves and then fails at once ends its attempt, on another node's report,
+      before the save has settled for the agent. Whole on disk is the proof."""
     latest = latest_checkpoint(job.id)
     known = set(Checkpoint.objects.filter(job=job).values_list("path", flat=True))
     root = lockstep_setting("CHECKPOINT_ROOT")
     adopted = []
-    for attempt in job.attempts.filter(ended_at__isnull=False).order_by("number"):
+    ended = job.attempts.filter(ended_at__isnull=False).select_related("resumed_from")
+    for attempt in ended.order_by("number"):
         directory = attempt_dir(root, job.id, attempt.number)
         if not directory.is_dir():
             continue
-        for step_dir in step_dirs(directory):
-            marker = read_marker(step_dir)
-            if marker is None or str(step_dir) in known:
+        found = [
+            (step_dir, Checkpoint.Format.DCP, int(marker.get("step", 0)))
+            for step_dir in step_dirs(directory)
+            if (marker := read_marker(step_dir)) is not None
+        ]
+        # What the attempt resumed from, laid out in its directory: not a save of its own.
+        seeded = (
+            seeded_path(directory, attempt.resumed_from.path)
+            if attempt.resumed_from and attempt.resumed_from.format != Checkpoint.Format.DCP
+            else None
+        )
+        for path in framework_saves.candidates(directory):
+            fmt, step = framework_saves.classify(path) or ("", None)
+            if path != seeded and framework_saves.complete(path, fmt):
+                found.append((path, fmt, attempt.last_step if step is None else step))
+        for path, fmt, step in found:
+            if str(path) in known or (latest is not None and step <= latest.step):
                 continue
-            step = int(marker.get("step", 0))
-            if latest is not None and step <= latest.step:
-                continue
-            size = dir_bytes(step_dir)
             checkpoint = Checkpoint.objects.create(
                 job=job,
                 attempt=attempt,
                 step=step,
-                path=str(step_dir),
-                bytes=size,
+                path=str(path),
+                bytes=dir_bytes(path) if path.is_dir() else path.stat().st_size,
                 created_at=now,
+                format=fmt,
             )
+            known.add(str(path))
             adopted.append(checkpoint)
+            why = (
+                "committed checkpoint at step {} of attempt {} found on disk (its report was "
+                "lost with its node)"
+                if fmt == Checkpoint.Format.DCP
+                else f"{Checkpoint.Format(fmt).label} checkpoint at step {{}} of attempt {{}} "
+                "found on disk (the attempt ended before the agent reported it)"
+            )
             record_event(
                 EventKind.CHECKPOINT_RECOVERED,
-                f"committed checkpoint at step {step} of attempt {attempt.number} found on "
-                "disk (its report was lost with its node)",
+                why.format(step, attempt.number),
                 job=job,
                 attempt=attempt,
-                data={"step": step},
+                data={"step": step, "format": fmt},
             )
     return adopted
 

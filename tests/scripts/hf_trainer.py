@@ -74,6 +74,9 @@ def main() -> None:
         callbacks=[CrashOnce(args.crash_at, resumed=last is not None)],
     )
     trainer.train(resume_from_checkpoint=last)
+    # As torchrun scripts do: without it, gloo's threads can abort the process at exit.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -73,6 +73,9 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Regression(), DataLoader(data, batch_size=16), ckpt_path="last")
+    # As torchrun scripts do: without it, gloo's threads can abort the process at exit.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
