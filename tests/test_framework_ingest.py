@@ -16,6 +16,7 @@ from django.utils import timezone
 from safetensors.torch import load_file
 
 from jobs import queries
+from jobs.actions.strikes import node_strikes
 from jobs.models import Attempt, Checkpoint, Event, MetricPoint
 from jobs.scheduling.loop import run_pass
 from jobs.tasks import prune_checkpoints
@@ -29,7 +30,7 @@ def _scalar(step, name, value, rank=0):
 
 def _running(setup, **fields):
     team, user, (a, b), root = setup
-    job = submit(team, user, max_restarts=2, **fields)
+    job = submit(team, user, **{"max_restarts": 2, **fields})
     run_pass()
     attempt = live_attempt(job)
     beat(a, attempt, {0: None, 1: None})
@@ -204,3 +205,61 @@ def test_a_save_holding_arbitrary_objects_is_refused_not_unpickled(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert "never unpickled unrestricted" in last and "print" in last, last
     assert not out.exists()
+
+
+@pytest.mark.django_db
+def test_saves_the_attempt_ended_before_reporting_are_adopted_at_the_restart(setup):
+    job, attempt, a, root = _running(setup)
+    here = attempt_dir(root, job.id, attempt.number)
+    saves = {step: _lightning_save(here, step) for step in (10, 20)}
+    cut = here / "ckpt" / "epoch=0-step=30.ckpt"
+    cut.write_bytes(b"PK\x03\x04 cut short")  # killed mid-save: never adopted
+    beat(a, attempt, {0: 1, 1: None})  # fails before the agent reported any save
+    run_pass(now=timezone.now() + timedelta(seconds=11))
+    second = live_attempt(job)
+    assert second.resumed_from.path == str(saves[20])
+    assert sorted(Checkpoint.objects.filter(job=job).values_list("step", "format")) == [
+        (10, "lightning"),
+        (20, "lightning"),
+    ]
+    recovered = Event.objects.filter(job=job, kind="checkpoint.recovered")
+    assert recovered.count() == 2 and "ended before the agent reported it" in recovered[0].message
+
+    # The second attempt has the save laid out in its own directory (the agent's seed_resume):
+    # when it fails too, that copy is not adopted as a save of its own.
+    seeded = attempt_dir(root, job.id, second.number) / "ckpt" / "epoch=0-step=20.ckpt"
+    seeded.parent.mkdir(parents=True)
+    seeded.hardlink_to(saves[20])
+    beat(a, second, {0: None, 1: None})
+    beat(setup[2][1], second, {2: None, 3: None})
+    beat(a, second, {0: 1, 1: None})
+    run_pass(now=timezone.now() + timedelta(seconds=60))
+    assert Checkpoint.objects.filter(job=job).count() == 2
+
+
+@pytest.mark.django_db
+def test_a_script_that_logged_scalars_before_failing_did_work(setup):
+    """The user-error verdict (three attempts in a row failing before any work) is for commands
+    that never start training; a script that reports no steps but logged scalars did work."""
+    job, attempt, a, _ = _running(setup, max_restarts=5)
+    b = setup[2][1]
+    now = timezone.now()
+    for number in range(3):
+        scalar = _scalar(number + 1, "train/loss", 1.0)
+        beat(a, attempt, {0: None, 1: None}, records=[scalar], now=now)
+        beat(a, attempt, {0: 1, 1: None}, now=now)
+        job.refresh_from_db()
+        # Not "user error": it trained (and its node takes the strike for the failure).
+        assert job.state == "RESTARTING", (number, job.reason)
+        assert node_strikes(a, now) == number + 1
+        if number == 2:
+            break
+        now += timedelta(seconds=10 * 2**number + 1)  # past the backoff
+        beat(b, attempt, {}, now=now)  # the nodes stay alive meanwhile
+        beat(a, attempt, {}, now=now)
+        run_pass(now=now)
+        job.refresh_from_db()
+        assert job.state == "STARTING", (number, job.state, job.reason)
+        attempt = live_attempt(job)
+        beat(a, attempt, {0: None, 1: None}, now=now)
+        beat(b, attempt, {2: None, 3: None}, now=now)
