@@ -121,9 +121,10 @@ class RecordListField(ObjectListField):
 
 
 class AttemptErrorSerializer(serializers.Serializer):
-    """Why the attempt could not start on the node at all (a missing or refused image)."""
+    """Why the attempt could not start on the node at all: a missing or refused image (`image`:
+    the job fails), or the node's quick health check failed (`health`: the job is requeued)."""
 
-    kind = serializers.ChoiceField(choices=["image"])
+    kind = serializers.ChoiceField(choices=["image", "health"])
     message = serializers.CharField(max_length=2000)
 
 
@@ -161,6 +162,23 @@ def _has_nul(value) -> bool:
     return False
 
 
+class HealthCheckSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=200)
+    ok = serializers.BooleanField()
+    detail = serializers.CharField(max_length=2000, allow_blank=True)
+
+
+class HealthReportSerializer(serializers.Serializer):
+    """The node's latest health check (nodeagent/health_check.py), sent until acknowledged."""
+
+    kind = serializers.ChoiceField(choices=["quick", "full"])
+    ok = serializers.BooleanField()
+    at = serializers.FloatField(required=False)
+    checks = HealthCheckSerializer(many=True, max_length=64)
+    reason = serializers.CharField(max_length=4000, allow_blank=True, required=False, default="")
+    compute_ms = serializers.FloatField(min_value=0, required=False)
+
+
 class HeartbeatSerializer(serializers.Serializer):
     """The heartbeat body (docs/agent-protocol.md). Its structure is checked here, so that a
     malformed one is a 400 that names the field, not an error half-way through applying it."""
@@ -168,6 +186,7 @@ class HeartbeatSerializer(serializers.Serializer):
     boot_id = serializers.CharField(max_length=64, allow_blank=True, required=False, default="")
     telemetry = ObjectListField(required=False, default=list)
     attempts = AttemptReportSerializer(many=True, required=False, default=list)
+    health = HealthReportSerializer(required=False)
 
     def validate_telemetry(self, value):
         # Shown on pages and stored as JSON; PostgreSQL's jsonb cannot hold a NUL character.

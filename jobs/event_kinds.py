@@ -51,6 +51,8 @@ class EventKind(StrEnum):
     NODE_DRAINING = "node.draining"
     NODE_UNCORDONED = "node.uncordoned"
     NODE_STRIKE = "node.strike"
+    NODE_HEALTH_FAILED = "node.health_failed"
+    NODE_HEALTH_PASSED = "node.health_passed"
     NODE_STRIKE_WITHDRAWN = "node.strike_withdrawn"
     # Preemption: a decision is "preemption.<approved|rejected>"
     PREEMPTION_PROPOSED = "preemption.proposed"

@@ -40,6 +40,10 @@ class Node(models.Model):
     # podman or docker) or "process" (plain processes of the agent's user: not isolated).
     runtime = models.CharField(max_length=16, default="process")
     engine = models.CharField(max_length=16, blank=True)
+    # The agent's latest health check (nodeagent/health_check.py): {"kind", "ok", "checks",
+    # "reason", "compute_ms"?}, and when the portal got it.
+    health = models.JSONField(default=dict, blank=True)
+    health_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["name"]

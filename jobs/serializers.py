@@ -304,4 +304,7 @@ class NodeSerializer(serializers.ModelSerializer):
             "runtime",
             "engine",
             "last_heartbeat_at",
+            # The agent's latest health check: {"kind", "ok", "checks", "reason", "compute_ms"}.
+            "health",
+            "health_at",
         ]

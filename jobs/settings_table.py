@@ -103,11 +103,22 @@ TABLE: tuple[Setting, ...] = (
     Setting("STRAGGLER_WINDOW_STEPS", 50, "steps the straggler medians are taken over"),
     Setting("STRAGGLER_CHECK_S", 30.0, "how often stragglers are looked for"),
     Setting("STRIKES_TO_CORDON", 3, "strikes in the window that cordon a node"),
+    Setting(
+        "HEALTH_RECHECK_S",
+        300.0,
+        "how often a node held out of scheduling until a health check passes is asked for one",
+    ),
+    Setting(
+        "HEALTH_SLOW_FACTOR",
+        2.0,
+        "a node whose health-check matmul is this many times the fleet's median fails the check",
+    ),
     Setting("STRIKE_WINDOW_S", 86400.0, "the strike window"),
     Setting(
         "EARLY_FAILURES_USER_ERROR",
         3,
-        "this many attempts in a row failing before their first step end the job as a user error",
+        "this many attempts in a row failing before any work (a step, a scalar, a save) end the "
+        "job as a user error",
     ),
     Setting("KEEP_CHECKPOINTS", 3, "checkpoints retention keeps besides protected ones"),
     Setting("DEFAULT_MTBF_S", 86400.0, "failure rate assumed with no history (Young/Daly)"),

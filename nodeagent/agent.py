@@ -23,6 +23,8 @@ from typing import Any
 import requests
 
 from nodeagent.container import Engine
+from nodeagent.contract import inheritable_env
+from nodeagent.health_check import HealthChecker
 from nodeagent.leaving import Leaving, bearer, short_error
 from nodeagent.saves import SaveWatcher
 from nodeagent.scalars import ScalarTail
@@ -113,6 +115,7 @@ class Agent(Leaving):
         runtime: str = "process",
         pull_policy: str = "if-not-present",
         node_env: dict[str, str] | None = None,
+        health_check_s: float = 0.0,
     ) -> None:
         if gpus < 1:
             raise ValueError("gpus must be at least 1")
@@ -143,6 +146,16 @@ class Agent(Leaving):
             node_env=node_env,
         )
         self.telemetry = Telemetry(gpus, self.supervisor.gpu_kind, log=self.log)
+        # Health checks (nodeagent/health_check.py): the collective runs over the node's own
+        # network settings, as the jobs' ranks will.
+        self.health = HealthChecker(
+            gpus=gpus,
+            gpu_kind=self.supervisor.gpu_kind,
+            dirs=[self.supervisor.work_dir],
+            env={**inheritable_env(os.environ), **(node_env or {})},
+            every_s=health_check_s,
+        )
+        self._health_asked = False
         self._http = requests.Session()
         self._tracked: dict[int, _Tracked] = {}
         # Attempt ids forgotten after their exit was recorded; an attempt runs once, so a `run`
@@ -342,6 +355,9 @@ class Agent(Leaving):
             return now + min(self.heartbeat_s, 0.5)
         if self.node_token is not None:
             self.heartbeat()
+            if self.health.due(idle=not self.supervisor.attempt_ids(), asked=self._health_asked):
+                self._health_asked = False
+                self.health.start_full(self._own_pids())
             return now + self.heartbeat_s
         if self.register():
             self._backoff = 1.0
@@ -450,11 +466,16 @@ class Agent(Leaving):
             if all_exited and drained:
                 exits.append(attempt_id)
         body = {"boot_id": self.boot_id, "telemetry": self.telemetry.read(), "attempts": attempts}
+        if self.health.pending is not None:
+            body["health"] = self.health.pending
+            acks.append((self.health, self.health.pending))  # held until the portal has it
         return body, acks, exits
 
     def apply(self, response: dict[str, Any]) -> None:
         """Carry out a heartbeat response: fence, stop, dump, launch, forget."""
         self._set_heartbeat_s(response.get("heartbeat_s"))
+        # The node is held until a full health check passes: run one (after this beat).
+        self._health_asked = bool(response.get("health_check"))
         run: dict[int, Any] = {}
         stop: dict[int, float] = {}
         dump: set[int] = set()
@@ -541,7 +562,39 @@ class Agent(Leaving):
                 self._finished.add(attempt_id)
                 self.log.info("attempt %s: exit recorded by the portal; forgotten", attempt_id)
 
+    def _own_pids(self) -> set[int]:
+        """Host pids of this agent's live ranks: allowed on their GPUs."""
+        return {
+            host
+            for attempt_id in self.supervisor.attempt_ids()
+            for _, host in self.supervisor.rank_pids(attempt_id).values()
+            if host is not None
+        }
+
     def _launch(self, attempt_id: int, launch: Any) -> None:
+        try:
+            ranks = launch["ranks"]
+            gpus = [int(r.get("gpu_index", r["local_rank"])) for r in ranks]
+            dirs = (
+                [Path(launch["checkpoint_dir"]).parent.parent]
+                if launch.get("checkpoint_dir")
+                else []
+            )
+        except (KeyError, TypeError, ValueError):
+            gpus, dirs = [], []
+        quick = self.health.quick(gpus, self._own_pids(), extra_dirs=dirs)
+        if not quick["ok"]:
+            # Before a gang starts here: a node that cannot run it says so, and the portal
+            # cordons it and starts the job elsewhere, with no restart used.
+            self.log.error(
+                "attempt %s: not started, health check failed: %s", attempt_id, quick["reason"]
+            )
+            self.health.pending = quick
+            attempt = self.supervisor.refuse(
+                attempt_id, launch, {"kind": "health", "message": quick["reason"]}
+            )
+            self._tracked[attempt_id] = _Tracked()
+            return
         try:
             attempt = self.supervisor.launch(attempt_id, launch)
         except (KeyError, TypeError, ValueError) as exc:

@@ -156,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
         "workers to checkpoint and exit before killing them (default: "
         "$LOCKSTEP_AGENT_LEAVE_TIMEOUT_S or 30); a second signal kills them at once",
     )
+    parser.add_argument(
+        "--health-check-s",
+        type=_non_negative_float,
+        default=os.environ.get("LOCKSTEP_AGENT_HEALTH_CHECK_S", "600"),
+        help="run the node's full health check (disks, GPUs, a collective among as many "
+        "processes as it has GPUs) when the agent starts and then every this many seconds "
+        "while the node is idle; 0: only when the portal asks (default: "
+        "$LOCKSTEP_AGENT_HEALTH_CHECK_S or 600). A quick check runs before every attempt",
+    )
     return parser
 
 
@@ -200,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runtime=args.runtime,
         pull_policy=args.pull_policy,
         node_env=node_env,
+        health_check_s=args.health_check_s,
     )
     agent.install_signal_handlers()
     return agent.run()

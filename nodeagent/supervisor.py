@@ -402,6 +402,20 @@ class WorkerSupervisor:
             f" (not to ranks {skipped}: no handler for it)" if skipped else "",
         )
 
+    def refuse(
+        self, attempt_id: int, launch: Mapping[str, Any], error: dict[str, str]
+    ) -> AttemptWorkers:
+        """An attempt this node will not start (its health check failed): no workers, and the
+        reason to report."""
+        attempt = AttemptWorkers(
+            attempt_id=attempt_id,
+            launch=dict(launch),
+            dir=self.attempt_dir(attempt_id),
+            error=error,
+        )
+        self._attempts[attempt_id] = attempt
+        return attempt
+
     def rank_pids(self, attempt_id: int) -> dict[int, tuple[int | None, int | None]]:
         """rank -> (its pid as it sees itself, its pid on this host, None once it exited) for
         the attempt's started ranks. Inside a container the two differ; the host pids are

@@ -88,12 +88,14 @@ class LiveCluster:
         env: dict[str, str] | None = None,
         agent_heartbeat_s: float = 0.5,
         runtime: str = "process",
+        agent_args: dict[str, list[str]] | None = None,
     ):
         """`env` is applied over the test settings below (e.g. production defaults for a
         benchmark); `agent_heartbeat_s` is the agents' --heartbeat-s (the portal's
         LOCKSTEP_HEARTBEAT_S replaces it once they register)."""
         self.work = work
         self.agent_heartbeat_s = agent_heartbeat_s
+        self.agent_args = agent_args or {}  # extra command-line arguments, by agent name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.agent_token = "test-agent-token"
@@ -143,6 +145,9 @@ class LiveCluster:
             LOCKSTEP_MASTER_PORT_BASE=str(20000 + free_port() % 9000),
             LOCKSTEP_MASTER_PORT_SPAN="3000",
             PYTHONUNBUFFERED="1",
+            # The agents' full health check (a collective of torch processes) at their start
+            # costs seconds of CPU per agent; tests/test_node_health.py turns it on.
+            LOCKSTEP_AGENT_HEALTH_CHECK_S="0",
         )
         self.env.update(env or {})
 
@@ -230,6 +235,7 @@ class LiveCluster:
                 str(self.work / "agents" / name),
                 "--gpu-kind",
                 "cpu",
+                *self.agent_args.get(name, []),
             ],
         )
 

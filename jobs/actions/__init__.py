@@ -18,6 +18,7 @@ from jobs.actions.jobs import (
     do_set_job_priority,
     do_submit_job,
 )
+from jobs.actions.node_health import do_hold_node, do_record_health
 from jobs.actions.nodes import (
     do_cordon_node,
     do_mark_node_lost,
@@ -47,10 +48,12 @@ __all__ = [
     "do_flag_straggler",
     "do_grow_job",
     "do_heartbeat",
+    "do_hold_node",
     "do_mark_attempt_running",
     "do_mark_node_lost",
     "do_node_leaving",
     "do_propose_preemption",
+    "do_record_health",
     "do_register_model_version",
     "do_register_node",
     "do_release_automatic_cordon",

@@ -19,6 +19,7 @@ from jobs.actions.failures import (
     revise_cause,
 )
 from jobs.actions.ingest import ingest_records
+from jobs.actions.node_health import do_record_health, requeue_off_unhealthy_node, wants_check
 from jobs.conf import lockstep_setting
 from jobs.event_kinds import EventKind
 from jobs.models import (
@@ -58,6 +59,10 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
         node.last_heartbeat_at = now
         node.telemetry = body.get("telemetry") or []
         node.save(update_fields=["state", "state_reason", "last_heartbeat_at", "telemetry"])
+        if isinstance(body.get("health"), dict):
+            # First: a node that failed its check is out of scheduling before any attempt it
+            # refused is requeued below.
+            node = do_record_health(node, body["health"], now=now)
 
         # In attempt id order, so two heartbeats lock shared attempts in one order (no deadlock).
         for report in sorted(body.get("attempts") or [], key=_report_order):
@@ -124,7 +129,11 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
             if report.get("image") and not attempt.image_digest:
                 record_image(attempt, node, report["image"])
             if report.get("error"):
-                fail_at_start(attempt, node, report["error"], now=now)
+                error = report["error"]
+                if error.get("kind") == "health":
+                    requeue_off_unhealthy_node(attempt, node, str(error["message"]), now=now)
+                else:
+                    fail_at_start(attempt, node, error, now=now)
                 continue
             exits = {
                 int(r["rank"]): (int(r["exit_code"]), agent_time(r.get("exited_at"), now))
@@ -151,6 +160,7 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
         "desired": desired_for_node(node, now),
         "acked": acked,
         **({"rejoined": True} if rejoined else {}),
+        **({"health_check": True} if wants_check(node, now) else {}),
     }
 
 
