@@ -1,11 +1,13 @@
-"""Pure rules for failure detection: when a job counts as hung, which rank is a straggler, and
-the checkpoint interval Young/Daly suggests. No I/O; the scheduler loop feeds them."""
+"""Pure rules for failure detection: when a job counts as hung, which rank is a straggler, whether
+moving a job off a straggler pays, and the checkpoint interval Young/Daly suggests. No I/O; the
+scheduler loop feeds them."""
 
 from __future__ import annotations
 
 import math
 import re
 from collections import Counter
+from dataclasses import dataclass
 from statistics import median
 
 
@@ -43,6 +45,63 @@ def find_stragglers(
         if own > factor * rest and own - rest >= min_excess:
             flagged.append((rank, own, rest))
     return flagged
+
+
+@dataclass(frozen=True)
+class StragglerVerdict:
+    """Whether to move a job off its straggler's node, and the arithmetic behind it."""
+
+    move: bool
+    excess_s: float  # the slow rank's extra time per step (its compute over the gang's)
+    step_time_s: float  # the gang's step time now, at the slow rank's pace
+    remaining_s: float  # the job's remaining run time, estimated at that pace
+    slowdown_s: float  # what staying costs: remaining steps x excess
+    restart_s: float  # what moving costs: a checkpoint-stop and a start elsewhere
+    blocker: str = ""  # why it stays although moving would pay
+
+    def text(self, node: str) -> str:
+        sums = (
+            f"staying costs ~{self.slowdown_s:.0f} s ({self.excess_s * 1000:.0f} ms on each "
+            f"{self.step_time_s * 1000:.0f} ms step over the ~{self.remaining_s:.0f} s left) "
+            f"against ~{self.restart_s:.0f} s for a restart"
+        )
+        if self.move:
+            return f"{sums}: moving the job off {node}"
+        return f"{sums}: keeping it" + (f" ({self.blocker})" if self.blocker else "")
+
+
+def straggler_verdict(
+    *,
+    excess_s: float,
+    step_time_s: float,
+    remaining_s: float,
+    restart_s: float,
+    spare: bool,
+    moves_left: bool,
+) -> StragglerVerdict:
+    """Under data parallelism every step waits for the slowest rank, so each remaining step
+    costs `excess_s` more than it would without it: over `remaining_s` at the current pace,
+    remaining_s / step_time_s steps. Moving costs one restart (its checkpoint-stop and start-up,
+    as measured for this job). Move only when that pays, a node is free to move to, and the
+    job was not moved off a straggler already (the slowness may be the rank's, not the node's:
+    a second move would not help)."""
+    step = max(step_time_s, 1e-6)
+    slowdown = max(remaining_s, 0.0) * max(excess_s, 0.0) / step
+    pays = slowdown > restart_s
+    blocker = ""
+    if pays and not spare:
+        blocker = "no free node to move to"
+    elif pays and not moves_left:
+        blocker = "moved off a straggler before"
+    return StragglerVerdict(
+        move=pays and not blocker,
+        excess_s=excess_s,
+        step_time_s=step_time_s,
+        remaining_s=remaining_s,
+        slowdown_s=slowdown,
+        restart_s=restart_s,
+        blocker=blocker,
+    )
 
 
 def young_daly_interval(save_stall_s: float, mtbf_s: float) -> float:

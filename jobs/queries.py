@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from django.db.models import Count, Max, Q
 
 from jobs.conf import lockstep_setting
-from jobs.models import Attempt, Checkpoint, Job, Node, PreemptionRequest
+from jobs.models import Allocation, Attempt, Checkpoint, Job, Node, PreemptionRequest
 from jobs.scheduling.protection import min_run_s
 from jobs.validation import dataset_mounts, image_registry
 from trainer.checkpoint_layout import attempt_dir
@@ -220,3 +220,29 @@ def protection(job: Job, *, now: datetime) -> dict | None:
         "preemptions_today": recent_preemptions([job.id], now=now).get(job.id, 0),
         "safety_stop": int(lockstep_setting("PREEMPT_MAX_PER_DAY")),
     }
+
+
+def remaining_estimate(job: Job, *, now: datetime) -> tuple[float, str]:
+    """The job's remaining run time and how it was estimated: its time limit less what it has
+    run; with no limit, as long again as it has run so far (a job that has run an hour is as
+    likely as not to run another)."""
+    ran = run_seconds([job.id], now=now).get(job.id, 0.0)
+    if job.time_limit_s:
+        return max(job.time_limit_s - ran, 0.0), "its time limit"
+    return ran, "no time limit: as long again as it has run"
+
+
+def capacity_without(attempt: Attempt, node: Node) -> bool:
+    """Whether the attempt's whole gang would fit on the schedulable nodes other than `node`,
+    counting its own GPUs there as free (they are, once it stops)."""
+    free = 0
+    for other in Node.objects.filter(state=Node.State.UP).exclude(pk=node.pk):
+        busy = (
+            Allocation.objects.filter(node=other, released_at__isnull=True)
+            .exclude(attempt=attempt)
+            .values("gpu")
+            .distinct()
+            .count()
+        )
+        free += other.gpus.count() - busy
+    return free >= world_size(attempt)

@@ -102,6 +102,11 @@ TABLE: tuple[Setting, ...] = (
     Setting("STRAGGLER_MIN_EXCESS_S", 0.01, "and slower by at least this many seconds a step"),
     Setting("STRAGGLER_WINDOW_STEPS", 50, "steps the straggler medians are taken over"),
     Setting("STRAGGLER_CHECK_S", 30.0, "how often stragglers are looked for"),
+    Setting(
+        "STRAGGLER_MAX_MOVES",
+        1,
+        "times a job is moved off a straggler's node (the slowness may follow the rank)",
+    ),
     Setting("STRIKES_TO_CORDON", 3, "strikes in the window that cordon a node"),
     Setting(
         "HEALTH_RECHECK_S",

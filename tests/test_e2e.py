@@ -461,6 +461,9 @@ def test_a_slow_rank_is_flagged_as_a_straggler_on_its_node(cluster):
     (event,) = wait_for(flagged, 180, "the straggler to be flagged")
     assert event["node"] == "e2e-b" and event["data"]["rank"] == 3
     assert event["message"].startswith("rank 3 on e2e-b is a straggler")
+    # The arithmetic is in the event; the gang fills both nodes, so there is nowhere to move.
+    assert not event["data"]["moved"] and ": keeping it" in event["message"]
+    assert event["data"]["slowdown_s"] >= 0 and event["data"]["restart_s"] >= 0
     wait_for(
         lambda: api.get(f"/api/v1/jobs/{job}/").json()["state"] == "SUCCEEDED",
         240,

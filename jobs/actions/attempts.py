@@ -28,6 +28,8 @@ from jobs.queries import (
 GROW_REASON = "growing back to"
 # The stop reason of a planned restart (nodes.do_node_leaving); likewise "requeued: ...".
 LEAVING_REASON = "planned restart of"
+# The stop reason of a move off a straggler's node (failures.do_flag_straggler); likewise.
+STRAGGLER_REASON = "moving off the straggler's node"
 
 
 def _backoff(restart_count: int) -> float:
@@ -128,7 +130,7 @@ def do_end_attempt(
             job.state = Job.State.QUEUED
             job.reason = (
                 f"requeued: {reason}"
-                if reason.startswith((GROW_REASON, LEAVING_REASON))
+                if reason.startswith((GROW_REASON, LEAVING_REASON, STRAGGLER_REASON))
                 else f"requeued after preemption: {reason}"
             )
         elif final and state == Attempt.State.FAILED:

@@ -3,16 +3,19 @@ by later reports, hangs (stacks first, then the end) and stragglers."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import datetime
 
 from django.db import transaction
 
-from jobs.actions.attempts import do_end_attempt
-from jobs.actions.base import describe_exit, record_event, wake
+from jobs.actions.attempts import STRAGGLER_REASON, do_end_attempt
+from jobs.actions.base import describe_exit, lock_job_for_stop, record_event, wake
+from jobs.actions.node_health import do_hold_node
+from jobs.actions.preemption import stop_to_requeue
 from jobs.actions.strikes import node_strikes, strike_node
 from jobs.conf import lockstep_setting
 from jobs.event_kinds import EventKind
-from jobs.health import odd_rank_out
+from jobs.health import StragglerVerdict, odd_rank_out
 from jobs.models import (
     Allocation,
     Attempt,
@@ -287,7 +290,12 @@ def do_flag_straggler(
     gang_seconds: float,
     window: int,
     now: datetime,
+    verdict: StragglerVerdict | None = None,
 ) -> None:
+    """Flag a straggler (an Event with the arithmetic of `verdict`, a strike on its node) and,
+    when the verdict says moving pays, hold its node out of scheduling until a health check
+    passes and checkpoint-stop the job, which is requeued (no restart used) and starts on
+    other nodes."""
     attempt = Attempt.objects.select_for_update(no_key=True).get(pk=attempt.pk)
     if rank in attempt.stragglers:
         return
@@ -297,15 +305,45 @@ def do_flag_straggler(
         f"rank {rank} on {node.name} is a straggler: {seconds * 1000:.0f} ms/step of compute "
         f"vs {gang_seconds * 1000:.0f} ms for the rest of the gang (median, last {window} steps)"
     )
+    if verdict is not None:
+        message += f"; {verdict.text(node.name)}"
+    arithmetic = asdict(verdict) if verdict is not None else {}
     record_event(
         EventKind.ATTEMPT_STRAGGLER,
         message,
         job_id=attempt.job_id,
         attempt=attempt,
         node=node,
-        data={"rank": rank, "compute_s": seconds, "gang_compute_s": gang_seconds},
+        data={
+            "rank": rank,
+            "compute_s": seconds,
+            "gang_compute_s": gang_seconds,
+            **arithmetic,
+            "moved": bool(verdict and verdict.move),
+        },
     )
     strike_node(node, f"job {attempt.job_id}: {message}", now=now)
+    if verdict is None or not verdict.move:
+        return
+    do_hold_node(
+        node,
+        reason=f"straggler: rank {rank} of job {attempt.job_id} ran "
+        f"{seconds / max(gang_seconds, 1e-9):.1f}x slower than its gang",
+        data={"job": attempt.job_id, "rank": rank},
+        now=now,
+        recheck_later=True,
+    )
+    job, live = lock_job_for_stop(attempt.job_id)
+    if live is None or live.id != attempt.id or live.state == Attempt.State.STOPPING:
+        return
+    stop_to_requeue(
+        job,
+        live,
+        why=f"{STRAGGLER_REASON} {node.name} (rank {rank})",
+        now=now,
+        kind=EventKind.JOB_PREEMPTING,
+        data={"straggler": rank, "node": node.name},
+    )
 
 
 def record_image(attempt: Attempt, node: Node, image: dict) -> None:

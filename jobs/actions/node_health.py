@@ -133,14 +133,18 @@ def _hold(node: Node, reason: str, *, data: dict) -> None:
 
 
 @transaction.atomic
-def do_hold_node(node: Node, *, reason: str, data: dict | None = None) -> bool:
+def do_hold_node(
+    node: Node, *, reason: str, now: datetime, data: dict | None = None, recheck_later=False
+) -> bool:
     """Take an up node out of scheduling until its agent's next full check passes. Returns
-    whether it was held (a node already cordoned, draining or down is left as it is)."""
+    whether it was held (a node already cordoned, draining or down is left as it is).
+    `recheck_later`: the first check is asked for HEALTH_RECHECK_S from now, not at once (a
+    straggler's node sits out at least that long, so the job it slowed restarts elsewhere
+    first); else at the next heartbeat."""
     node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     if node.state != Node.State.UP:
         return False
-    # Its last report predates the hold: the next heartbeat asks for a new one.
-    node.health_at = None
+    node.health_at = now if recheck_later else None
     node.save(update_fields=["health_at"])
     _hold(node, reason, data=data or {})
     return True

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from datetime import datetime, timedelta
+from statistics import median
 
 from jobs import actions
 from jobs.conf import lockstep_setting
-from jobs.health import find_stragglers, progress_timeout
-from jobs.models import Allocation, Attempt, MetricPoint
+from jobs.event_kinds import EventKind
+from jobs.health import StragglerVerdict, find_stragglers, progress_timeout, straggler_verdict
+from jobs.models import Allocation, Attempt, Checkpoint, Event, MetricPoint
+from jobs.queries import capacity_without, remaining_estimate, restart_costs
 
 
 def attempt_progress_timeout(attempt: Attempt) -> float:
@@ -97,4 +100,32 @@ def detect_stragglers(now: datetime) -> None:
                 gang_seconds=rest,
                 window=window,
                 now=now,
+                verdict=_verdict(attempt, nodes[rank], own - rest, now=now),
             )
+
+
+def _verdict(attempt: Attempt, node, excess_s: float, *, now: datetime) -> StragglerVerdict:
+    """The straggler's cost to the job against a restart's, from what was measured."""
+    step_times = list(
+        MetricPoint.objects.filter(attempt=attempt, rank=0, name="step_time_s")
+        .order_by("-step")
+        .values_list("value", flat=True)[: lockstep_setting("STRAGGLER_WINDOW_STEPS")]
+    )
+    remaining, _basis = remaining_estimate(attempt.job, now=now)
+    saves = list(
+        Checkpoint.objects.filter(job_id=attempt.job_id, save_s__gt=0).values_list(
+            "save_s", flat=True
+        )
+    )
+    restart = restart_costs([attempt.job_id])[attempt.job_id] + (median(saves) if saves else 0.0)
+    moved = Event.objects.filter(
+        job_id=attempt.job_id, kind=EventKind.ATTEMPT_STRAGGLER, data__moved=True
+    ).count()
+    return straggler_verdict(
+        excess_s=excess_s,
+        step_time_s=median(step_times) if step_times else excess_s,
+        remaining_s=remaining,
+        restart_s=restart,
+        spare=capacity_without(attempt, node),
+        moves_left=moved < lockstep_setting("STRAGGLER_MAX_MOVES"),
+    )
