@@ -394,6 +394,8 @@
     while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
     return (i ? n.toFixed(1) : n) + " " + units[i];
   }
+  // A framework's own save (the agent saw it; docs/training.md) says which framework wrote it.
+  var FORMATS = {lightning: "Lightning .ckpt", hf: "Hugging Face checkpoint-N/", torch: "torch.save file"};
   function addCheckpointRows() {
     fetch("/api/v1/jobs/" + jobId + "/checkpoints/", {credentials: "same-origin"})
       .then(function (r) { return r.ok ? r.json() : []; })
@@ -402,15 +404,19 @@
         var csrf = document.querySelector("input[name=csrfmiddlewaretoken]");
         var name = page.name || document.querySelector("#checkpoints input[name=name]")?.value || "";
         list.slice().reverse().forEach(function (c) {
-          if (body.querySelector('tr[data-step="' + c.step + '"]')) return;
+          // By id: two saves may carry one step (a framework's save named without it).
+          if (body.querySelector('tr[data-id="' + c.id + '"]')) return;
           var empty = body.querySelector("tr.empty");
           if (empty) empty.remove();
           var tr = document.createElement("tr");
           tr.dataset.step = c.step;
+          tr.dataset.id = c.id;
           tr.className = "fresh";
           var attempts = page.timeline.attempts;
           var number = attempts.length ? attempts[attempts.length - 1].number : "";
-          [c.step, number, fmtBytes(c.bytes), c.save_s.toFixed(2) + "s", new Date(c.created_at).toTimeString().slice(0, 8)]
+          var step = c.format && c.format !== "dcp" ? c.step + " · " + (FORMATS[c.format] || c.format) : c.step;
+          var saved = c.save_s ? c.save_s.toFixed(2) + "s" : "—";
+          [step, number, fmtBytes(c.bytes), saved, new Date(c.created_at).toTimeString().slice(0, 8)]
             .forEach(function (v, i) {
               var cell = document.createElement("td");
               cell.textContent = v;
