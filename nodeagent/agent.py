@@ -154,6 +154,7 @@ class Agent(Leaving):
             dirs=[self.supervisor.work_dir],
             env={**inheritable_env(os.environ), **(node_env or {})},
             every_s=health_check_s,
+            log=self.log,
         )
         self._health_asked = False
         self._http = requests.Session()

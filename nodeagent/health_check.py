@@ -20,6 +20,7 @@ runs in a thread and its report rides the next heartbeats until the portal has i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -208,10 +209,12 @@ class HealthChecker:
         env: Mapping[str, str],
         every_s: float,
         clock: Any = time.monotonic,
+        log: Any = None,
     ) -> None:
         self.gpus, self.gpu_kind, self.dirs, self.env = gpus, gpu_kind, dirs, dict(env)
         self.every_s = every_s  # 0: only when the portal asks
         self._clock = clock
+        self._log = log or logging.getLogger("nodeagent.health_check")
         self._thread: threading.Thread | None = None
         self._last_started: float | None = None
         self.pending: dict[str, Any] | None = None  # a report not yet acknowledged
@@ -231,6 +234,11 @@ class HealthChecker:
             checks += gpu_checks(range(self.gpus), own_pids)
         checks.append(collective_check(max(1, self.gpus), self.gpu_kind, self.env))
         self.last = self.pending = report(checks, "full")
+        if self.last["ok"]:
+            detail = "; ".join(c["detail"] for c in checks if c["name"] == "collective")
+            self._log.info("health check passed (%s)", detail)
+        else:
+            self._log.error("health check failed: %s", self.last["reason"])
 
     def due(self, idle: bool, asked: bool) -> bool:
         if self._thread is not None and self._thread.is_alive():

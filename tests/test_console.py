@@ -232,6 +232,26 @@ def test_the_nodes_page_shows_state_gpus_heartbeat_strikes_and_recent_failures(s
 
 
 @pytest.mark.django_db
+def test_the_nodes_page_shows_the_last_health_check_and_why_it_failed(shared):
+    node0, node1 = shared["nodes"]
+    ok = {"kind": "full", "ok": True, "checks": [], "reason": "", "compute_ms": 4.6}
+    actions.do_record_health(node0, ok, now=timezone.now())
+    failed = {
+        "kind": "full",
+        "ok": False,
+        "checks": [{"name": "collective", "ok": False, "detail": "no address for nope0"}],
+        "reason": "collective: no address for nope0",
+    }
+    actions.do_record_health(node1, failed, now=timezone.now())
+    html = _client(shared["users"]["root"]).get("/console/nodes/").content.decode()
+    row0 = html.split('<tr data-node="node-0">')[1].split("</tr>")[0]
+    row1 = html.split('<tr data-node="node-1">')[1].split("</tr>")[0]
+    assert ">ok<" in row0 and "full check 0 s ago, matmul 4.6 ms" in row0
+    assert "check failed: collective: no address for nope0" in row1
+    assert "state-cordoned" in row1
+
+
+@pytest.mark.django_db
 def test_an_admin_cordons_and_uncordons_a_node_with_a_reason(shared):
     root = shared["users"]["root"]
     client = _client(root)

@@ -105,10 +105,19 @@ def node_rows(now: datetime, failed: NodeActionForm | None = None) -> list[dict]
             health = "down"
         elif age > timeout / 2:
             health = f"heartbeat late ({duration(age)})"
+        elif node.health and not node.health.get("ok", True):
+            health = f"check failed: {node.health.get('reason') or 'see the node API'}"
         elif strikes[node.id]:
             health = f"{strikes[node.id]} strike(s) in the window"
         else:
             health = "ok"
+        # The agent's last health check (nodeagent/health_check.py), when there is one.
+        checked = ""
+        if node.health_at is not None and node.health:
+            ago = duration((now - node.health_at).total_seconds())
+            checked = f"{node.health.get('kind', '')} check {ago} ago"
+            if isinstance(node.health.get("compute_ms"), int | float):
+                checked += f", matmul {node.health['compute_ms']:.1f} ms"
         rows.append(
             {
                 "node": node,
@@ -117,6 +126,7 @@ def node_rows(now: datetime, failed: NodeActionForm | None = None) -> list[dict]
                 "age": duration(age),
                 "health": health,
                 "healthy": health == "ok",
+                "checked": checked,
                 "util": round(sum(utils) / len(utils)) if utils else None,
                 "strikes": strikes[node.id],
                 "recent": recent[node.id],
