@@ -1,0 +1,460 @@
+"""Hollow nodes (issue 20): simulated nodes that speak the real agent protocol to a real portal,
+so the portal, its database, the channel layer and the scheduler carry a cluster's load
+without a cluster (Kubernetes' kubemark does the same for the API server).
+
+A hollow node registers with the cluster agent token, then heartbeats at the interval the
+portal gives it: for every attempt the portal wants it to run, each local rank is reported
+running, with one step record per rank every `step_s` (loss, tokens/s, step time, compute
+time) and a log line now and then, plus one telemetry reading per GPU; after `steps` steps
+its ranks exit 0, so jobs finish and the real scheduler places the next ones. A stop (a
+preemption, a cancel) is obeyed at once. Unacknowledged records are sent again, as the real
+agent does. Each step's `loss` is the time the rank "wrote" it, so a watcher that receives the
+point over the job's websocket knows the lag.
+
+Watchers open the job page's websocket (`ws/jobs/{id}/`) with a user's token and count every
+metric point they receive, by (rank, step, name), so the harness can check that each point
+reached each watcher exactly once.
+
+    .venv/bin/python bench/hollow.py --nodes 64 --gpus 8 --jobs 40 --watchers 50 --seconds 60
+    # starts its own portal (tests/live.LiveCluster, no real agents) unless --url is given;
+    # writes bench/results/hollow.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+REGISTER_PATH = "/api/v1/agent/register/"
+HEARTBEAT_PATH = "/api/v1/agent/heartbeat/"
+
+
+@dataclass
+class Stats:
+    """What every hollow node and watcher measured, shared (a lock guards it)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    beats: list[float] = field(default_factory=list)  # seconds per accepted heartbeat
+    errors: Counter = field(default_factory=Counter)
+    # (job, attempt number, rank, step, name) -> times a heartbeat carrying it was accepted
+    acked: Counter = field(default_factory=Counter)
+    # watcher -> (job, attempt, rank, step, name) -> times received
+    received: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    lags: list[float] = field(default_factory=list)
+
+    def beat(self, seconds: float) -> None:
+        with self.lock:
+            self.beats.append(seconds)
+
+    def error(self, what: str) -> None:
+        with self.lock:
+            self.errors[what] += 1
+
+
+STEP_NAMES = ("loss", "tokens_per_s", "step_time_s", "compute_s")
+
+
+class HollowNode(threading.Thread):
+    def __init__(
+        self,
+        url: str,
+        cluster_token: str,
+        name: str,
+        *,
+        gpus: int,
+        steps: int,
+        step_s: float,
+        stats: Stats,
+        stop: threading.Event,
+        go: threading.Event,
+    ) -> None:
+        super().__init__(name=f"hollow-{name}", daemon=True)
+        self.go = go  # ranks step only once the watchers are connected
+        self.registered = threading.Event()
+        self.url, self.cluster_token, self.node = url.rstrip("/"), cluster_token, name
+        self.gpus, self.steps, self.step_s = gpus, steps, step_s
+        self.stats, self.stop = stats, stop
+        self.http = requests.Session()
+        self.heartbeat_s = 1.0
+        self.token = ""
+        self.boot = f"hollow-{name}-{time.time_ns()}"
+        # attempt id -> {"launch": ..., "started": t, "step": n, "pending": [records], "done": t}
+        self.attempts: dict[int, dict[str, Any]] = {}
+
+    def register(self) -> None:
+        body = {
+            "name": self.node,
+            "gpus": self.gpus,
+            "gpu_kind": "cpu",
+            "hostname": self.node,
+            "address": "127.0.0.1",
+            "rack": f"rack-{hash(self.node) % 16}",
+            "boot_id": self.boot,
+            "runtime": "container",
+            "engine": "podman",
+        }
+        response = self.http.post(
+            self.url + REGISTER_PATH,
+            json=body,
+            headers={"Authorization": f"Bearer {self.cluster_token}"},
+            timeout=30,
+        )
+        response.raise_for_status()
+        data = response.json()
+        self.token, self.heartbeat_s = data["node_token"], float(data.get("heartbeat_s", 1.0))
+
+    def run(self) -> None:
+        try:
+            self.register()
+        except requests.RequestException as exc:
+            self.stats.error(f"register: {type(exc).__name__}")
+            return
+        finally:
+            self.registered.set()
+        next_beat = time.monotonic()
+        while not self.stop.is_set():
+            self.stop.wait(max(0.0, next_beat - time.monotonic()))
+            next_beat = time.monotonic() + self.heartbeat_s
+            if not self.stop.is_set():
+                self.beat()
+
+    def _advance(self, now: float) -> None:
+        """Each running rank's steps since the last beat, as records waiting to be sent."""
+        for state in self.attempts.values():
+            if state["done"] is not None:
+                continue
+            if not self.go.is_set():
+                state["started"] = now  # placed, not yet stepping
+                continue
+            due = min(self.steps, int((now - state["started"]) / self.step_s))
+            launch = state["launch"]
+            for step in range(state["step"] + 1, due + 1):
+                at = state["started"] + step * self.step_s
+                for entry in launch["ranks"]:
+                    rank = int(entry["rank"])
+                    state["pending"].append(
+                        {
+                            "kind": "step",
+                            "rank": rank,
+                            "step": step,
+                            "loss": at,  # the time it was "written": the watchers' lag
+                            "tokens_per_s": 1000.0,
+                            "step_time_s": self.step_s,
+                            "compute_s": self.step_s / 2,
+                            "time": at,
+                        }
+                    )
+            state["step"] = max(state["step"], due)
+            if state["step"] >= self.steps:
+                state["done"] = now
+
+    def beat(self) -> None:
+        now = time.time()
+        self._advance(now)
+        reports, sent = [], {}
+        for attempt_id, state in self.attempts.items():
+            records = state["pending"][:2000]
+            sent[attempt_id] = len(records)
+            exited = state["done"] is not None and len(records) == len(state["pending"])
+            ranks = [
+                {
+                    "rank": int(e["rank"]),
+                    "pid": 10000 + int(e["rank"]),
+                    "state": "exited" if exited else "running",
+                    "exit_code": 0 if exited else None,
+                    **(
+                        {"exited_at": state["done"]}
+                        if exited
+                        else {"cpu_s": now - state["started"]}
+                    ),
+                }
+                for e in state["launch"]["ranks"]
+            ]
+            logs = (
+                [
+                    {
+                        "rank": int(state["launch"]["ranks"][0]["rank"]),
+                        "text": f"step {state['step']}\n",
+                    }
+                ]
+                if records
+                else []
+            )
+            reports.append(
+                {"attempt_id": attempt_id, "ranks": ranks, "records": records, "logs": logs}
+            )
+        body = {
+            "boot_id": self.boot,
+            "telemetry": [
+                {"index": i, "kind": "cpu", "util": 50.0, "mem_used": 0, "mem_total": 0}
+                for i in range(self.gpus)
+            ],
+            "attempts": reports,
+        }
+        started = time.monotonic()
+        try:
+            response = self.http.post(
+                self.url + HEARTBEAT_PATH,
+                json=body,
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=30,
+            )
+        except requests.RequestException as exc:
+            self.stats.error(f"heartbeat: {type(exc).__name__}")
+            return
+        if response.status_code != 200:
+            self.stats.error(f"heartbeat: HTTP {response.status_code}")
+            return
+        self.stats.beat(time.monotonic() - started)
+        with self.stats.lock:
+            for attempt_id, count in sent.items():
+                state = self.attempts[attempt_id]
+                job, number = state["launch"]["job_id"], state["launch"]["attempt"]
+                for record in state["pending"][:count]:
+                    for name in STEP_NAMES:
+                        key = (job, number, record["rank"], record["step"], name)
+                        self.stats.acked[key] += 1
+        for attempt_id, count in sent.items():
+            del self.attempts[attempt_id]["pending"][:count]
+        self.apply(response.json(), now)
+
+    def apply(self, response: dict[str, Any], now: float) -> None:
+        self.heartbeat_s = float(response.get("heartbeat_s", self.heartbeat_s))
+        desired = {}
+        for item in response.get("desired") or []:
+            desired[int(item["attempt_id"])] = item
+        for attempt_id in list(self.attempts):
+            state = self.attempts[attempt_id]
+            item = desired.get(attempt_id)
+            if item is None:
+                # No longer wanted (ended, or fenced): forgotten once its exit was sent.
+                if state["done"] is not None and not state["pending"] or state["done"] is None:
+                    del self.attempts[attempt_id]
+            elif item.get("action") == "stop" and state["done"] is None:
+                state["done"] = now  # checkpoint-and-stop: exits at once
+        for attempt_id, item in desired.items():
+            if item.get("action") == "run" and attempt_id not in self.attempts:
+                self.attempts[attempt_id] = {
+                    "launch": item["launch"],
+                    "started": now,
+                    "step": 0,
+                    "pending": [],
+                    "done": None,
+                }
+
+
+class Watcher(threading.Thread):
+    """One browser tab on a job page: its websocket, every metric point counted."""
+
+    def __init__(self, index: int, url: str, token: str, job_id: int, stats: Stats, stop):
+        super().__init__(name=f"watcher-{index}", daemon=True)
+        self.index, self.job_id, self.stats, self.stop = index, job_id, stats, stop
+        self.ws_url = url.replace("http", "ws", 1).rstrip("/") + f"/ws/jobs/{job_id}/"
+        self.token = token
+        self.connected = threading.Event()
+
+    def run(self) -> None:
+        from websockets.exceptions import ConnectionClosed
+        from websockets.sync.client import connect
+
+        try:
+            with connect(
+                self.ws_url,
+                additional_headers={"Authorization": f"Bearer {self.token}"},
+                open_timeout=30,
+            ) as ws:
+                self.connected.set()
+                while not self.stop.is_set():
+                    try:
+                        raw = ws.recv(timeout=0.5)
+                    except TimeoutError:
+                        continue
+                    except ConnectionClosed:
+                        self.stats.error("watcher: connection closed")
+                        return
+                    message = json.loads(raw)
+                    if message.get("type") != "metrics":
+                        continue
+                    arrived = time.time()
+                    with self.stats.lock:
+                        counts = self.stats.received[self.index]
+                        for p in message["points"]:
+                            key = (self.job_id, p["attempt"], p["rank"], p["step"], p["name"])
+                            counts[key] += 1
+                            if p["name"] == "loss":
+                                self.stats.lags.append(arrived - float(p["value"]))
+        except Exception as exc:  # a refused or broken connection is a measured error
+            self.stats.error(f"watcher: {type(exc).__name__}")
+            self.connected.set()
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(stats: Stats, seconds: float) -> dict[str, Any]:
+    with stats.lock:
+        beats = list(stats.beats)
+        lags = list(stats.lags)
+        return {
+            "seconds": round(seconds, 1),
+            "heartbeats": len(beats),
+            "heartbeats_per_s": round(len(beats) / seconds, 1) if seconds else None,
+            "heartbeat_p50_s": percentile(beats, 0.50),
+            "heartbeat_p99_s": percentile(beats, 0.99),
+            "heartbeat_max_s": max(beats) if beats else None,
+            "errors": dict(stats.errors),
+            "points_acked": sum(stats.acked.values()),
+            "lag_p50_s": percentile(lags, 0.50),
+            "lag_p99_s": percentile(lags, 0.99),
+            "watcher_points": sum(sum(c.values()) for c in stats.received.values()),
+        }
+
+
+def run_load(
+    url: str,
+    cluster_token: str,
+    user_token: str,
+    *,
+    nodes: int,
+    gpus: int,
+    submit: Callable[[], list[int]],
+    watchers: int,
+    seconds: float,
+    steps: int,
+    step_s: float,
+    settle_s: float = 5.0,
+) -> tuple[Stats, float, list[int]]:
+    """Register `nodes` hollow nodes, then `submit()` the jobs (a job needs registered GPUs),
+    open `watchers` websockets spread over them, and let the ranks step for `seconds` (then
+    `settle_s` more for the last records to reach the watchers). Returns the stats, the
+    measured seconds and the job ids."""
+    stats, stop, go, quiet = Stats(), threading.Event(), threading.Event(), threading.Event()
+    hollow = [
+        HollowNode(
+            url,
+            cluster_token,
+            f"hollow-{i:04d}",
+            gpus=gpus,
+            steps=steps,
+            step_s=step_s,
+            stats=stats,
+            stop=stop,
+            go=go,
+        )
+        for i in range(nodes)
+    ]
+    for node in hollow:
+        node.start()
+    for node in hollow:
+        node.registered.wait(120)
+    jobs = submit()
+    tabs = [Watcher(i, url, user_token, jobs[i % len(jobs)], stats, quiet) for i in range(watchers)]
+    for tab in tabs:
+        tab.start()
+    for tab in tabs:
+        tab.connected.wait(60)
+    with stats.lock:
+        stats.beats.clear()  # registration and placement are not the steady state measured
+    started = time.monotonic()
+    go.set()
+    time.sleep(seconds)
+    stop.set()
+    for node in hollow:
+        node.join(60)
+    elapsed = time.monotonic() - started
+    time.sleep(settle_s)
+    quiet.set()
+    for tab in tabs:
+        tab.join(10)
+    return stats, elapsed, jobs
+
+
+def submit_jobs(api: Any, count: int, cluster_gpus: int) -> list[int]:
+    """`count` jobs of the target mix (8, 16, 32 and 64 GPUs in turn)."""
+    jobs = []
+    for i in range(count):
+        response = api.post(
+            "/api/v1/jobs/",
+            {
+                "name": f"load-{i}",
+                "team": "load",
+                "image": "lockstep/trainer:latest",
+                "command": ["python", "-m", "trainer"],
+                "gpus": min((8, 16, 32, 64)[i % 4], cluster_gpus),
+            },
+        )
+        response.raise_for_status()
+        jobs.append(response.json()["id"])
+    return jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=64)
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--jobs", type=int, default=40, help="jobs submitted, 8-64 GPUs")
+    parser.add_argument("--watchers", type=int, default=50)
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--steps", type=int, default=100000, help="steps a hollow attempt runs")
+    parser.add_argument("--step-s", type=float, default=1.0)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "hollow.json"))
+    args = parser.parse_args(argv)
+
+    # The portal as the suite starts it: its own database (PostgreSQL with DATABASE_URL, else
+    # SQLite) and the embedded Redis unless REDIS_URL is set.
+    import os
+    import tempfile
+
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    import django
+
+    import tests.embedded_services  # noqa: F401  (REDIS_URL: the embedded redis)
+
+    django.setup()
+    from tests.live import Api, LiveCluster
+
+    with tempfile.TemporaryDirectory() as work:
+        live = LiveCluster(Path(work), agents=0, env={"LOCKSTEP_HEARTBEAT_S": "1"})
+        try:
+            live.start()
+            token = live.token("alice", "--team", "load", "--quota", str(args.nodes * args.gpus))
+            api = Api(live.url, token)
+            stats, elapsed, _jobs = run_load(
+                live.url,
+                live.agent_token,
+                token,
+                nodes=args.nodes,
+                gpus=args.gpus,
+                submit=lambda: submit_jobs(api, args.jobs, args.nodes * args.gpus),
+                watchers=args.watchers,
+                seconds=args.seconds,
+                steps=args.steps,
+                step_s=args.step_s,
+            )
+        finally:
+            live.stop()
+    result = {"args": vars(args), **summary(stats, elapsed)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0 if not stats.errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The hollow-node load harness (bench/hollow.py) in its small mode: two dozen simulated nodes
+speak the real agent protocol to a real portal (daphne, the scheduler, the channel layer) for
+about half a minute, with websocket watchers on the jobs the real scheduler placed on them.
+What is checked is the harness's own accounting, so its figures at full size can be trusted:
+every heartbeat answered, every metric point a heartbeat delivered stored once and received by
+every watcher of its job exactly once."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.live import Api, LiveCluster, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.hollow import STEP_NAMES, run_load, summary  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+NODES, GPUS = 24, 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    live = LiveCluster(
+        tmp_path_factory.mktemp("hollow"), agents=0, env={"LOCKSTEP_HEARTBEAT_S": "1"}
+    )
+    try:
+        live.start()
+        yield live
+    finally:
+        live.stop()
+
+
+def test_hollow_nodes_load_the_real_portal_and_every_point_is_accounted_for(cluster):
+    token = cluster.token("alice", "--team", "load", "--quota", str(NODES * GPUS))
+    api = Api(cluster.url, token)
+
+    def submit():
+        jobs = []
+        for i, gpus in enumerate((8, 16, 4, 32, 8)):
+            response = api.post(
+                "/api/v1/jobs/",
+                {
+                    "name": f"load-{i}",
+                    "team": "load",
+                    "image": "lockstep/trainer:latest",
+                    "command": ["python", "-m", "trainer"],
+                    "gpus": gpus,
+                },
+            )
+            assert response.status_code == 201, response.text
+            jobs.append(response.json()["id"])
+        # Placed by the real scheduler before the ranks begin to step.
+        wait_for(
+            lambda: all(api.get(f"/api/v1/jobs/{j}/").json()["state"] != "QUEUED" for j in jobs),
+            60,
+            "all jobs placed",
+        )
+        return jobs
+
+    stats, elapsed, jobs = run_load(
+        cluster.url,
+        cluster.agent_token,
+        token,
+        nodes=NODES,
+        gpus=GPUS,
+        submit=submit,
+        watchers=10,
+        seconds=25,
+        steps=100_000,
+        step_s=0.5,
+    )
+    result = summary(stats, elapsed)
+    assert result["errors"] == {}, result
+    # Every node beat about once a second the whole time, and every beat was answered.
+    assert result["heartbeats"] >= NODES * 15, result
+    assert stats.acked, "no hollow node ran an attempt"
+    assert {key[0] for key in stats.acked} == set(jobs)
+    # Delivery to the portal: each point it accepted is stored exactly once.
+    assert all(count == 1 for count in stats.acked.values())
+    stored = Counter()  # read through the API: the cluster has a database of its own
+    for job in jobs:
+        for name in STEP_NAMES:
+            series = api.get(
+                f"/api/v1/jobs/{job}/metrics/", params={"name": name, "max_points": 100_000}
+            ).json()
+            for rank, points in series["ranks"].items():
+                for step in points["step"]:
+                    stored[(job, int(rank), step, name)] += 1
+    acked = Counter((j, r, s, n) for (j, _a, r, s, n) in stats.acked)
+    assert stored == acked
+    # Delivery to the browsers: every watcher got every point of its job exactly once.
+    for index, counts in stats.received.items():
+        job = jobs[index % len(jobs)]
+        expected = {key for key in stats.acked if key[0] == job}
+        assert set(counts) == expected, (index, len(set(counts)), len(expected))
+        assert set(counts.values()) == {1}, index
+    assert len(stats.received) == 10
+    assert result["lag_p99_s"] is not None and result["lag_p99_s"] < 30
