@@ -142,11 +142,29 @@ def innermost_frame(stack: str) -> str | None:
     return None
 
 
+_PROCESS_STATE = re.compile(r"read from outside \(py-spy dump\), process state (\S)")
+# Scheduler states that are a rank's own condition, not a wait on its peers.
+STUCK_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a tracer", "D": "stuck in the kernel"}
+
+
 def odd_rank_out(stacks: dict[int, str]) -> tuple[int, str, str] | None:
-    """The one rank whose main thread is somewhere else than every other rank's, which all
-    share one innermost frame (they wait in a collective that rank never joined):
-    (rank, its frame, the others' frame). None unless at least two others agree and exactly
-    one rank differs: with two ranks, or a split, there is no telling which side is wrong."""
+    """The one rank that is not where the others are: (rank, where it is, where they are;
+    '' when it is told apart by its process state).
+
+    First by process state (read by the agent beside each stack): exactly one rank stopped or
+    in uninterruptible sleep while the others are not is the culprit, whatever its stack says
+    (a rank frozen inside its backward pass shows the same Python frame as its peers waiting
+    there for its gradients). Else by stack: the one rank whose main thread is somewhere else
+    than every other rank's, which all share one innermost frame (they wait in a collective
+    that rank never joined). None unless at least two others agree and exactly one rank
+    differs: with two ranks, or a split, there is no telling which side is wrong."""
+    states = {
+        rank: m.group(1) for rank, text in stacks.items() if (m := _PROCESS_STATE.search(text))
+    }
+    stuck = [rank for rank, state in states.items() if state in STUCK_STATES]
+    if len(stuck) == 1 and len(states) >= 3:
+        rank = stuck[0]
+        return rank, STUCK_STATES[states[rank]], ""
     frames = {rank: innermost_frame(text) for rank, text in stacks.items()}
     frames = {rank: frame for rank, frame in frames.items() if frame}
     if len(frames) < 3:

@@ -32,12 +32,14 @@ def py_spy() -> str | None:
 
 
 def dump(binary: str, pid: int, timeout_s: float = TIMEOUT_S) -> str:
-    """py-spy's dump of one process: with native frames if it can unwind them, else without."""
+    """py-spy's dump of one process: with native frames if it can unwind them, else without;
+    and, for a process that cannot be paused (one frozen by SIGSTOP: py-spy then prints its
+    header and no thread), read without pausing it (`--nonblocking`)."""
     failure = ""
-    for native in (["--native"], []):
+    for flags in (["--native"], [], ["--nonblocking"]):
         try:
             done = subprocess.run(
-                [binary, "dump", *native, "--pid", str(pid)],
+                [binary, "dump", *flags, "--pid", str(pid)],
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
@@ -45,11 +47,27 @@ def dump(binary: str, pid: int, timeout_s: float = TIMEOUT_S) -> str:
             )
         except subprocess.TimeoutExpired:
             return f"(py-spy did not answer within {timeout_s:.0f} s)\n"
-        if done.returncode == 0:
+        if done.returncode == 0 and "\nThread " in done.stdout:
             return done.stdout
-        failure = (done.stderr or done.stdout).strip().splitlines()
-        failure = failure[-1] if failure else f"exit {done.returncode}"
+        if done.returncode == 0:
+            failure = "no thread in its dump"
+            continue
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        # py-spy follows its error with a Rust backtrace: the "Error:" line says what failed.
+        failure = next((line for line in lines if line.startswith("Error")), "") or (
+            lines[-1] if lines else f"exit {done.returncode}"
+        )
     return f"(py-spy could not read the stacks: {failure})\n"
+
+
+def process_state(pid: int) -> str:
+    """The process's state letter from /proc (R running, S sleeping, D uninterruptible, T
+    stopped, t traced, Z zombie), or '?' if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return "?"
 
 
 class OutsideDump:
@@ -68,7 +86,13 @@ class OutsideDump:
 
     @staticmethod
     def _one(binary: str, rank: int, pid: int, log: Path) -> None:
-        text = f"\n{MARKER} {rank}, read from outside (py-spy dump)\n{dump(binary, pid)}"
+        # Its scheduler state first (before py-spy may pause it): a rank frozen by SIGSTOP
+        # ("T") or stuck in the kernel ("D") is told apart by that alone.
+        state = process_state(pid)
+        text = (
+            f"\n{MARKER} {rank}, read from outside (py-spy dump), process state {state}\n"
+            f"{dump(binary, pid)}"
+        )
         # One append in one write: the rank may be writing its own lines meanwhile.
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

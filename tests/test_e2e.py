@@ -435,6 +435,67 @@ def test_hung_job_is_detected_its_stacks_captured_and_it_resumes(cluster):
     )
 
 
+def _frozen_outside_the_collective(pid: int, tries: int = 40) -> str:
+    """SIGSTOP the rank at a moment it is not inside an all-reduce (checked from outside with
+    py-spy, the way the agent reads it), so that it is the one rank the others wait for."""
+    from jobs.health import innermost_frame
+    from nodeagent.stacks import dump, py_spy
+
+    for _ in range(tries):
+        os.kill(pid, signal.SIGSTOP)
+        text = dump(py_spy(), pid)
+        frame = innermost_frame("read from outside (py-spy dump)\n" + text) or ""
+        inside = ("all_reduce", "wait", "barrier")
+        if frame and not any(word in frame for word in inside):
+            return frame
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.13)
+    raise AssertionError("the rank was always caught inside the collective")
+
+
+def test_a_frozen_rank_is_named_with_its_node_from_stacks_read_outside(cluster):
+    """Rank 2 is frozen (SIGSTOP): it can neither step nor dump its own stacks (a stopped
+    process runs no signal handler), and the others block in the all-reduce it never joins.
+    The agents read every rank from outside (py-spy); the one rank not in the collective is
+    named with its node, which alone takes the strike."""
+    api = cluster.alice
+    job = _submit(
+        api,
+        "e2e-frozen",
+        ["python", "-m", "trainer", "--steps", "100000", "--checkpoint-every", "10"],
+    )
+
+    def stepping():
+        cluster.check_alive()
+        detail = api.get(f"/api/v1/jobs/{job}/").json()
+        attempts = detail["attempts"]
+        return attempts and attempts[0]["last_step"] >= 15 and detail
+
+    detail = wait_for(stepping, 180, "the job to make steps")
+    attempt = detail["attempts"][0]
+    node = next(a["node"] for a in detail["allocation"] if a["rank"] == 2)
+    pids = {r: p for r, p in worker_pids(attempt["id"]).items() if os.getsid(p) == p}
+    frame = _frozen_outside_the_collective(pids[2])
+
+    def restarted():
+        cluster.check_alive()
+        attempts = api.get(f"/api/v1/jobs/{job}/").json()["attempts"]
+        return len(attempts) == 2 and attempts
+
+    try:
+        wait_for(restarted, 180, "the hang to be detected and the job restarted")
+    finally:
+        api.post(f"/api/v1/jobs/{job}/cancel/")
+    events = api.get(f"/api/v1/jobs/{job}/events/").json()
+    failed = next(e for e in events if e["kind"] == "attempt.failed")
+    stacks = failed["data"]["stacks"]
+    assert all("read from outside (py-spy dump)" in stacks[r] for r in "0123"), stacks.keys()
+    assert failed["data"].get("odd_rank") == 2, (frame, failed["message"], stacks["2"][-2000:])
+    assert f"rank 2 on {node}" in failed["message"], failed["message"]
+    # The strike is recorded with the failure: on the frozen rank's node, on no other.
+    assert failed["node"] == node, failed
+
+
 def test_a_slow_rank_is_flagged_as_a_straggler_on_its_node(cluster):
     api = cluster.alice
     job = _submit(

@@ -684,12 +684,14 @@ def test_a_cordoned_node_that_restarts_as_planned_stays_cordoned(setup, make_use
     assert (a.state, a.state_reason) == ("cordoned", "maintenance")
 
 
-def _py_spy(rank: int, *frames: str) -> str:
-    """A rank's log tail as the agent writes it: its header over py-spy's dump (--native)."""
+def _py_spy(rank: int, *frames: str, state: str = "S") -> str:
+    """A rank's log tail as the agent writes it: its header (with the process's state) over
+    py-spy's dump (--native)."""
     body = "\n".join(f"    {f}" for f in frames)
     return (
         f"step 24 loss 1.2\nlockstep agent: stacks of rank {rank}, read from outside "
-        f"(py-spy dump)\nProcess {100 + rank}: python -m trainer\nPython v3.11.7 (/usr/bin/"
+        f"(py-spy dump), process state {state}\nProcess {100 + rank}: python -m trainer\n"
+        "Python v3.11.7 (/usr/bin/"
         f'python3.11)\n\nThread {100 + rank} (idle): "MainThread"\n{body}\n'
         f'Thread {200 + rank} (idle): "Thread-1 (pin_memory)"\n    wait (threading.py:327)\n'
     )
@@ -731,6 +733,16 @@ def test_the_rank_outside_the_collective_the_others_wait_in_is_named():
     assert odd_rank_out({0: stacks[0], 1: stacks[1]}) is None
     assert odd_rank_out({0: stacks[0], 1: stacks[1], 2: stacks[0], 3: stacks[1]}) is None
     assert odd_rank_out({r: _py_spy(r, *WAITING) for r in range(4)}) is None
+
+
+def test_a_stopped_rank_is_named_by_its_process_state_whatever_its_stack():
+    """Frozen by SIGSTOP inside its backward pass, a rank shows the Python frame its peers wait
+    in for its gradients: its state (T) names it."""
+    stacks = {r: _py_spy(r, *WAITING) for r in range(4)}
+    stacks[2] = _py_spy(2, *WAITING, state="T")
+    assert odd_rank_out(stacks) == (2, "stopped (SIGSTOP)", "")
+    stacks[3] = _py_spy(3, *WAITING, state="D")  # two stuck ranks: no telling
+    assert odd_rank_out(stacks) is None
 
 
 @pytest.mark.django_db

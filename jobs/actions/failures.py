@@ -267,6 +267,8 @@ def do_end_hung_attempt(attempt: Attempt, *, now: datetime) -> Attempt:
         blame = allocation.node
         reason += (
             f"; rank {rank} on {blame.name} is in {frame} while the other ranks wait in {common}"
+            if common
+            else f"; rank {rank} on {blame.name} is {frame} and the other ranks wait for it"
         )
         extra = {"odd_rank": rank, "odd_frame": frame, "common_frame": common}
     return do_end_attempt(
