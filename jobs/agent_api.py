@@ -177,6 +177,7 @@ class HealthReportSerializer(serializers.Serializer):
     checks = HealthCheckSerializer(many=True, max_length=64)
     reason = serializers.CharField(max_length=4000, allow_blank=True, required=False, default="")
     compute_ms = serializers.FloatField(min_value=0, required=False)
+    device = serializers.CharField(max_length=200, required=False, allow_blank=True)
 
 
 class HeartbeatSerializer(serializers.Serializer):

@@ -3,6 +3,7 @@ runs these; the domain queues them by name through jobs.queue, so nothing import
 but the worker (and tests)."""
 
 import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Checkpoint, ModelVersion
 from jobs.queue import prune_mark
 from jobs.whatif import execute_whatif
-from trainer.checkpoint_layout import remove_step_dir
+from trainer.checkpoint_layout import job_dir, remove_step_dir
+from trainer.framework_saves import inside
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,12 @@ def export_model_version(version_id: int) -> str | None:
         do_finish_model_export(version, path=None, error=f"unsafe model name {version.name!r}")
         return None
     fmt = version.checkpoint.format
+    source = Path(version.checkpoint.path)
+    own = job_dir(lockstep_setting("CHECKPOINT_ROOT"), version.job_id)
+    if source.is_symlink() or not inside(source, own):
+        # The job could have swapped its save for a link since it was recorded.
+        do_finish_model_export(version, path=None, error="the checkpoint is not a file of its job")
+        return None
     # The reference trainer's save becomes one torch.save file; a framework's, the model's
     # weights as safetensors (trainer/export.py).
     out = out_dir / ("state_dict.pt" if fmt == Checkpoint.Format.DCP else "model.safetensors")
@@ -72,6 +80,9 @@ def prune_checkpoints(job_id: int) -> list[int]:
     live = Checkpoint.objects.filter(job_id=job_id, deleted_at__isnull=True).order_by(
         "-step", "-id"
     )
+    running = set(
+        Attempt.objects.filter(job_id=job_id, ended_at__isnull=True).values_list("id", flat=True)
+    )
     protected = set(
         Attempt.objects.filter(
             job_id=job_id, ended_at__isnull=True, resumed_from__isnull=False
@@ -81,22 +92,36 @@ def prune_checkpoints(job_id: int) -> list[int]:
     for index, checkpoint in enumerate(live):
         if (
             index < keep_last
-            # A framework keeps its own saves (Lightning's save_top_k, the Hugging Face
-            # Trainer's save_total_limit): deleting them would surprise its rotation.
-            or checkpoint.format != Checkpoint.Format.DCP
+            # A running framework keeps its own saves (Lightning's save_top_k, the Hugging
+            # Face Trainer's save_total_limit); those of ended attempts, which its rotation
+            # no longer sees, are pruned like any.
+            or (checkpoint.format != Checkpoint.Format.DCP and checkpoint.attempt_id in running)
             or checkpoint.preemption
             or checkpoint.id in protected
             or checkpoint.versions.exists()
         ):
             continue
-        # The marker goes first: a prune cut short never leaves a marked, partial save.
-        remove_step_dir(checkpoint.path, ignore_errors=True)
+        if checkpoint.format == Checkpoint.Format.DCP:
+            # The marker goes first: a prune cut short never leaves a marked, partial save.
+            remove_step_dir(checkpoint.path, ignore_errors=True)
+        else:
+            remove_framework_save(checkpoint.path)
         checkpoint.deleted_at = timezone.now()
         checkpoint.save(update_fields=["deleted_at"])
         pruned.append(checkpoint.step)
     if pruned:
         log.info("job %s: pruned checkpoints at steps %s", job_id, pruned)
     return pruned
+
+
+def remove_framework_save(path: str) -> None:
+    """Delete a framework's save: a file, or a directory of files (a Hugging Face save). A link
+    is removed as a link: whatever it points at is not the job's to delete."""
+    target = Path(path)
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target, ignore_errors=True)
+    else:
+        target.unlink(missing_ok=True)
 
 
 def run_whatif(run_id: int) -> str:

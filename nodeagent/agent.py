@@ -432,18 +432,25 @@ class Agent(Leaving):
                     # next read; it cannot be part of the dump, so it does not hold `dumped` up.
                     target = tracked.dump_log_ends[rt.worker.rank]
                     dump_shipped = log_end + 3 >= target
-            if tracked.scalars is not None:
-                tracked.scalars.discover(self.supervisor.rank_pids(attempt_id), final=all_exited)
-                scalars, count = tracked.scalars.read()
-                records.extend(scalars)
-                acks.append((tracked.scalars, count))
-                drained = drained and tracked.scalars.at_eof
-            if tracked.saves is not None:
-                tracked.saves.scan(final=all_exited)
-                saves, count = tracked.saves.read()
-                records.extend(saves)
-                acks.append((tracked.saves, count))
-                drained = drained and tracked.saves.at_eof
+            # What frameworks wrote: a job's files, read as root. Nothing in them may stop the
+            # heartbeat (which would lose the node): a failure is logged and skipped.
+            for reader in (tracked.scalars, tracked.saves):
+                if reader is None:
+                    continue
+                try:
+                    if reader is tracked.scalars:
+                        reader.discover(
+                            lambda a=attempt_id: self.supervisor.rank_pids(a), final=all_exited
+                        )
+                    else:
+                        reader.scan(final=all_exited)
+                    found, count = reader.read()
+                except Exception:
+                    self.log.exception("attempt %s: reading what its framework wrote", attempt_id)
+                    continue
+                records.extend(found)
+                acks.append((reader, count))
+                drained = drained and reader.at_eof
             report: dict[str, Any] = {
                 "attempt_id": attempt_id,
                 "ranks": ranks,

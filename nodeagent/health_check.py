@@ -81,7 +81,11 @@ def gpu_checks(indices: Iterable[int], own_pids: set[int], nvml: Any = None) -> 
         if index >= count:
             out.append(_check(name, False, f"not visible (NVML sees {count} GPU(s))"))
             continue
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception as exc:  # a GPU fallen off the bus
+            out.append(_check(name, False, f"NVML cannot reach it: {exc}"))
+            continue
         problems = []
         readings = _readings(nvml, handle)
         if readings.get("ecc_uncorrected", 0):
@@ -178,14 +182,16 @@ def collective_check(
         "collective",
         True,
         f"all-reduce over {ranks} rank(s) ({result['backend']}), "
-        f"matmul {result['compute_ms']:.1f} ms",
+        f"matmul {result['compute_ms']:.1f} ms on {result.get('device', '?')}",
         compute_ms=result["compute_ms"],
+        device=str(result.get("device", ""))[:200],
     )
 
 
 def report(checks: list[dict], kind: str) -> dict[str, Any]:
     failed = [c for c in checks if not c["ok"]]
     compute = next((c["compute_ms"] for c in checks if "compute_ms" in c), None)
+    device = next((c["device"] for c in checks if c.get("device")), "")
     return {
         "kind": kind,
         "ok": not failed,
@@ -193,6 +199,7 @@ def report(checks: list[dict], kind: str) -> dict[str, Any]:
         "checks": checks,
         "reason": "; ".join(f"{c['name']}: {c['detail']}" for c in failed),
         **({"compute_ms": compute} if compute is not None else {}),
+        **({"device": device} if device else {}),
     }
 
 
@@ -223,7 +230,12 @@ class HealthChecker:
     def quick(
         self, indices: Iterable[int], own_pids: set[int], extra_dirs: Iterable[Path] = ()
     ) -> dict[str, Any]:
-        checks = disk_checks([*self.dirs, *extra_dirs])
+        # The full check looks at the same directories from now on (a checkpoint root seen in
+        # a launch): a node cordoned for one is released only once it is fine again.
+        for directory in extra_dirs:
+            if directory not in self.dirs:
+                self.dirs.append(directory)
+        checks = disk_checks(self.dirs)
         if self.gpu_kind == "cuda":
             checks += gpu_checks(indices, own_pids)
         return report(checks, "quick")
@@ -241,10 +253,15 @@ class HealthChecker:
             self._log.error("health check failed: %s", self.last["reason"])
 
     def due(self, idle: bool, asked: bool) -> bool:
+        """Only on an idle node: the collective and the matmul would compete with a job's
+        ranks (and be judged slow for it). Asked by the portal (the node is held), as soon as
+        its last jobs have ended; else at the agent's start and every `every_s`."""
         if self._thread is not None and self._thread.is_alive():
             return False
+        if self.pending is not None and self.pending.get("kind") == "full":
+            return False  # the last full report has not reached the portal yet
         if asked:
-            return True
+            return idle
         if self._last_started is None:
             return self.every_s > 0  # at the agent's start
         return idle and self.every_s > 0 and self._clock() - self._last_started >= self.every_s

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,9 @@ from trainer.framework_saves import (
     candidates,
     classify,
     complete,
+    inside,
+    regular_file,
+    save_files,
     signature,
 )
 
@@ -37,15 +42,20 @@ SCAN_EVERY_S = 5.0
 
 
 class SaveWatcher:
-    """Framework saves under one attempt's checkpoint directory, each reported once."""
+    """Framework saves under one attempt's checkpoint directory, each reported once it has
+    settled, and again whenever it has changed and settled since (a script that overwrites
+    `latest.pt` in place: the portal then updates that save's step)."""
 
     def __init__(self, checkpoint_dir: str | os.PathLike[str], clock: Any = time.monotonic):
         self.root = Path(checkpoint_dir)
         self._clock = clock
         self._scanned_at: float | None = None
         self._seen: dict[Path, tuple[tuple[int, int], float]] = {}  # signature, since when
-        self._reported: set[Path] = set()
-        self._seeded = seeded_paths(self.root)
+        # The signature each save was last reported with (or laid out with, for what the
+        # restart seeded from an earlier attempt: reported only once it changes).
+        self._reported: dict[Path, tuple[int, int]] = {
+            path: signature(path) for path in seeded_paths(self.root)
+        }
         self._pending: list[dict[str, Any]] = []
 
     def scan(self, final: bool = False) -> None:
@@ -56,10 +66,10 @@ class SaveWatcher:
             return
         self._scanned_at = now
         for path in candidates(self.root):
-            if path in self._reported or path in self._seeded:
-                continue
             fmt, step = classify(path) or ("", None)
             sig = signature(path)
+            if self._reported.get(path) == sig:
+                continue
             seen = self._seen.get(path)
             if seen is None or seen[0] != sig:
                 self._seen[path] = (sig, now)
@@ -69,7 +79,7 @@ class SaveWatcher:
                 continue
             if not complete(path, fmt):
                 continue
-            self._reported.add(path)
+            self._reported[path] = sig
             self._pending.append(
                 {
                     "kind": "checkpoint",
@@ -103,19 +113,24 @@ def seed_resume(checkpoint_dir: str | os.PathLike[str], resume_from: str, fmt: s
     it), so a restart copies nothing; a copy of a plain `torch.save` file, which a script may
     well overwrite in place under the same name, which through a link would rewrite the
     earlier attempt's save. A Lightning save is also linked as `last-resume.ckpt`, which
-    `ckpt_path="last"` finds (any `last*.ckpt` in the callback's directory, newest first)."""
+    `ckpt_path="last"` finds (any `last*.ckpt` in the callback's directory, newest first).
+
+    The agent does this as root in directories the job can write: only regular files inside
+    the job's own directory are taken, links are never followed, and a copy is read through
+    the descriptor that was checked."""
     if fmt not in ("lightning", "hf", "torch") or not resume_from:
         return []
+    target_dir = Path(checkpoint_dir)
     source = Path(resume_from)
     origin = attempt_root(source)
-    if origin is None or not source.exists():
+    if origin is None or source.is_symlink() or not inside(source, target_dir.parent):
         return []
-    target = Path(checkpoint_dir) / source.relative_to(origin)
+    target = target_dir / source.relative_to(origin)
     made: list[Path] = []
     if source.is_dir():
-        for file in sorted(p for p in source.rglob("*") if p.is_file()):
+        for file in sorted(save_files(source)):
             made += _place(file, target / file.relative_to(source), link=True)
-    else:
+    elif regular_file(source):
         made += _place(source, target, link=fmt == "lightning")
         if fmt == "lightning":
             made += _place(source, target.with_name(LIGHTNING_RESUME), link=True)
@@ -124,23 +139,30 @@ def seed_resume(checkpoint_dir: str | os.PathLike[str], resume_from: str, fmt: s
 
 def _place(source: Path, target: Path, *, link: bool) -> list[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
+    if os.path.lexists(target):
         return []
     if link:
         try:
-            os.link(source, target)
+            os.link(source, target, follow_symlinks=False)
             return [target]
         except FileExistsError:
             return []
         except OSError:  # another filesystem, or one without hard links: copy
             pass
-    partial = target.with_name(f".{target.name}.seeding")
-    shutil.copy2(source, partial)
+    # A name of this agent's own: several nodes may copy at once on a shared filesystem.
+    partial = target.with_name(f".{target.name}.{socket.gethostname()}.{os.getpid()}.seeding")
+    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        os.link(partial, target)  # whole or not at all, and never over another node's copy
-    except FileExistsError:
-        pass
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return []
+        with os.fdopen(fd, "rb", closefd=False) as src, open(partial, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        try:
+            os.link(partial, target)  # whole or not at all, and never over another's copy
+        except FileExistsError:
+            return []
     finally:
+        os.close(fd)
         partial.unlink(missing_ok=True)
     return [target]
 

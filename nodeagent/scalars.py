@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ SCAN_DEPTH = 4  # lightning_logs/version_0/ and out/runs/<run>/ are two and thre
 SCAN_MAX_ENTRIES = 5000  # per root and scan: a working directory may be a whole repository
 # Never searched: where no script's logs live, and where a walk would cost the most.
 SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "venv", "wandb"})
+MAX_FILES = 64  # per attempt and node: a run logs to a handful
 MAX_PENDING = 20_000
 MAX_READ = 5_000  # per heartbeat and rank: ~100 bytes each
 
@@ -73,7 +75,9 @@ def find_event_files(root: str | os.PathLike[str], depth: int = SCAN_DEPTH) -> l
                     if entry.is_dir(follow_symlinks=False):
                         if not entry.name.startswith(".") and entry.name not in SKIP_DIRS:
                             below.append(Path(entry.path))
-                    elif entry.name.startswith("events.out.tfevents."):
+                    elif entry.name.startswith("events.out.tfevents.") and entry.is_file(
+                        follow_symlinks=False
+                    ):
                         found.append(Path(entry.path))
                 except OSError:
                     continue
@@ -90,10 +94,21 @@ class _EventFile:
         from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
         self.rank = rank
-        self.fd = os.open(path, os.O_RDONLY)
-        self.loader = EventFileLoader(f"/proc/self/fd/{self.fd}")
+        # The agent may run as root in a directory the job controls: never follow a link (to
+        # another team's files), never block on a FIFO, read regular files only.
+        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+                raise OSError(f"{path.name} is not a regular file")
+            self.loader = EventFileLoader(f"/proc/self/fd/{self.fd}")
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.events = self.loader.Load()
         self.exhausted = False
+        # Tags known to be scalars: a TF2-style writer puts the plugin's name on a tag's first
+        # event only.
+        self.scalar_tags: set[str] = set()
 
     def records(self, limit: int) -> list[dict[str, Any]]:
         """Up to `limit` scalar records appended since the last call."""
@@ -112,9 +127,15 @@ class _EventFile:
             for value in event.summary.value:
                 # The reader turns every scalar (simple_value or a scalar tensor) into the
                 # scalars plugin's tensor form.
-                if value.metadata.plugin_data.plugin_name != "scalars":
+                if value.metadata.plugin_data.plugin_name == "scalars":
+                    self.scalar_tags.add(value.tag)
+                elif value.tag not in self.scalar_tags:
                     continue
-                number = float(tensor_util.make_ndarray(value.tensor).item())
+                array = tensor_util.make_ndarray(value.tensor)
+                if array.size != 1:
+                    continue
+                number = float(array.item())
+                wall = float(event.wall_time)
                 out.append(
                     {
                         "kind": "scalar",
@@ -122,7 +143,8 @@ class _EventFile:
                         "step": int(event.step),
                         "name": value.tag,
                         "value": number if math.isfinite(number) else None,
-                        "time": float(event.wall_time),
+                        # The heartbeat is strict JSON: a non-finite time would stop it.
+                        **({"time": wall} if math.isfinite(wall) and 0 < wall < 1e11 else {}),
                     }
                 )
         self.exhausted = False
@@ -151,20 +173,22 @@ class ScalarTail:
         self._pending: list[dict[str, Any]] = []
         self.at_eof = True
 
-    def discover(
-        self, ranks: dict[int, tuple[int | None, int | None]], final: bool = False
-    ) -> None:
+    def discover(self, rank_pids: Any, final: bool = False) -> None:
         """Look for new event files, at most every SCAN_EVERY_S (always when `final`).
-        ranks: rank -> (its pid as it sees it, its pid on this host), None where unknown."""
+        rank_pids: a callable (called only when a scan is due) or a dict, rank -> (its pid as
+        it sees it, its pid on this host), None where unknown."""
         now = self._clock()
         if not final and self._scanned_at is not None and now - self._scanned_at < SCAN_EVERY_S:
             return
         self._scanned_at = now
+        ranks = rank_pids() if callable(rank_pids) else rank_pids
         by_pid = {inner: rank for rank, (inner, _) in ranks.items() if inner is not None}
         roots = [self.checkpoint_dir] if self.checkpoint_dir else []
         roots += [Path(f"/proc/{host}/cwd") for _, host in ranks.values() if host is not None]
         for root in roots:
             for path in find_event_files(root):
+                if len(self._files) >= MAX_FILES:
+                    return
                 name = EventFileName.parse(path.name)
                 if name is None or name.pid not in by_pid or name.created < self.started - 5:
                     continue
@@ -174,7 +198,7 @@ class ScalarTail:
                     if key not in self._files:
                         self._files[key] = _EventFile(path, by_pid[name.pid])
                         self._log.info("rank %d's scalars: %s", by_pid[name.pid], path)
-                except (OSError, ImportError) as exc:
+                except (OSError, ImportError, ValueError) as exc:
                     self._log.warning("cannot read %s: %s", path, exc)
 
     def read(self, final: bool = False) -> tuple[list[dict[str, Any]], int]:

@@ -187,9 +187,14 @@ class WorkerSupervisor:
             raise ValueError(f"attempt {attempt_id} already has workers on this node")
         if launch.get("resume_format") and launch.get("checkpoint_dir"):
             # A framework's own save, laid out where the framework looks (nodeagent/saves.py).
-            seed_resume(
-                launch["checkpoint_dir"], launch.get("resume_from", ""), launch["resume_format"]
-            )
+            # A failure leaves the ranks to start without it (LOCKSTEP_RESUME_FROM still names
+            # it), never the launch undone.
+            try:
+                seed_resume(
+                    launch["checkpoint_dir"], launch.get("resume_from", ""), launch["resume_format"]
+                )
+            except OSError as exc:
+                self._log.warning("attempt %s: resume save not laid out: %s", attempt_id, exc)
         if self._containers is not None:
             attempt = self._containers.launch(attempt_id, launch, self.attempt_dir(attempt_id))
             self._attempts[attempt_id] = attempt
@@ -427,7 +432,11 @@ class WorkerSupervisor:
         missing = {w.pid for w in started if w.alive} - set(attempt.host_pids)
         if missing:
             # The launcher's pids are the container's; /proc here knows them by host pids.
-            init = self.engine.container_pid(attempt.container.name) if self.engine else None
+            try:
+                init = self.engine.container_pid(attempt.container.name) if self.engine else None
+            except (OSError, subprocess.SubprocessError) as exc:  # a hung or absent engine
+                self._log.warning("attempt %s: no container pid (%s)", attempt_id, exc)
+                init = None
             if init:
                 attempt.host_pids.update(container_host_pids(init, missing))
         return {w.rank: (w.pid, attempt.host_pids.get(w.pid) if w.alive else None) for w in started}

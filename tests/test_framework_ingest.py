@@ -133,7 +133,7 @@ def test_a_framework_save_is_recorded_with_its_format_and_the_restart_told_of_it
 
 
 @pytest.mark.django_db
-def test_retention_leaves_framework_saves_to_the_framework(setup, settings):
+def test_retention_leaves_a_running_frameworks_saves_and_prunes_ended_attempts(setup, settings):
     job, attempt, a, root = _running(setup)
     settings.LOCKSTEP = {**settings.LOCKSTEP, "KEEP_CHECKPOINTS": 1}
     here = attempt_dir(root, job.id, attempt.number)
@@ -143,8 +143,50 @@ def test_retention_leaves_framework_saves_to_the_framework(setup, settings):
         for p, s in zip(saves, (10, 20, 30), strict=True)
     ]
     beat(a, attempt, {0: None, 1: None}, records=records)
+    # Running: its framework's rotation decides.
     assert prune_checkpoints(job.id) == []
     assert all(p.exists() for p in saves)
+    # Ended: its rotation no longer sees them; retention keeps the newest (resumed from).
+    beat(a, attempt, {0: 1, 1: None})
+    assert sorted(prune_checkpoints(job.id)) == [10, 20]
+    assert [p.exists() for p in saves] == [False, False, True]
+
+
+@pytest.mark.django_db
+def test_a_record_a_job_could_forge_never_fails_the_heartbeat(setup):
+    job, attempt, a, _ = _running(setup)
+    bad = [
+        {"kind": "scalar", "rank": "x", "step": 1, "name": "a", "value": 1.0},
+        {"kind": "scalar", "rank": 0, "step": "y", "name": "a", "value": 1.0},
+        {"kind": "scalar", "rank": 0, "step": 1, "name": "a", "value": "nan-ish"},
+        {"kind": "checkpoint", "format": "torch", "path": "/etc/passwd", "step": 1},
+    ]
+    response = beat(a, attempt, {0: None, 1: None}, records=bad)
+    assert response["desired"], response
+    assert not MetricPoint.objects.filter(job=job).exists()
+    assert not Checkpoint.objects.filter(job=job).exists()
+
+
+@pytest.mark.django_db
+def test_a_save_rewritten_in_place_updates_its_step_unless_registered(setup, make_user):
+    job, attempt, a, root = _running(setup)
+    path = attempt_dir(root, job.id, attempt.number) / "latest.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"w": torch.ones(1)}, path)
+    record = {"kind": "checkpoint", "format": "torch", "path": str(path), "bytes": 10}
+    beat(a, attempt, {0: None, 1: None}, records=[{**record, "step": 10}])
+    beat(a, attempt, {0: None, 1: None}, records=[{**record, "step": 20, "bytes": 12}])
+    (checkpoint,) = Checkpoint.objects.filter(job=job)
+    assert (checkpoint.step, checkpoint.bytes) == (20, 12)
+    assert Event.objects.filter(job=job, data__rewritten=True).count() == 1
+    from jobs import actions
+
+    actions.do_register_model_version(
+        name="m", checkpoint=checkpoint, actor=setup[1], now=timezone.now()
+    )
+    beat(a, attempt, {0: None, 1: None}, records=[{**record, "step": 30, "bytes": 14}])
+    checkpoint.refresh_from_db()
+    assert checkpoint.step == 20  # registered at 20: its version says so
 
 
 def _export(src, out, fmt):
@@ -187,6 +229,32 @@ def test_each_framework_save_exports_the_model_weights_as_safetensors(tmp_path):
         assert done.returncode == 0, done.stderr
         exported = load_file(out)
         assert set(exported) == keys and torch.equal(exported["net.weight"], weight)
+
+
+@pytest.mark.django_db
+def test_an_export_refuses_a_save_swapped_for_a_link(setup, tmp_path):
+    from jobs import actions
+    from jobs.models import ModelVersion
+    from jobs.tasks import export_model_version
+
+    job, attempt, a, root = _running(setup)
+    save = _lightning_save(attempt_dir(root, job.id, attempt.number), 10)
+    beat(
+        a,
+        attempt,
+        {0: None, 1: None},
+        records=[{"kind": "checkpoint", "format": "lightning", "path": str(save), "step": 10}],
+    )
+    checkpoint = Checkpoint.objects.get(job=job)
+    version = actions.do_register_model_version(
+        name="swap", checkpoint=checkpoint, actor=setup[1], now=timezone.now()
+    )
+    elsewhere = tmp_path / "someone-elses.ckpt"
+    save.rename(elsewhere)
+    save.symlink_to(elsewhere)
+    assert export_model_version(version.id) is None
+    version = ModelVersion.objects.get(pk=version.id)
+    assert version.export_state == "failed"
 
 
 class Payload:

@@ -135,6 +135,8 @@ def test_the_directory_walk_skips_hidden_and_heavy_directories_and_stops_deep(tm
         ("out/checkpoint-30", ("hf", 30)),
         ("model_000120.pt", ("torch", 120)),
         ("weights.pth", ("torch", None)),
+        ("resnet50.pth", ("torch", None)),  # a number in a word is not a step
+        ("training_args.bin", None),  # the Hugging Face Trainer's, not a save
         ("notes.txt", None),
     ],
 )
@@ -247,3 +249,48 @@ def test_a_command_names_the_platform_paths_with_dollar_parentheses():
         "$RANK",
         "a$b",
     ]
+
+
+def test_links_and_fifos_in_a_jobs_directory_are_never_followed_or_opened(tmp_path):
+    """The agent reads these as root: a link could name another team's files, a FIFO would
+    block its loop."""
+    other = tmp_path / "other-team" / "secret.pt"
+    other.parent.mkdir()
+    torch.save({"w": torch.ones(1)}, other)
+    ckpt = tmp_path / "job-1" / "attempt-1"
+    ckpt.mkdir(parents=True)
+    (ckpt / "stolen.pt").symlink_to(other)
+    os.mkfifo(ckpt / "model_5.pt")
+    os.mkfifo(ckpt / f"events.out.tfevents.{int(time.time())}.host.{os.getpid()}.0")
+    watcher = SaveWatcher(ckpt)
+    watcher.scan(final=True)
+    assert watcher.read() == ([], 0)
+    tail = ScalarTail(ckpt, time.time() - 60)
+    tail.discover({0: (os.getpid(), None)}, final=True)
+    assert tail.read() == ([], 0)
+    # Nor is a save resumed from a link, or from outside the job's directory.
+    new = tmp_path / "job-1" / "attempt-2"
+    assert seed_resume(new, str(ckpt / "stolen.pt"), "torch") == []
+    assert seed_resume(new, str(other), "torch") == []
+    assert not new.exists() or not any(new.iterdir())
+
+
+def test_a_save_rewritten_in_place_is_reported_again_and_a_seeded_one_once_changed(tmp_path):
+    clock = _Clock()
+    old = tmp_path / "job-1" / "attempt-1"
+    old.mkdir(parents=True)
+    torch.save({"w": torch.ones(1)}, old / "latest.pt")
+    new = tmp_path / "job-1" / "attempt-2"
+    seed_resume(new, str(old / "latest.pt"), "torch")
+    watcher = SaveWatcher(new, clock=clock)
+    watcher.scan(final=True)
+    assert watcher.read() == ([], 0)  # as laid out: attempt 1's save, not this attempt's
+    for size in (2, 3):
+        torch.save({"w": torch.ones(size)}, new / "latest.pt")  # the script saves again
+        watcher.scan(final=True)
+        records, count = watcher.read()
+        assert [Path(r["path"]).name for r in records] == ["latest.pt"]
+        assert records[0]["bytes"] == (new / "latest.pt").stat().st_size
+        watcher.ack(count)
+    # Attempt 1's save is untouched by the overwrites (a copy, not a link).
+    assert torch.load(old / "latest.pt", weights_only=True)["w"].tolist() == [1.0]

@@ -67,11 +67,14 @@ def test_a_full_check_runs_at_start_then_only_when_idle_and_due_or_asked(tmp_pat
     report = checker.pending
     assert report["kind"] == "full" and report["ok"], report
     assert [c["name"] for c in report["checks"]] == [f"disk {tmp_path}", "collective"]
+    assert report["device"]  # what the matmul ran on: compared only with the same
+    assert not checker.due(idle=True, asked=True)  # the report has not reached the portal
     checker.ack(report)
     assert checker.pending is None
     clock.now = 30
     assert not checker.due(idle=True, asked=False)
-    assert checker.due(idle=False, asked=True)  # the portal asks: whenever
+    assert checker.due(idle=True, asked=True)  # the portal asks: once the node is idle
+    assert not checker.due(idle=False, asked=True)
     clock.now = 61
     assert not checker.due(idle=False, asked=False)  # busy: the jobs come first
     assert checker.due(idle=True, asked=False)
@@ -79,7 +82,7 @@ def test_a_full_check_runs_at_start_then_only_when_idle_and_due_or_asked(tmp_pat
     assert not never.due(idle=True, asked=False) and never.due(idle=True, asked=True)
 
 
-def _report(ok, reason="", compute_ms=None, kind="full"):
+def _report(ok, reason="", compute_ms=None, kind="full", device="Xeon"):
     checks = [{"name": "collective", "ok": ok, "detail": reason or "all-reduce over 2 rank(s)"}]
     return {
         "kind": kind,
@@ -87,6 +90,7 @@ def _report(ok, reason="", compute_ms=None, kind="full"):
         "checks": checks,
         "reason": reason,
         **({"compute_ms": compute_ms} if compute_ms is not None else {}),
+        "device": device,
     }
 
 
@@ -128,6 +132,10 @@ def test_a_node_much_slower_than_the_fleet_fails_its_check(make_nodes):
     # Within the factor: fine.
     ok = actions.do_record_health(a, _report(True, compute_ms=15.0), now=now)
     assert ok.state == Node.State.UP
+    # Another model in a mixed fleet is compared only with its own kind (none here).
+    (d,) = make_nodes(1, 2, prefix="older")
+    older = actions.do_record_health(d, _report(True, compute_ms=90.0, device="Older"), now=now)
+    assert older.state == Node.State.UP
 
 
 @pytest.mark.django_db

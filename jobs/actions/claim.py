@@ -85,9 +85,14 @@ def adopt_unreported_checkpoints(job: Job, *, now: datetime) -> list[Checkpoint]
             if attempt.resumed_from and attempt.resumed_from.format != Checkpoint.Format.DCP
             else None
         )
+        own = directory.parent
         for path in framework_saves.candidates(directory):
             fmt, step = framework_saves.classify(path) or ("", None)
-            if path != seeded and framework_saves.complete(path, fmt):
+            if (
+                path != seeded
+                and framework_saves.inside(path, own)
+                and framework_saves.complete(path, fmt)
+            ):
                 found.append((path, fmt, attempt.last_step if step is None else step))
         for path, fmt, step in found:
             if str(path) in known or (latest is not None and step <= latest.step):

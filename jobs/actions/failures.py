@@ -298,6 +298,9 @@ def do_flag_straggler(
     when the verdict says moving pays, hold its node out of scheduling until a health check
     passes and checkpoint-stop the job, which is requeued (no restart used) and starts on
     other nodes."""
+    # The node before the attempt: the order a heartbeat takes them in (no deadlock with the
+    # straggler's own node reporting at this moment).
+    node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     attempt = Attempt.objects.select_for_update(no_key=True).get(pk=attempt.pk)
     if rank in attempt.stragglers:
         return

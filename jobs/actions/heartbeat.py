@@ -40,6 +40,18 @@ def _report_order(report) -> int:
     return attempt_id if isinstance(attempt_id, int) else -1
 
 
+def scalar_ranks(records: list) -> set[int]:
+    """Ranks that logged a scalar in this report. Records come from files a job writes:
+    anything not a small integer is skipped here, as ingest skips the record itself."""
+    ranks = set()
+    for record in records:
+        if isinstance(record, dict) and record.get("kind") == "scalar":
+            rank = record.get("rank", 0)
+            if isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < 2**31:
+                ranks.add(rank)
+    return ranks
+
+
 def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
     """Apply one agent heartbeat; returns the response (what should run on the node)."""
     acked = []
@@ -118,11 +130,7 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
                     attempt.refresh_from_db()
             if attempt.state == Attempt.State.RUNNING:
                 # A framework's logged scalars are output too (they are not steps).
-                printed = {c.rank for c in chunks} | {
-                    int(r.get("rank", 0))
-                    for r in report.get("records") or []
-                    if isinstance(r, dict) and r.get("kind") == "scalar"
-                }
+                printed = {c.rank for c in chunks} | scalar_ranks(report.get("records") or [])
                 note_activity(attempt, node, ranks, printed=printed, now=now)
             if report.get("pull") and not attempt.image_digest:
                 note_pull(attempt, node, report["pull"])

@@ -31,6 +31,7 @@ from jobs.models import (
 )
 from jobs.notify import on_commit_send
 from trainer.checkpoint_layout import MARKER, job_dir
+from trainer.framework_saves import regular_file
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,8 @@ def _is_whole(path: Path, fmt: str) -> bool:
     if fmt == Checkpoint.Format.DCP:
         return (path / MARKER).exists()
     if fmt == Checkpoint.Format.HF:
-        return (path / "trainer_state.json").is_file()
-    return path.is_file()
+        return regular_file(path / "trainer_state.json")
+    return regular_file(path)
 
 
 def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Checkpoint | None:
@@ -67,8 +68,9 @@ def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Chec
         raise ValueError(f"unknown checkpoint format {fmt!r}")
     own = job_dir(lockstep_setting("CHECKPOINT_ROOT"), attempt.job_id)
     resolved = Path(path).resolve()
-    # Only paths inside the job's own checkpoint directory, and only finished saves.
-    if not resolved.is_relative_to(own) or not _is_whole(resolved, fmt):
+    # Only paths inside the job's own checkpoint directory, never a link the job made (the
+    # export reads it as the portal's user), and only finished saves.
+    if Path(path).is_symlink() or not resolved.is_relative_to(own) or not _is_whole(resolved, fmt):
         log.warning("ignoring checkpoint record outside %s or unfinished: %s", own, path)
         return None
     # A framework's save may carry no step in its name: it is then the attempt's latest.
@@ -88,6 +90,27 @@ def _record_checkpoint(attempt: Attempt, record: dict, *, now: datetime) -> Chec
             "format": fmt,
         },
     )
+    rewritten = (checkpoint.step, checkpoint.bytes) != (step, int(record.get("bytes", 0)))
+    if (
+        not created
+        and fmt != Checkpoint.Format.DCP
+        and checkpoint.deleted_at is None
+        and rewritten
+        # A registered save keeps the step it was registered at (its version says so).
+        and not checkpoint.versions.exists()
+    ):
+        # A framework's save overwritten in place (latest.pt): the same path, newer contents.
+        checkpoint.step, checkpoint.bytes = step, int(record.get("bytes", 0))
+        checkpoint.attempt, checkpoint.created_at = attempt, now
+        checkpoint.save(update_fields=["step", "bytes", "attempt", "created_at"])
+        record_event(
+            EventKind.CHECKPOINT_COMMITTED,
+            f"{Checkpoint.Format(fmt).label} checkpoint rewritten at step {step} "
+            f"({filesizeformat(checkpoint.bytes)}): {resolved.name}",
+            job_id=attempt.job_id,
+            attempt=attempt,
+            data={"step": step, "format": fmt, "rewritten": True},
+        )
     if created:
         label = "" if fmt == Checkpoint.Format.DCP else f"{Checkpoint.Format(fmt).label} "
         took = f", saved in {checkpoint.save_s:.2f}s" if checkpoint.save_s else ""

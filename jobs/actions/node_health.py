@@ -54,22 +54,27 @@ def _clean(report: dict) -> dict:
         if isinstance(c, dict)
     ]
     compute = report.get("compute_ms")
+    device = str(report.get("device", ""))[:200]
     return {
         "kind": "full" if report.get("kind") == "full" else "quick",
         "ok": bool(report.get("ok")) and all(c["ok"] for c in checks),
         "checks": checks,
         "reason": str(report.get("reason", ""))[:1000],
         **({"compute_ms": float(compute)} if isinstance(compute, int | float) else {}),
+        **({"device": device} if device else {}),
     }
 
 
-def _slower_than_fleet(node: Node, compute_ms: float) -> str:
+def _slower_than_fleet(node: Node, compute_ms: float, device: str) -> str:
     """A reason if this node's matmul is HEALTH_SLOW_FACTOR times the median of the other
-    nodes of its kind (at least two to compare with), else ''."""
+    nodes with the same device (GPU or CPU model: a mixed fleet is compared like with like;
+    at least two to compare with), else ''."""
     others = [
         n.health["compute_ms"]
         for n in Node.objects.filter(gpu_kind=node.gpu_kind).exclude(pk=node.pk)
-        if isinstance(n.health, dict) and isinstance(n.health.get("compute_ms"), int | float)
+        if isinstance(n.health, dict)
+        and isinstance(n.health.get("compute_ms"), int | float)
+        and n.health.get("device", "") == device
     ]
     if len(others) < 2:
         return ""
@@ -89,7 +94,7 @@ def do_record_health(node: Node, report: dict, *, now: datetime) -> Node:
     node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     health = _clean(report)
     if health["ok"] and "compute_ms" in health:
-        slow = _slower_than_fleet(node, health["compute_ms"])
+        slow = _slower_than_fleet(node, health["compute_ms"], health.get("device", ""))
         if slow:
             health["ok"] = False
             health["checks"].append({"name": "speed", "ok": False, "detail": slow})
