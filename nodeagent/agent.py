@@ -16,12 +16,12 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import requests
 
+from nodeagent.attempt_report import RankTails, Tracked, attempt_report
 from nodeagent.container import Engine
 from nodeagent.contract import inheritable_env
 from nodeagent.health_check import HealthChecker
@@ -31,7 +31,6 @@ from nodeagent.scalars import ScalarTail
 from nodeagent.supervisor import WorkerSupervisor
 from nodeagent.tail import LogTail, MetricsTail
 from nodeagent.telemetry import Telemetry
-from nodeagent.workers import RankWorker
 
 logger = logging.getLogger("nodeagent")
 
@@ -68,29 +67,6 @@ class _NodeLog(logging.LoggerAdapter):  # type: ignore[type-arg]
 
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
         return f"[{self.extra['node']}] {msg}", kwargs
-
-
-@dataclass
-class _RankTails:
-    worker: RankWorker
-    metrics: MetricsTail
-    log: LogTail
-
-
-@dataclass
-class _Tracked:
-    """What the agent remembers about an attempt besides its processes."""
-
-    tails: list[_RankTails] = field(default_factory=list)
-    # What frameworks write on their own: TensorBoard scalars of this node's ranks, and (on the
-    # gang's first node) saves under the attempt's checkpoint directory.
-    scalars: ScalarTail | None = None
-    saves: SaveWatcher | None = None
-    # Set once a successful heartbeat carried the exit of every rank and the last of its data.
-    exit_reported: bool = False
-    # Each rank's log size once a stack dump had settled: `dumped` is reported when the logs
-    # shipped reach these offsets, so the dump is in the same heartbeat or an earlier one.
-    dump_log_ends: dict[int, int] | None = None
 
 
 class Agent(Leaving):
@@ -158,7 +134,7 @@ class Agent(Leaving):
         )
         self._health_asked = False
         self._http = requests.Session()
-        self._tracked: dict[int, _Tracked] = {}
+        self._tracked: dict[int, Tracked] = {}
         # Attempt ids forgotten after their exit was recorded; an attempt runs once, so a `run`
         # for one of these is a portal bug and must not start a second copy.
         self._finished: set[int] = set()
@@ -405,73 +381,12 @@ class Agent(Leaving):
         acks: list[tuple[Any, int]] = []
         exits = []
         for attempt_id in self.supervisor.attempt_ids():
-            # Exit states are read before the files, so everything a dead worker wrote is in
-            # the files by the time they are read.
-            all_exited = self.supervisor.all_exited(attempt_id)
-            ranks = self.supervisor.status(attempt_id)
-            tracked = self._tracked[attempt_id]
-            # Likewise the dump is settled (written) before the log sizes it must reach are read.
-            dump_settled = self.supervisor.dump_settled(attempt_id)
-            if dump_settled and tracked.dump_log_ends is None:
-                tracked.dump_log_ends = {rt.worker.rank: _size(rt.log.path) for rt in tracked.tails}
-            records: list[dict[str, Any]] = []
-            logs = []
-            drained = True
-            dump_shipped = dump_settled
-            for rt in tracked.tails:
-                final = not rt.worker.alive
-                new_records, metrics_end = rt.metrics.read(final=final)
-                text, log_end = rt.log.read(final=final)
-                records.extend(new_records)
-                if text:
-                    logs.append({"rank": rt.worker.rank, "text": text})
-                acks += [(rt.metrics, metrics_end), (rt.log, log_end)]
-                drained = drained and rt.metrics.at_eof and rt.log.at_eof
-                if dump_shipped and tracked.dump_log_ends is not None:
-                    # A UTF-8 character cut at the end (3 bytes at most) is held back for the
-                    # next read; it cannot be part of the dump, so it does not hold `dumped` up.
-                    target = tracked.dump_log_ends[rt.worker.rank]
-                    dump_shipped = log_end + 3 >= target
-            # What frameworks wrote: a job's files, read as root. Nothing in them may stop the
-            # heartbeat (which would lose the node): a failure is logged and skipped.
-            for reader in (tracked.scalars, tracked.saves):
-                if reader is None:
-                    continue
-                try:
-                    if reader is tracked.scalars:
-                        reader.discover(
-                            lambda a=attempt_id: self.supervisor.rank_pids(a), final=all_exited
-                        )
-                    else:
-                        reader.scan(final=all_exited)
-                    found, count = reader.read()
-                except Exception:
-                    self.log.exception("attempt %s: reading what its framework wrote", attempt_id)
-                    continue
-                records.extend(found)
-                acks.append((reader, count))
-                drained = drained and reader.at_eof
-            report: dict[str, Any] = {
-                "attempt_id": attempt_id,
-                "ranks": ranks,
-                "records": records,
-                "logs": logs,
-            }
-            if dump_shipped:
-                report["dumped"] = True
-            workers = self.supervisor.get(attempt_id)
-            if workers is not None and workers.error:
-                report["error"] = workers.error
-            if workers is not None and workers.pull is not None:
-                report["pull"] = {
-                    "image": workers.pull.image,
-                    "elapsed_s": round(workers.pull.elapsed(), 1),
-                    "detail": workers.pull.detail(),
-                }
-            if workers is not None and workers.image_digest:
-                report["image"] = {"digest": workers.image_digest, "pull_s": workers.pull_s}
+            report, attempt_acks, finished = attempt_report(
+                self.supervisor, attempt_id, self._tracked[attempt_id], self.log
+            )
             attempts.append(report)
-            if all_exited and drained:
+            acks += attempt_acks
+            if finished:
                 exits.append(attempt_id)
         body = {"boot_id": self.boot_id, "telemetry": self.telemetry.read(), "attempts": attempts}
         if self.health.pending is not None:
@@ -601,7 +516,7 @@ class Agent(Leaving):
             attempt = self.supervisor.refuse(
                 attempt_id, launch, {"kind": "health", "message": quick["reason"]}
             )
-            self._tracked[attempt_id] = _Tracked()
+            self._tracked[attempt_id] = Tracked()
             return
         try:
             attempt = self.supervisor.launch(attempt_id, launch)
@@ -613,9 +528,9 @@ class Agent(Leaving):
                 exc,
             )
             return
-        self._tracked[attempt_id] = _Tracked(
+        self._tracked[attempt_id] = Tracked(
             tails=[
-                _RankTails(
+                RankTails(
                     worker=w,
                     metrics=MetricsTail(w.metrics_path, w.rank, log=self.log),
                     log=LogTail(w.log_path, w.rank, log=self.log),
@@ -650,13 +565,6 @@ def _number(value: Any, default: float) -> float:
     except (TypeError, ValueError):
         return default
     return number if math.isfinite(number) else default
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def default_work_dir(name: str) -> Path:

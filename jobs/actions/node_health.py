@@ -17,22 +17,17 @@ from django.db import transaction
 
 from jobs.actions.attempts import do_end_attempt
 from jobs.actions.base import record_event, wake
+from jobs.actions.nodes import last_cordon
 from jobs.conf import lockstep_setting
 from jobs.event_kinds import EventKind
-from jobs.models import Attempt, Event, Node
+from jobs.models import Attempt, Node
 
 MAX_CHECKS = 64  # a report is the agent's word: kept, but bounded
 
 
 def held_for_health(node: Node) -> bool:
     """Whether the node's cordon is the health checks' own: the latest cordon event says so."""
-    if node.state != Node.State.CORDONED:
-        return False
-    last = (
-        Event.objects.filter(node=node, kind__in=[EventKind.NODE_CORDONED, EventKind.NODE_DRAINING])
-        .order_by("-id")
-        .first()
-    )
+    last = last_cordon(node)
     return last is not None and bool(last.data.get("held_for_health"))
 
 

@@ -237,16 +237,21 @@ def do_uncordon_node(node: Node, *, actor, reason: str = "") -> Node:
     return node
 
 
-def cordoned_automatically(node: Node) -> bool:
-    """Whether the node's cordon is the strikes' own (strikes.strike_node), not an admin's: the
-    latest cordon or drain event of the node says `automatic`."""
+def last_cordon(node: Node) -> Event | None:
+    """The event that put the node in its cordon, if it is cordoned: who did it, and why."""
     if node.state != Node.State.CORDONED:
-        return False
-    last = (
+        return None
+    return (
         Event.objects.filter(node=node, kind__in=[EventKind.NODE_CORDONED, EventKind.NODE_DRAINING])
         .order_by("-id")
         .first()
     )
+
+
+def cordoned_automatically(node: Node) -> bool:
+    """Whether the node's cordon is the platform's own (the strikes', strikes.strike_node, or a
+    health check's), not an admin's: its cordon event says `automatic`."""
+    last = last_cordon(node)
     return last is not None and bool(last.data.get("automatic"))
 
 
