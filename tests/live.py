@@ -134,6 +134,9 @@ class LiveCluster:
             LOCKSTEP_STRAGGLER_CHECK_S="3",
             LOCKSTEP_STRAGGLER_MIN_EXCESS_S="0.06",
             LOCKSTEP_STRIKES_TO_CORDON="1000",
+            # Nor does a rank slowed by the suite's own load move a job off its node
+            # (tests/test_straggler_response.py turns it on).
+            LOCKSTEP_STRAGGLER_MAX_MOVES="0",
             LOCKSTEP_RECLAIM_BACKOFF_S="5",
             # A two-node borrower is a gang beyond its team's quota (protection rule 5): a
             # reclaim waits this long for it, not the production 4 h.

@@ -140,7 +140,7 @@ def test_live_a_slowed_rank_moves_the_job_off_its_node_once_and_the_node_comes_b
         tmp_path / "cluster",
         agents=3,
         gpus_per_agent=2,
-        env={"LOCKSTEP_HEALTH_RECHECK_S": "10"},
+        env={"LOCKSTEP_HEALTH_RECHECK_S": "10", "LOCKSTEP_STRAGGLER_MAX_MOVES": "1"},
     )
     try:
         live.start()
