@@ -61,7 +61,8 @@ def test_a_shrunk_job_grows_back_to_its_full_size_when_the_gpus_return(setup, se
     run_pass(now=t0 + timedelta(seconds=11))
     second = live_attempt(job)
     assert second.world_size == 2
-    beat(a, second, {0: None, 1: None}, now=t0 + timedelta(seconds=12))
+    step = {"kind": "step", "rank": 0, "step": 41, "loss": 1.0, "step_time_s": 0.1}
+    beat(a, second, {0: None, 1: None}, records=[step], now=t0 + timedelta(seconds=12))
     actions.do_heartbeat(b, {"boot_id": b.boot_id}, now=t0 + timedelta(seconds=20))  # b is back
 
     # Not yet: the attempt has run less than ELASTIC_GROW_AFTER_S at its smaller size.

@@ -802,6 +802,10 @@ def test_no_grow_for_a_job_that_shrank_recently_is_stopping_or_would_cross_its_c
     capped = team(quota=0, borrow=6, used=4)
     run = shrunk(7, nodes[0], range(4), 8, team_id=capped.id)
     assert plan(snapshot(nodes, [], [capped], [run])).grows == ()
+    # Nor one that has not made a step at its smaller size yet (still starting or restoring).
+    fresh = dataclasses.replace(shrunk(7, nodes[0], range(4), 8, team_id=t.id), stepped=False)
+    assert plan(snapshot(nodes, [], [t], [fresh])).grows == ()
+    assert plan(snapshot(nodes, [], [t], [dataclasses.replace(fresh, stepped=True)])).grows
 
 
 def test_grows_share_the_idle_gpus_highest_priority_first():

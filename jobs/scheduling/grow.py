@@ -22,6 +22,8 @@ def grow_back(self) -> list[Grow]:
             continue
         if (snapshot.now - run.started_at).total_seconds() < snapshot.grow_after_s:
             continue
+        if not run.stepped:
+            continue  # not trained yet at its smaller size: growing now wastes that restart
         team = self.teams.get(run.team_id)
         if team is None or self.used[team.id] - held + run.gpus > team.cap:
             continue

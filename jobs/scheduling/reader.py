@@ -109,6 +109,7 @@ def take_snapshot(now: datetime) -> Snapshot:
             protected_until=attempt_protected_until(a, restart[a.job_id]),
             restart_s=restart[a.job_id],
             preemptions=stops.get(a.job_id, 0),
+            stepped=a.first_step_at is not None,
         )
         for a in live_attempts
     )

@@ -61,6 +61,9 @@ class RunningView:
     protected_until: datetime | None = None
     restart_s: float = 0.0  # what a stop costs it besides lost work: start-up, restore
     preemptions: int = 0  # stopped by preemptions within the safety window (a day)
+    # It has made a step since it started (or resumed): an attempt that has not is not grown
+    # back (its restart would be thrown away before it trained at all).
+    stepped: bool = True
 
 
 @dataclass(frozen=True)
