@@ -165,6 +165,8 @@ def collective_check(
         except subprocess.TimeoutExpired:
             for other in procs:
                 other.kill()
+            for other in procs:
+                other.wait()  # reaped: no zombies left by a hung check
             return _check(
                 "collective", False, f"{ranks} rank(s) did not finish in {timeout_s:.0f} s"
             )
