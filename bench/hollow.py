@@ -412,6 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--steps", type=int, default=100000, help="steps a hollow attempt runs")
     parser.add_argument("--step-s", type=float, default=1.0)
+    parser.add_argument(
+        "--db-pool",
+        type=int,
+        default=0,
+        help="LOCKSTEP_DB_POOL_MAX for the portal's processes (PostgreSQL only; 0: no pool)",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "hollow.json"))
     args = parser.parse_args(argv)
 
@@ -430,7 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     from tests.live import Api, LiveCluster
 
     with tempfile.TemporaryDirectory() as work:
-        live = LiveCluster(Path(work), agents=0, env={"LOCKSTEP_HEARTBEAT_S": "1"})
+        env = {"LOCKSTEP_HEARTBEAT_S": "1"}
+        if args.db_pool:
+            env["LOCKSTEP_DB_POOL_MAX"] = str(args.db_pool)
+        live = LiveCluster(Path(work), agents=0, env=env)
         try:
             live.start()
             token = live.token("alice", "--team", "load", "--quota", str(args.nodes * args.gpus))

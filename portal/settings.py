@@ -34,7 +34,15 @@ def _secret(name: str, default: str | None = None) -> str | None:
 def database_from_url(url: str) -> dict:
     parsed = urlparse(url)
     if parsed.scheme in {"postgres", "postgresql", "pgsql"}:
-        options = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        options: dict = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        # psycopg's connection pool (Django 5.1+), one per process, when asked for: a request
+        # borrows a connection and gives it back when it ends, instead of opening a new one
+        # (with CONN_MAX_AGE 0 every request and every heartbeat connects anew: a backend
+        # process forked on the server each time). Safe under ASGI, where a request's thread
+        # is not the next one's: the connection goes back to the pool, not to a thread.
+        pool_max = int(os.environ.get("LOCKSTEP_DB_POOL_MAX", "0") or 0)
+        if pool_max > 0:
+            options["pool"] = {"min_size": 1, "max_size": pool_max, "timeout": 30}
         return {
             "ENGINE": "django.db.backends.postgresql",
             "NAME": unquote(parsed.path.lstrip("/")) or "postgres",
