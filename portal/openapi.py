@@ -124,6 +124,13 @@ class GpuHistorySerializer(serializers.Serializer):
     series = GpuSeriesSerializer(many=True)
 
 
+class MetricNamesSerializer(serializers.Serializer):
+    names = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="Every series of the job: the steps' metrics and each scalar its script logged",
+    )
+
+
 class JobGpusSerializer(serializers.Serializer):
     attempt = serializers.IntegerField(allow_null=True, help_text="null: no live attempt")
     gpus = JobGpuSerializer(many=True)
@@ -194,6 +201,7 @@ extend_schema_view(
         ],
         responses={200: LogTailSerializer},
     ),
+    metric_names=extend_schema(responses={200: MetricNamesSerializer}),
     gpus=extend_schema(responses={200: JobGpusSerializer}),
     gpu_history=extend_schema(
         parameters=[
