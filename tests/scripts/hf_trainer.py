@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -74,9 +75,16 @@ def main() -> None:
         callbacks=[CrashOnce(args.crash_at, resumed=last is not None)],
     )
     trainer.train(resume_from_checkpoint=last)
-    # As torchrun scripts do: without it, gloo's threads can abort the process at exit.
+    # Done and saved: leave without the interpreter's teardown. With torch 2.13 and gloo it
+    # can abort ("terminate called without an active exception") or deadlock: py-spy showed
+    # the DDP reducer's ProcessGroupGloo destructor joining its worker thread while holding
+    # the GIL that thread needs to free its last work's tensor. Scripts that hit it in the
+    # wild do the same, or never end (the platform then finds them idle and hung).
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

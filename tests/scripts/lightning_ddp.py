@@ -6,6 +6,8 @@ resumes with `ckpt_path="last"`. --crash-at N makes a run that did not resume fa
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import lightning as L
 import torch
@@ -73,9 +75,16 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Regression(), DataLoader(data, batch_size=16), ckpt_path="last")
-    # As torchrun scripts do: without it, gloo's threads can abort the process at exit.
+    # Done and saved: leave without the interpreter's teardown. With torch 2.13 and gloo it
+    # can abort ("terminate called without an active exception") or deadlock: py-spy showed
+    # the DDP reducer's ProcessGroupGloo destructor joining its worker thread while holding
+    # the GIL that thread needs to free its last work's tensor. Scripts that hit it in the
+    # wild do the same, or never end (the platform then finds them idle and hung).
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
