@@ -36,6 +36,7 @@ logger = logging.getLogger("nodeagent.scalars")
 # torch.utils.tensorboard and tensorboardX both name files this way (the host may hold dots).
 EVENT_FILE = re.compile(r"^events\.out\.tfevents\.(\d+)\.(.+)\.(\d+)\.(\d+)")
 SCAN_EVERY_S = 5.0
+DCP_STEP = re.compile(r"^step-\d+$")
 SCAN_DEPTH = 4  # lightning_logs/version_0/ and out/runs/<run>/ are two and three deep
 SCAN_MAX_ENTRIES = 5000  # per root and scan: a working directory may be a whole repository
 # Never searched: where no script's logs live, and where a walk would cost the most.
@@ -73,7 +74,11 @@ def find_event_files(root: str | os.PathLike[str], depth: int = SCAN_DEPTH) -> l
             for entry in entries:
                 try:
                     if entry.is_dir(follow_symlinks=False):
-                        if not entry.name.startswith(".") and entry.name not in SKIP_DIRS:
+                        if not (
+                            entry.name.startswith(".")
+                            or entry.name in SKIP_DIRS
+                            or DCP_STEP.match(entry.name)  # the reference trainer's shards
+                        ):
                             below.append(Path(entry.path))
                     elif entry.name.startswith("events.out.tfevents.") and entry.is_file(
                         follow_symlinks=False
@@ -174,17 +179,23 @@ class ScalarTail:
         self.at_eof = True
 
     def discover(self, rank_pids: Any, final: bool = False) -> None:
-        """Look for new event files, at most every SCAN_EVERY_S (always when `final`).
-        rank_pids: a callable (called only when a scan is due) or a dict, rank -> (its pid as
-        it sees it, its pid on this host), None where unknown."""
+        """Look for new event files: under the checkpoint directory at every call, under the
+        ranks' working directories at most every SCAN_EVERY_S (always when `final`).
+        rank_pids: a callable or a dict, rank -> (its pid as it sees it, its pid on this
+        host), None where unknown."""
+        # The checkpoint directory (where the docs tell scripts to log) at every heartbeat, so
+        # a run that crashes seconds after it began logging still has its scalars shipped
+        # before another rank's failure ends the attempt (reports of an ended attempt are not
+        # taken); the ranks' working directories, a bigger walk, every SCAN_EVERY_S.
         now = self._clock()
-        if not final and self._scanned_at is not None and now - self._scanned_at < SCAN_EVERY_S:
-            return
-        self._scanned_at = now
+        walk_cwd = final or self._scanned_at is None or now - self._scanned_at >= SCAN_EVERY_S
+        if walk_cwd:
+            self._scanned_at = now
         ranks = rank_pids() if callable(rank_pids) else rank_pids
         by_pid = {inner: rank for rank, (inner, _) in ranks.items() if inner is not None}
         roots = [self.checkpoint_dir] if self.checkpoint_dir else []
-        roots += [Path(f"/proc/{host}/cwd") for _, host in ranks.values() if host is not None]
+        if walk_cwd:
+            roots += [Path(f"/proc/{host}/cwd") for _, host in ranks.values() if host is not None]
         for root in roots:
             for path in find_event_files(root):
                 if len(self._files) >= MAX_FILES:

@@ -3,7 +3,8 @@ Hugging Face Trainer script (tests/scripts/, nothing of Lockstep in either) each
 2-node job on gloo with real agents, the real scheduler and the rq worker.
 
 Each job crashes on purpose after its second save, so what is checked is the whole loop: the
-scalars the framework logs to TensorBoard reach the metrics API from both attempts; its own
+scalars the framework logs to TensorBoard reach the metrics API, the resumed attempt's from
+its resume point on; its own
 saves are seen and listed with their format; the restart resumes from the latest one the way
 the framework looks for it (`ckpt_path="last"`, `get_last_checkpoint(output_dir)`); and a save
 registers as a model version whose export is a safetensors file of the model's weights."""
@@ -109,7 +110,7 @@ def test_an_unmodified_framework_script_is_a_first_class_job(cluster, framework)
     # Resumed from the latest save before the crash, found where the framework looks.
     assert second["resumed_from_step"] == 20, second
 
-    # Every scalar the framework logged, as series of their own, from both attempts.
+    # Every scalar the framework logged, as series of their own.
     names = api.get(f"/api/v1/jobs/{job}/metrics/names/").json()["names"]
     assert {spec["tag"], spec["other_tag"]} <= set(names), names
     series = api.get(f"/api/v1/jobs/{job}/metrics/", params={"name": spec["tag"]}).json()
