@@ -384,6 +384,11 @@ EXPECTATIONS: dict[str, Row] = {
     "v1_jobs_metrics_retrieve": Row(
         JOB_READ, target="job", check=lambda w, b, role: "30" in str(b)
     ),
+    "v1_jobs_metrics_names_retrieve": Row(
+        JOB_READ,
+        target="job",
+        check=lambda w, b, role: b["names"] == ["loss", "step_time_s"],
+    ),
     # Model versions follow their job.
     "v1_models_list": Row(_all(BLIND, seeing=OK), listed=lambda w: w.model.id),
     "v1_models_create": Row(
