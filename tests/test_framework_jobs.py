@@ -128,9 +128,12 @@ def test_an_unmodified_framework_script_is_a_first_class_job(cluster, framework)
     # and 40 by the second (the one it resumed from is not counted twice; started over, it
     # would have saved 10 and 20 again). Retention keeps the last 3 once attempt 1 has ended.
     checkpoints = api.get(f"/api/v1/jobs/{job}/checkpoints/").json()
-    kept = sorted((c["attempt"], c["step"]) for c in checkpoints)
     first_id, second_id = done["attempts"][0]["id"], done["attempts"][1]["id"]
-    assert kept == [(first_id, 20), (second_id, 30), (second_id, 40)], checkpoints
+    steps = {
+        n: {c["step"] for c in checkpoints if c["attempt"] == n} for n in (first_id, second_id)
+    }
+    # Retention runs on the queue worker, after the commits: step 10 may or may not be gone yet.
+    assert steps[second_id] == {30, 40} and steps[first_id] in ({20}, {10, 20}), checkpoints
     assert {c["format"] for c in checkpoints} == {framework}
 
     latest = max(checkpoints, key=lambda c: c["step"])
