@@ -212,6 +212,11 @@ class Attempt(models.Model):
         null=True, blank=True, help_text="Given to the trainer: the job's or Young/Daly's"
     )
     straggler_checked_at = models.DateTimeField(null=True, blank=True)
+    filler = models.BooleanField(
+        default=False,
+        help_text="Started on a reservation's draining nodes past their time (scheduling "
+        "rule 4): the reservation's holder stops it, checkpoint-first, once they have drained",
+    )
 
     class Meta:
         ordering = ["job_id", "number"]
@@ -415,6 +420,7 @@ class PreemptionRequest(models.Model):
         RECLAIM = PreemptionKind.RECLAIM.value
         PRIORITY = PreemptionKind.PRIORITY.value
         STARVATION = PreemptionKind.STARVATION.value  # waiting many times its length (rule 4)
+        BACKFILL = PreemptionKind.BACKFILL.value  # a reservation taking back its fillers (rule 4)
 
     # Carried out at once, without an admin (the vocabulary's list, which the simulator follows):
     # reclaims give lent GPUs back to their owner, and a starvation claim takes only its own

@@ -181,6 +181,19 @@ def recent_preemptions(job_ids, *, now: datetime) -> dict[int, int]:
     return dict(rows)
 
 
+def recent_backfill_stops(job_ids, *, now: datetime) -> set[int]:
+    """The jobs a reservation stopped as its fillers within the safety window: a job is a
+    filler at most once a day (scheduling rule 4)."""
+    return set(
+        PreemptionRequest.objects.filter(
+            victim_id__in=job_ids,
+            state=PreemptionRequest.State.EXECUTED,
+            kind=PreemptionRequest.Kind.BACKFILL,
+            executed_at__gte=now - SAFETY_WINDOW,
+        ).values_list("victim_id", flat=True)
+    )
+
+
 def last_reclaims(job_ids) -> dict[int, datetime]:
     """When a reclaim last stopped each job (protection rule 2)."""
     rows = (

@@ -63,6 +63,7 @@ def job(
     prio: int = 1,
     submitted: int = 0,
     estimate: float | None = None,
+    min_run: float = 1800.0,
 ):
     return JobView(
         id=job_id,
@@ -71,6 +72,7 @@ def job(
         priority=prio,
         submitted_at=T0 + timedelta(seconds=submitted),
         runtime_estimate_s=estimate,
+        min_run_s=min_run,
     )
 
 

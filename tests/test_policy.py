@@ -4,8 +4,8 @@ import dataclasses
 from datetime import timedelta
 
 from jobs.scheduling.policy import plan
-from jobs.scheduling.vocab import WaitReason, elastic_sizes
-from tests.builders import job, node, running, snapshot, team
+from jobs.scheduling.vocab import PreemptionKind, WaitReason, elastic_sizes
+from tests.builders import T0, job, node, running, snapshot, team
 
 
 def placed(p):
@@ -259,6 +259,84 @@ def test_easy_backfill_uses_reserved_nodes_only_for_jobs_that_end_before_they_fr
     assert "reservation held by job 1" in p.reasons[3]
 
 
+def test_a_job_that_would_delay_the_head_fills_its_draining_node_when_its_minimum_run_fits():
+    # The head (8 GPUs) waits for node a's 6-GPU job to end in an hour. Job 2 runs two
+    # hours: plain EASY backfill leaves a's 2 free GPUs idle for that hour; as a filler it
+    # runs there and is stopped for the head then. Job 3's minimum run (restart and one
+    # checkpoint) would outlast the hour, and job 4 was stopped as a filler today already.
+    t = team()
+    a, b = node("a", 8, busy=6), node("b", 8, busy=8)
+    runs = [
+        running(10, a, range(6), team_id=t.id, ends_in=3600),
+        running(11, b, range(8), team_id=t.id, ends_in=7200),
+    ]
+    jobs = [
+        job(1, 8, team_id=t.id, submitted=0, estimate=1000),
+        job(2, 2, team_id=t.id, submitted=1, estimate=7200),
+        job(3, 2, team_id=t.id, submitted=2, estimate=7200, min_run=4000),
+        dataclasses.replace(job(4, 2, team_id=t.id, submitted=3, estimate=7200), filled=True),
+    ]
+    p = plan(snapshot([a, b], jobs, [t], runs))
+    assert p.reservation == (1, (a.id,))
+    assert [(pl.job_id, pl.node_ids, pl.filler) for pl in p.placements] == [(2, (a.id,), True)]
+    assert "reservation held by job 1" in p.reasons[3]
+    assert "reservation held by job 1" in p.reasons[4]
+
+
+def _filler(job_id, node_view, indices, *, team_id, protected_for=-60.0, preemptions=0):
+    return dataclasses.replace(
+        running(job_id, node_view, indices, team_id=team_id, ends_in=20000),
+        filler=True,
+        protected_until=T0 + timedelta(seconds=protected_for),
+        preemptions=preemptions,
+    )
+
+
+def test_the_head_stops_its_fillers_checkpoint_first_once_the_rest_has_drained():
+    t = team()
+    a, b = node("a", 8, busy=2), node("b", 8, busy=8)
+    runs = [
+        _filler(20, a, [0, 1], team_id=t.id),
+        running(11, b, range(8), team_id=t.id, ends_in=7200),
+    ]
+    p = plan(snapshot([a, b], [job(1, 8, team_id=t.id, estimate=1000)], [t], runs))
+    assert [(x.victim_job_id, x.claimant_job_id, x.kind) for x in p.preemptions] == [
+        (20, 1, PreemptionKind.BACKFILL)
+    ]
+    assert p.waits[1].code == "preempting"
+    assert "its reserved nodes have drained" in p.reasons[1]
+
+
+def test_a_filler_within_its_minimum_run_or_at_its_safety_stop_is_not_stopped():
+    t = team()
+    a = node("a", 8, busy=2)
+    young = [_filler(20, a, [0, 1], team_id=t.id, protected_for=600)]
+    p = plan(snapshot([a], [job(1, 8, team_id=t.id)], [t], young))
+    assert p.preemptions == ()
+    assert p.waits[1].code == "reserved"
+    # The reservation's time is the end of the filler's minimum run, not its own end: a job
+    # that would outlast it may not backfill the node's free GPUs.
+    later = job(2, 2, team_id=t.id, submitted=1, estimate=1200, min_run=5000)
+    p = plan(snapshot([a], [job(1, 8, team_id=t.id), later], [t], young))
+    assert 2 not in placed(p)
+    stopped_enough = [_filler(20, a, [0, 1], team_id=t.id, preemptions=5)]
+    p = plan(snapshot([a], [job(1, 8, team_id=t.id)], [t], stopped_enough))
+    assert p.preemptions == ()
+
+
+def test_the_head_counts_a_fillers_gpus_as_its_own_when_it_picks_the_freest_nodes():
+    # a: 6 free + a 2-GPU filler; b: 7 free beside a job of 10 hours. Freest by free GPUs
+    # alone is b (the head would wait 10 hours); counting the filler it is a.
+    t = team()
+    a, b = node("a", 8, busy=2), node("b", 8, busy=1)
+    runs = [
+        _filler(20, a, [0, 1], team_id=t.id, protected_for=600),
+        running(21, b, [0], team_id=t.id, ends_in=36000),
+    ]
+    p = plan(snapshot([a, b], [job(1, 8, team_id=t.id)], [t], runs))
+    assert p.reservation == (1, (a.id,))
+
+
 def test_a_starving_head_reserves_the_node_that_frees_up_first_a_young_one_the_freest():
     # a has the most free GPUs but a 2-hour job; b frees all 8 in 600 s.
     t = team()
@@ -329,7 +407,12 @@ def test_a_starving_jobs_reservation_admits_backfill_only_until_the_job_could_st
     p = plan(snapshot([n1, n2, n3], jobs, [t], runs))
     assert p.reservation == (1, (n3.id,))
     assert "of its own on n1" in p.reasons[2]
-    assert [(pl.job_id, pl.node_ids) for pl in p.placements] == [(4, (n1.id,))]
+    # Job 3 fills the head's n3 instead (it will be stopped there at 9,000 s, long after
+    # its minimum run), never n1, where nobody would stop it for job 2.
+    assert [(pl.job_id, pl.node_ids, pl.filler) for pl in p.placements] == [
+        (3, (n3.id,), True),
+        (4, (n1.id,), False),
+    ]
 
 
 def test_a_starving_job_gets_no_reservation_on_nodes_too_small_for_it():

@@ -355,3 +355,48 @@ def test_the_console_queue_shows_the_safety_stops_alert_to_admins(two_teams, mak
     html = client.get("/console/queue/").content.decode()
     alerts = html.split('id="scheduler-alerts"')[1].split("</div>")[0]
     assert f"job {borrowed.id}" in alerts and "preemption loop" in alerts
+
+
+@pytest.mark.django_db
+def test_a_filler_runs_on_a_reservations_draining_node_and_is_stopped_for_it(
+    make_team, make_user, make_nodes, settings, tmp_path
+):
+    """Scheduling rule 4's fillers end to end on the database: the applier records the
+    filler, the reader gives it back to the policy, which stops it checkpoint-first for the
+    reservation's holder once the rest of the node has drained; it is a filler once a day."""
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "CHECKPOINT_ROOT": str(tmp_path / "ckpt")}
+    team = make_team("solo", quota=8)
+    user = make_user("sol", team=team)
+    (node,) = make_nodes(1, 4)
+    first = submit(team, user, gpus=2, time_limit_s=3600)
+    run_pass()
+    beat(node, live_attempt(first), {0: None, 1: None})
+    head = submit(team, user, gpus=4, time_limit_s=600)
+    filler = submit(team, user, gpus=2, time_limit_s=7200, checkpoint_interval_s=1200)
+    run_pass()
+    head.refresh_from_db()
+    assert head.wait["code"] == "reserved"
+    filler_attempt = live_attempt(filler)
+    assert filler_attempt.filler is True
+    assert take_snapshot(timezone.now()).running[-1].filler is True
+    beat(node, filler_attempt, {0: None, 1: None})
+    # The first job ends; the filler is past its minimum run: the head takes the node back.
+    beat(node, live_attempt(first), {0: 0, 1: 0})
+    run_pass()
+    assert not PreemptionRequest.objects.exists()  # still within its minimum run
+    past_protection(1500)  # its minimum run: 120 s start-up + 1,200 s interval
+    run_pass()
+    (request,) = PreemptionRequest.objects.all()
+    assert (request.kind, request.state, request.victim, request.claimant) == (
+        "backfill",
+        "executed",
+        filler,
+        head,
+    )
+    _stop_and_exit(node, filler_attempt, tmp_path / "ckpt")
+    run_pass()
+    assert live_attempt(head).allocations.count() == 4
+    (queued,) = take_snapshot(timezone.now()).queued
+    assert (queued.id, queued.filled) == (filler.id, True)
+    # Its minimum run, should it start again: the assumed start-up (120 s) and its interval.
+    assert queued.min_run_s == 120 + 1200

@@ -297,6 +297,7 @@ def _create_attempts(accepted, nodes: dict[int, Node], *, now: datetime) -> list
                 # Before first_started_at is set: a fresh job's advice needs no queries.
                 checkpoint_interval_s=checkpoint_advice(job)["interval_s"],
                 dataset_location=dataset_location(job.dataset),
+                filler=placement.filler,
             )
             for placement, job, _ in accepted
         ],

@@ -80,6 +80,7 @@ def estimate_starts(
                     slots=slots,
                     started_at=clock,
                     expected_end=end,
+                    filler=placed[job.id].filler,
                 )
             )
             ends[job.id] = end

@@ -290,13 +290,18 @@ class SchedulingPass:
         # EASY backfill: a job may use reserved nodes only if it is done before they free up.
         key, usable = self.reservations.usable_for(job, team)
         choice = self.reservations.place(job, key, usable)
+        filler = False
+        if choice is None and not key[0]:
+            filled = self.reservations.fill(job, team, usable)
+            if filled is not None:
+                choice, filler = filled
         if choice is None:
             choice = self._blocked(job, team, key, usable)
         if choice is not None:
             occupy(self.free, choice)
             self.reservations.placed()
             self.used[team.id] += self.shrunk.get(job.id, job.gpus)
-            self.placements.append(Placement(job.id, job.team_id, to_slots(choice)))
+            self.placements.append(Placement(job.id, job.team_id, to_slots(choice), filler))
 
     def _behind_team_hold(self, job: JobView, team: TeamView) -> bool:
         """Rule 4 inside a team: behind the team's first job blocked by its cap, a job waits
@@ -484,6 +489,28 @@ class SchedulingPass:
         team = self.teams[job.team_id]
         self.head_borrowing = self.used[team.id] + job.gpus > team.quota
         self.reservations.reserve_head(job, team)
+        fillers = self.reservations.fillers_to_stop(job)
+        if fillers:
+            self.taken.update(v.id for v in fillers)
+            self.preemptions.extend(
+                Preemption(
+                    v.id,
+                    job.id,
+                    PreemptionKind.BACKFILL,
+                    f"job {job.id}'s reserved nodes have drained",
+                )
+                for v in fillers
+            )
+            self.wait(
+                job,
+                "preempting",
+                victims=tuple(v.id for v in fillers),
+                gpus=job.gpus,
+                kind=PreemptionKind.BACKFILL,
+                same_team=False,
+                priority=job.priority,
+            )
+            return
         reserved = sorted(self.reservations.reserved, key=self.names.get)
         self.wait(
             job,

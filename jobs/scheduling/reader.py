@@ -12,10 +12,12 @@ from jobs.models import GPU, PRIORITY_RANK, Allocation, Attempt, Job, Node, Pree
 from jobs.queries import (
     attempt_protected_until,
     last_reclaims,
+    recent_backfill_stops,
     recent_preemptions,
     restart_costs,
     run_seconds,
 )
+from jobs.scheduling.protection import min_run_s
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 from teams.models import Team
 
@@ -56,12 +58,26 @@ def take_snapshot(now: datetime) -> Snapshot:
             "time_limit_s",
             "first_started_at",
             "min_gpus",
+            "checkpoint_interval_s",
         )
     )
     # A requeued job's limit is what is left of it (limits count run time, not wall time).
     ran = run_seconds([j.id for j in queued_jobs if j.time_limit_s and j.first_started_at], now=now)
     claim_nodes, claimant_of = _claims(now)
-    reclaimed = last_reclaims([j.id for j in queued_jobs if j.first_started_at])
+    started_before = [j.id for j in queued_jobs if j.first_started_at]
+    reclaimed = last_reclaims(started_before)
+    filled = recent_backfill_stops(started_before, now=now)
+    queued_restart = restart_costs(started_before)
+    # The interval its next attempt will get: its own setting, else its last attempt's (a
+    # fresh job's Young/Daly advice is not computed here; if it comes out longer, the filler's
+    # protection simply ends later and its reservation waits for that, never stopping it early).
+    last_interval = dict(
+        Attempt.objects.filter(job_id__in=started_before, checkpoint_interval_s__isnull=False)
+        .order_by("job_id", "number")
+        .values_list("job_id", "checkpoint_interval_s")
+    )
+    floor_s = float(lockstep_setting("PREEMPT_EXEMPT_S"))
+    default_restart = float(lockstep_setting("RESTART_COST_S"))
     queued = tuple(
         JobView(
             id=j.id,
@@ -76,6 +92,13 @@ def take_snapshot(now: datetime) -> Snapshot:
             min_gpus=j.min_gpus,
             claim_nodes=claim_nodes.get(j.id, ()),
             reclaimed_at=reclaimed.get(j.id),
+            # What its minimum run will be once started (attempt_protected_until's rule).
+            min_run_s=min_run_s(
+                j.checkpoint_interval_s or last_interval.get(j.id),
+                queued_restart.get(j.id, default_restart),
+                floor_s,
+            ),
+            filled=j.id in filled,
         )
         for j in queued_jobs
     )
@@ -110,6 +133,7 @@ def take_snapshot(now: datetime) -> Snapshot:
             restart_s=restart[a.job_id],
             preemptions=stops.get(a.job_id, 0),
             stepped=a.first_step_at is not None,
+            filler=a.filler,
         )
         for a in live_attempts
     )

@@ -10,6 +10,7 @@ from collections import defaultdict
 from jobs.scheduling.isolation import allowed
 from jobs.scheduling.order import fifo_key, stretch
 from jobs.scheduling.placement import place
+from jobs.scheduling.protection import at_safety_stop
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 
 # A job that has waited this many times its length (stretch) reserves the nodes that free up
@@ -47,6 +48,17 @@ class Reservations:
         self.all_running = snapshot.running
         self.running = [r for r in snapshot.running if not r.stopping]
         self.largest = largest  # GPUs of the cluster's largest schedulable node
+        self.floor_s = snapshot.preempt_exempt_s
+        # node id -> the fillers running there (started past a reservation's time, rule 4):
+        # a reservation counts their GPUs as its own, to be taken back once the rest drained.
+        # One at its safety stop may not be taken: it counts as the job it is.
+        self.fillers: dict[int, list[RunningView]] = defaultdict(list)
+        for run in self.running:
+            if run.filler and not at_safety_stop(run, snapshot.max_preemptions):
+                for node_id in dict.fromkeys(n for n, _ in run.slots):
+                    self.fillers[node_id].append(run)
+        self.takable = {r.id for runs in self.fillers.values() for r in runs}
+        self._fill_refused: dict[tuple[bool, bool], int] = {}
         # The first blocked job's reservation, with the nodes later claims of the pass add:
         # (job id, node ids) (Plan.reservation).
         self.holder: tuple[int, tuple[int, ...]] | None = None
@@ -135,17 +147,68 @@ class Reservations:
             tuple(sorted(self.reserved)),
         )
         if drains:
-            self.shadow = _shadow_time(self.reserved, self.running, self.taken)
+            self.shadow = _shadow_time(self.reserved, self.running, self.taken, self.takable)
         self._changed()
+
+    def fill(self, job: JobView, team: TeamView | None, usable: list[NodeView]):
+        """A place for `job` as a filler (rule 4): on the first blocked job's draining nodes
+        as well as its usable ones, although it runs past their time. Only when its minimum
+        run ends before then (the holder may stop it then, checkpoint-first, and it has saved
+        by then), and not for a job already stopped as a filler within the safety window (a
+        job is a filler at most once a day). Returns (placement, filler) or None."""
+        if self.holder is None or self.shadow is None or job.filled or not self.head_nodes:
+            return None
+        left = self.shadow - self.now.timestamp()
+        if left < max(job.min_run_s, self.floor_s):
+            return None
+        shape = (job.gpus <= self.largest, bool(team and team.isolated_only))
+        if job.gpus >= self._fill_refused.get(shape, _NEVER):
+            return None
+        seen = {n.id for n in usable}
+        nodes = usable + [
+            n for n in allowed(team, self.nodes) if n.id in self.head_nodes and n.id not in seen
+        ]
+        choice = place(job, self.free, nodes, self.largest)
+        if choice is None:
+            self._fill_refused[shape] = min(job.gpus, self._fill_refused.get(shape, _NEVER))
+            return None
+        return choice, any(node.id in self.head_nodes for node, _ in choice)
+
+    def fillers_to_stop(self, job: JobView) -> list[RunningView] | None:
+        """The fillers on the first blocked job's nodes that stand between it and a start now
+        (everything else there has drained), or None while anything else is in the way or a
+        filler is still within its minimum run."""
+        nodes = [self._by_id[i] for i in sorted(self.head_nodes) if i in self._by_id]
+        chosen: dict[int, RunningView] = {}
+        for node in nodes:
+            runs = [r for r in self.fillers.get(node.id, ()) if r.id not in self.taken]
+            need = (job.gpus if job.gpus <= self.largest else node.total) - len(self.free[node.id])
+            if need <= 0:
+                continue
+            if sum(_gpus_on(r, node.id) for r in runs) < need:
+                return None
+            for run in sorted(runs, key=lambda r: -_gpus_on(r, node.id)):
+                if need <= 0:
+                    break
+                chosen[run.id] = run
+                need -= _gpus_on(run, node.id)
+        if not chosen or any(
+            run.protected_until is not None and run.protected_until > self.now
+            for run in chosen.values()
+        ):
+            return None
+        return list(chosen.values())
 
     def reserve_head(self, job: JobView, team: TeamView | None = None) -> None:
         """The first blocked job's reservation: where its GPUs free first if it is starving,
         else the freest nodes (isolated ones only for an isolated-only team's job)."""
         nodes = allowed(team, self.nodes)
         self.reserved.update(
-            _soonest_nodes(job, nodes, self.free, self.all_running, self.taken, self.largest)[0]
+            _soonest_nodes(
+                job, nodes, self.free, self.all_running, self.taken, self.largest, self.takable
+            )[0]
             if stretch(job, self.now) >= STARVING_STRETCH
-            else _freest_nodes(job, nodes, self.free, self.largest)
+            else _freest_nodes(job, nodes, self.free, self.largest, self.fillers)
         )
         self.head_nodes = frozenset(self.reserved)
         self.reserve(job.id, ())
@@ -161,7 +224,9 @@ class Reservations:
         shape = (job.gpus <= self.largest, bool(team and team.isolated_only))
         nodes = allowed(team, self.unreserved)
         hold, starts_at = (
-            _soonest_nodes(job, nodes, self.free, self.all_running, self.taken, self.largest)
+            _soonest_nodes(
+                job, nodes, self.free, self.all_running, self.taken, self.largest, self.takable
+            )
             if len(self.starving) < MAX_STARVING_HOLDS
             and job.gpus < self._hold_refused.get(shape, _NEVER)
             and stretch(job, self.now) >= STARVING_STRETCH
@@ -232,7 +297,9 @@ def _team_shadow(team: TeamView, job: JobView, held: int, runs: list[RunningView
     return None
 
 
-def _soonest_nodes(job, nodes, free, running, taken, largest) -> tuple[tuple[int, ...], float]:
+def _soonest_nodes(
+    job, nodes, free, running, taken, largest, takable
+) -> tuple[tuple[int, ...], float]:
     """The nodes where `job` could start soonest from the running jobs' expected ends (a
     job with none never ends; a victim chosen this pass ends first): the one node with
     `job.gpus` GPUs free first, or the whole nodes that drain first (`largest`: the
@@ -247,7 +314,8 @@ def _soonest_nodes(job, nodes, free, running, taken, largest) -> tuple[tuple[int
         if run.id in taken:
             end = -math.inf
         else:
-            end = run.expected_end.timestamp() if run.expected_end else math.inf
+            end = _end(run, takable)
+            end = math.inf if end is None else end
         for node_id, _ in run.slots:
             on_node[node_id].append(end)
 
@@ -268,12 +336,16 @@ def _soonest_nodes(job, nodes, free, running, taken, largest) -> tuple[tuple[int
 
 
 def _freest_nodes(
-    job: JobView, nodes: list[NodeView], free: dict[int, list[int]], largest: int
+    job: JobView, nodes: list[NodeView], free: dict[int, list[int]], largest: int, fillers
 ) -> tuple[int, ...]:
     """The nodes with the most free GPUs: where backfill has the longest window (the
     running jobs left there are often long), so a young reservation costs the least idle
     time; a starving job's reservation goes where GPUs free first (`_soonest_nodes`)."""
-    ranked = sorted(nodes, key=lambda n: (-len(free[n.id]), n.name))
+
+    def freeable(node: NodeView) -> int:  # a filler's GPUs are the reservation's to take
+        return len(free[node.id]) + sum(_gpus_on(r, node.id) for r in fillers.get(node.id, ()))
+
+    ranked = sorted(nodes, key=lambda n: (-freeable(n), n.name))
     return tuple(n.id for n in _first_ranked(job, ranked, largest))
 
 
@@ -292,13 +364,26 @@ def _first_ranked(job: JobView, ranked: list[NodeView], largest: int) -> list[No
     return chosen
 
 
-def _shadow_time(reserved, running, taken) -> float | None:
+def _shadow_time(reserved, running, taken, takable) -> float | None:
     """When every running job on the reserved nodes is expected to end (None if unknown)."""
     ends = []
     for run in running:
         if run.id in taken or not any(node_id in reserved for node_id, _ in run.slots):
             continue
-        if run.expected_end is None:
+        end = _end(run, takable)
+        if end is None:
             return None
-        ends.append(run.expected_end.timestamp())
+        ends.append(end)
     return max(ends) if ends else None
+
+
+def _end(run: RunningView, takable: set[int]) -> float | None:
+    """When `run` leaves its GPUs for a reservation: its expected end, or for a filler a
+    reservation may take (`takable`) the end of its minimum run (the holder stops it then)."""
+    if run.id in takable:
+        return (run.protected_until or run.started_at).timestamp()
+    return run.expected_end.timestamp() if run.expected_end else None
+
+
+def _gpus_on(run: RunningView, node_id: int) -> int:
+    return sum(1 for n, _ in run.slots if n == node_id)

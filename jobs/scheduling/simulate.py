@@ -186,6 +186,7 @@ class _Engine:
         self.preempted = [0] * n
         self.stopped_at: list[list[float]] = [[] for _ in range(n)]  # preemption stops per job
         self.reclaimed_at: list[float | None] = [None] * n
+        self.filled_at: list[float] = [-INF] * n  # when a backfill claim last stopped it
         self.safety_stops: set[int] = set()  # jobs whose preemption the safety stop refused
         self.reclaim_start: list[float | None] = [None] * n
 
@@ -365,6 +366,10 @@ class _Engine:
             name=job.job_id,
             runtime_estimate_s=est,
             reclaimed_at=None if reclaimed is None else _at(reclaimed),
+            min_run_s=min_run_s(
+                self.cfg.checkpoint_interval_s, self.cfg.restart_s, self.cfg.preempt_exempt_s
+            ),
+            filled=self.filled_at[i] > t - 86400.0,
         )
         self.queued_since[i] = t
         self.queued_gpus += job.gpus
@@ -599,6 +604,7 @@ class _Engine:
                 protected_until=_at(t + protect),
                 restart_s=cfg.restart_s,
                 preemptions=recent,
+                filler=placement.filler,
             ),
         )
         self.running_dirty = True
@@ -715,6 +721,8 @@ class _Engine:
         self.stopped_at[i].append(t)
         if self.open_requests.get(jid, (None, None))[1] == PreemptionKind.RECLAIM:
             self.reclaimed_at[i] = t
+        if self.open_requests.get(jid, (None, None))[1] == PreemptionKind.BACKFILL:
+            self.filled_at[i] = t
         if self.preempted[i] >= self.cfg.max_preemptions:
             raise SimulationError(
                 f"job {self.jobs[i].job_id} preempted {self.preempted[i]} times by t={t:.0f}: "

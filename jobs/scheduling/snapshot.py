@@ -40,6 +40,11 @@ class JobView:
     # When a reclaim last stopped it: a job reclaimed within its protection is not restarted
     # on borrowed GPUs while a guaranteed job of another team waits (it would be taken back).
     reclaimed_at: datetime | None = None
+    # Its minimum run once started (jobs.scheduling.protection.min_run_s): a job may fill a
+    # reservation's draining nodes only if that run ends before the reservation's time.
+    min_run_s: float = 0.0
+    # Stopped before as a reservation's filler within the safety window: it does not fill again.
+    filled: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,9 @@ class RunningView:
     # It has made a step since it started (or resumed): an attempt that has not is not grown
     # back (its restart would be thrown away before it trained at all).
     stepped: bool = True
+    # Started on a reservation's draining nodes although it ends after they drain (rule 4's
+    # fillers): the reservation's holder stops it, checkpoint-first, once the rest has drained.
+    filler: bool = False
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ class Placement:
     job_id: int
     team_id: int
     slots: tuple[Slot, ...]
+    filler: bool = False  # on a reservation's draining nodes past their time (rule 4)
 
     @property
     def node_ids(self) -> tuple[int, ...]:
@@ -44,10 +45,13 @@ class PreemptionKind(StrEnum):
     # own team's work beyond the quota, or borrowed work of a team with at least its team's
     # fair share.
     STARVATION = "starvation"
+    # The reservation's holder takes back its drained nodes from the fillers that ran there
+    # meanwhile (scheduling rule 4): they started knowing they would be stopped then.
+    BACKFILL = "backfill"
 
 
 # Carried out at once; the others wait for an admin or their deadline.
-AUTOMATIC_KINDS = (PreemptionKind.RECLAIM, PreemptionKind.STARVATION)
+AUTOMATIC_KINDS = (PreemptionKind.RECLAIM, PreemptionKind.STARVATION, PreemptionKind.BACKFILL)
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ def _preempting(data: Mapping) -> str:
     kind = data["kind"]
     if kind == PreemptionKind.STARVATION:
         why = f"it has waited {data['stretch']:.0f} times its length"
+    elif kind == PreemptionKind.BACKFILL:
+        why = "its reserved nodes have drained but for the jobs that filled them meanwhile"
     elif kind == PreemptionKind.RECLAIM:
         why = "reclaiming its team's quota"
     elif data["same_team"]:
@@ -198,7 +204,8 @@ class WaitReason:
     - isolation: its team runs on isolated nodes only and those have too few GPUs:
       {team: name, gpus, capacity}
     - preempting: victims chosen this pass: {victims: job ids, gpus, kind: a PreemptionKind,
-      same_team: bool (priority), priority (priority), stretch (starvation)}
+      same_team: bool (priority), priority (priority), stretch (starvation); backfill: the
+      reservation's holder stopping the fillers on its drained nodes}
     - reserved: it holds the reservation: {gpus, free: GPUs free now, nodes: names, ahead}
     - reserved_starving: a starving job's own reservation:
       {gpus, stretch, nodes: names, beside: the reservation holder's job id, ahead}
