@@ -232,6 +232,7 @@ def protection(job: Job, *, now: datetime) -> dict | None:
         "checkpoint_interval_s": attempt.checkpoint_interval_s or job.checkpoint_interval_s,
         "preemptions_today": recent_preemptions([job.id], now=now).get(job.id, 0),
         "safety_stop": int(lockstep_setting("PREEMPT_MAX_PER_DAY")),
+        "filler": attempt.filler,
     }
 
 

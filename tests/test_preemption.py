@@ -380,6 +380,10 @@ def test_a_filler_runs_on_a_reservations_draining_node_and_is_stopped_for_it(
     assert filler_attempt.filler is True
     assert take_snapshot(timezone.now()).running[-1].filler is True
     beat(node, filler_attempt, {0: None, 1: None})
+    page = Client()
+    page.force_login(user)
+    assert "runs as a filler" in page.get(f"/jobs/{filler.id}/").content.decode()
+    assert "runs as a filler" not in page.get(f"/jobs/{first.id}/").content.decode()
     # The first job ends; the filler is past its minimum run: the head takes the node back.
     beat(node, live_attempt(first), {0: 0, 1: 0})
     run_pass()
