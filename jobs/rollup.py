@@ -28,9 +28,11 @@ from __future__ import annotations
 from django.db import transaction
 from django.db.models import Count, F, IntegerField, Max, Min, Q, Sum
 from django.db.models.expressions import ExpressionWrapper
+from django.utils import timezone
 
+from jobs import metric_store
 from jobs.bulk_sql import insert_rows
-from jobs.models import MetricPoint, MetricRollup
+from jobs.models import Job, MetricPoint, MetricRollup
 
 LEVELS = (16, 256, 4096, 65536, 1048576)  # each 16 x the one before
 HEADER = 0  # the width of a series' header row
@@ -168,6 +170,13 @@ def ensure_current(job_id: int, name: str) -> None:
     """Make the series' rollup agree with its raw points, should they have been written other
     than through `record`. One index-only count when it already does."""
     Point, Rollup = _models()
+    if Job.objects.filter(
+        pk=job_id, first_started_at__lt=metric_store.pruned_before(timezone.now())
+    ).exists():
+        # Its old raw points of ranks other than 0 may be gone by retention (jobs.metric_store):
+        # the rollup, kept at ingest, is the record now, and counting a long run's points on
+        # every read would cost more than the chart.
+        return
     points = Point.objects.filter(job_id=job_id, name=name)
     header = Rollup.objects.filter(job_id=job_id, name=name, width=HEADER, rank=0, bucket=0)
     stored = next(iter(header.values_list("count", flat=True)), None)  # the unique index

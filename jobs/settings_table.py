@@ -42,6 +42,17 @@ TABLE: tuple[Setting, ...] = (
         10.0,
         "how often a node's GPU readings are kept per rank for the job page's history charts",
     ),
+    Setting(
+        "METRIC_RAW_RETENTION_S",
+        86400.0,
+        "every rank's raw metric points are kept this long (rank 0's and the per-rank rollups "
+        "for the job's life); older ones go by whole partition (jobs/metric_store.py)",
+    ),
+    Setting(
+        "METRIC_RAW_PARTITION_S",
+        3600.0,
+        "the time span of one partition of every rank's raw metric points (PostgreSQL)",
+    ),
     Setting("SCHEDULER_TICK_S", 5.0, "the scheduler's pass interval when nothing wakes it"),
     Setting(
         "SCHEDULER_LEASE_S", 15.0, "a standby scheduler takes over this long after the leader dies"

@@ -11,7 +11,7 @@ as activity only: a framework logs every N steps, too seldom to time a step by."
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,7 +19,7 @@ from django.db import connection
 from django.db.models import Max
 from django.template.defaultfilters import filesizeformat
 
-from jobs import queue, rollup
+from jobs import metric_store, queue, rollup
 from jobs.actions.base import record_event
 from jobs.bulk_sql import insert_rows
 from jobs.conf import lockstep_setting
@@ -165,7 +165,7 @@ def _scalar(rank: int, record: dict, now: datetime) -> _Point | None:
     if value is None:
         return None
     when = datetime.fromtimestamp(float(record.get("time", now.timestamp())), now.tzinfo)
-    return _Point(rank, step, name, float(value), when)
+    return _Point(rank, step, name, float(value), metric_store.clamp_time(when, now))
 
 
 def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[dict]:
@@ -183,8 +183,9 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
                 step = int(record["step"])
                 if not 0 <= step <= MAX_COUNTER:
                     raise ValueError(f"step {step} out of range")
-                when = datetime.fromtimestamp(
-                    float(record.get("time", now.timestamp())), now.tzinfo
+                when = metric_store.clamp_time(
+                    datetime.fromtimestamp(float(record.get("time", now.timestamp())), now.tzinfo),
+                    now,
                 )
                 for name in STEP_METRICS:
                     if isinstance(record.get(name), int | float):
@@ -228,6 +229,11 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
                 name__in={p.name for p in points},
                 step__in={p.step for p in points},
                 attempt=attempt,
+                # A point sent again carries the time it was first stored under (or, from a
+                # clock taken as the portal's, one a little earlier): on PostgreSQL this keeps
+                # the lookup to the newest time partitions (jobs/metric_store.py).
+                time__gte=min(p.time for p in points)
+                - timedelta(seconds=metric_store.CLOCK_SKEW_S),
             ).values_list("rank", "step", "name")
         )
         fresh = []

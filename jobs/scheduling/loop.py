@@ -15,7 +15,7 @@ from django.db import close_old_connections
 from django.db.models import Max, Min, Q
 from django.utils import timezone
 
-from jobs import actions, queries
+from jobs import actions, metric_store, queries
 from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Job, Node, PreemptionRequest
 from jobs.scheduling.apply import ApplyResult, apply_plan
@@ -207,6 +207,12 @@ def _loop(lease, tick_s: float, once: bool, pubsub) -> None:
                 )
         except Exception:  # one bad pass must not stop the loop; the next one retries
             log.exception("scheduler pass failed")
+        try:
+            # The leader's chore, every few minutes: raw metric partitions made ahead, those
+            # past the retention dropped (jobs/metric_store.py).
+            metric_store.maintain(timezone.now())
+        except Exception:
+            log.exception("metric storage maintenance failed")
         if once:
             return
         pubsub = _wait_for_wake(pubsub, _next_wait(tick_s))
