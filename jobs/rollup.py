@@ -35,6 +35,11 @@ from jobs.bulk_sql import insert_rows
 from jobs.models import Job, MetricPoint, MetricRollup
 
 LEVELS = (16, 256, 4096, 65536, 1048576)  # each 16 x the one before
+# A job of more ranks than this keeps the finest level for rank 0 only; its other ranks start
+# at LEVELS[1]. The finest level is one row per 16 points of every rank, forever: for a
+# 4,096-rank run a month long that alone was hundreds of GB (docs/production.md, "Metric
+# storage"); rank 0's exact curve and every rank at 256 steps stay.
+FINE_RANKS = 64
 HEADER = 0  # the width of a series' header row
 FIELDS = ("first_step", "last_step", "low", "high", "count")
 
@@ -54,15 +59,22 @@ def _merge(into: list, first: int, last: int, low: float, high: float, n: int) -
     into[4] += n
 
 
-def record(job_id: int, points) -> None:
-    """Merge new points (MetricPoint objects of one job, just stored) into the job's rollups."""
+def coarse(world: int) -> bool:
+    """Whether a job of `world` ranks keeps the finest level for rank 0 only."""
+    return world > FINE_RANKS
+
+
+def record(job_id: int, points, *, world: int = 0) -> None:
+    """Merge new points (MetricPoint objects of one job, just stored) into the job's rollups.
+    `world`: the job's ranks (`coarse`)."""
     _, Rollup = _models()
     headers: dict[str, list] = {}
     buckets: dict[tuple, list] = {}  # (name, width, rank, bucket) -> [first, last, lo, hi, n]
+    few = not coarse(world)
     for p in points:
         step, value = p.step, p.value
         _merge(headers.setdefault(p.name, [0, 0, 0.0, 0.0, 0]), step, step, value, value, 1)
-        for width in LEVELS:
+        for width in LEVELS if few or p.rank == 0 else LEVELS[1:]:
             key = (p.name, width, p.rank, step // width)
             _merge(buckets.setdefault(key, [0, 0, 0.0, 0.0, 0]), step, step, value, value, 1)
     if not headers:
@@ -261,6 +273,12 @@ def rebuild(job_id: int, name: str, *, since: int = 0, Point=None, Rollup=None) 
     }
     if not series.filter(width=HEADER).update(**values):
         Rollup.objects.create(job_id=job_id, name=name, width=HEADER, rank=0, bucket=0, **values)
+    if coarse(_world(job_id)):
+        series.filter(width=base).exclude(rank=0).delete()
+
+
+def _world(job_id: int) -> int:
+    return next(iter(Job.objects.filter(pk=job_id).values_list("gpus", flat=True)), 0)
 
 
 def _store(Rollup, job_id: int, name: str, width: int, rows) -> None:
@@ -294,6 +312,18 @@ def buckets(job_id: int, name: str, width: int, rank: int | None = None) -> dict
     the raw points would give, read from the widest level of at most `width`."""
     _, Rollup = _models()
     level = max(w for w in LEVELS if w <= width)
+    if level == LEVELS[0] and coarse(_world(job_id)):
+        # Only rank 0 has the finest level: the others come at the next (fewer points).
+        out = _buckets(Rollup, job_id, name, width, level, 0) if rank in (None, 0) else {}
+        if rank != 0:
+            wider = max(width, LEVELS[1])
+            others = _buckets(Rollup, job_id, name, wider, LEVELS[1], rank)
+            out.update((r, rows) for r, rows in others.items() if r != 0)
+        return out
+    return _buckets(Rollup, job_id, name, width, level, rank)
+
+
+def _buckets(Rollup, job_id: int, name: str, width: int, level: int, rank) -> dict[int, list]:
     rows = Rollup.objects.filter(job_id=job_id, name=name, width=level)
     if rank is not None:
         rows = rows.filter(rank=rank)

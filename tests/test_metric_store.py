@@ -139,3 +139,54 @@ def test_retention_drops_an_old_partition_whole_and_leaves_the_live_one(lab, set
     assert list(MetricRollup.objects.filter(job=attempt.job).order_by("id").values()) == rollups
     header = MetricRollup.objects.get(job=attempt.job, name="loss", width=rollup.HEADER)
     assert header.count == 60
+
+
+@pytest.mark.django_db
+def test_a_large_jobs_other_ranks_are_rolled_up_from_256_steps(lab):
+    """Per-rank rollups at 16 steps are one row per 16 points of every rank, forever: a job of
+    more than FINE_RANKS ranks keeps them for rank 0 only; its other ranks read coarser."""
+    team, user = lab
+    now = timezone.now()
+    job = submit(team, user, gpus=rollup.FINE_RANKS + 8)
+    attempt = Attempt.objects.create(
+        job=job,
+        number=1,
+        state="running",
+        master_addr="127.0.0.1",
+        master_port=29400,
+        created_at=now,
+        running_at=now,
+        world_size=job.gpus,
+    )
+    records = [
+        {"kind": "step", "rank": rank, "step": step, "time": now.timestamp(), "loss": step + rank}
+        for step in range(600)
+        for rank in (0, 70)
+    ]
+    ingest.ingest_records(attempt, records, now=now)
+    finest = MetricRollup.objects.filter(job=job, name="loss", width=rollup.LEVELS[0])
+    assert set(finest.values_list("rank", flat=True)) == {0}
+    coarser = MetricRollup.objects.filter(job=job, name="loss", width=rollup.LEVELS[1])
+    assert set(coarser.values_list("rank", flat=True)) == {0, 70}
+    by_rank = rollup.buckets(job.id, "loss", 16)
+    assert [row[0] for row in by_rank[0]] == list(range(38))  # 600 steps / 16, rounded up
+    assert [row[1:] for row in by_rank[70]] == [
+        [0, 255, 70.0, 325.0, 256],
+        [256, 511, 326.0, 581.0, 256],
+        [512, 599, 582.0, 669.0, 88],
+    ]
+    # A small job keeps every rank's finest level, as before.
+    small = submit(team, user, gpus=2)
+    small_attempt = Attempt.objects.create(
+        job=small,
+        number=1,
+        state="running",
+        master_addr="127.0.0.1",
+        master_port=29401,
+        created_at=now,
+        running_at=now,
+        world_size=2,
+    )
+    _steps(small_attempt, range(40), now)
+    ranks = MetricRollup.objects.filter(job=small, name="loss", width=rollup.LEVELS[0])
+    assert set(ranks.values_list("rank", flat=True)) == {0, 1}

@@ -254,7 +254,7 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
         ]
     if points:
         _insert_points(attempt.job_id, attempt.id, points)
-        rollup.record(attempt.job_id, points)
+        rollup.record(attempt.job_id, points, world=attempt.world_size)
     if any((p.rank, p.step, p.name) in step_keys for p in points):
         # Progress is what the hang detector watches: the portal's clock, not the workers'.
         attempt.last_progress_at = now
