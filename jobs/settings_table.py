@@ -44,7 +44,7 @@ TABLE: tuple[Setting, ...] = (
     ),
     Setting(
         "METRIC_RAW_RETENTION_S",
-        86400.0,
+        21600.0,
         "every rank's raw metric points are kept this long (rank 0's and the per-rank rollups "
         "for the job's life); older ones go by whole partition (jobs/metric_store.py)",
     ),

@@ -1,7 +1,7 @@
 """The policy on many generated workloads in the target's shape (jobs.scheduling.generate):
 no preemption loop, no job preempted more than the safety bound; with checkpoint-first stops no
 worse than EASY backfill on mean JCT and starvation on every seed, and over the seeds no worse on
-utilisation. About 40 seconds.
+utilisation, work thrown away by preemptions included. About 40 seconds.
 
 Scaled down from the target (128 GPUs in nodes of 8, four teams, 150 jobs with quarter- and
 half-cluster gangs, 10 % high and 20 % low priority, log-normal durations around an hour) so
@@ -82,10 +82,11 @@ def test_over_the_seeds_no_worse_than_easy_backfill(runs):
     assert total("utilization", 2) >= total("utilization", 3) - 0.005 * len(runs)
     assert total("starved", 2) <= total("starved", 3)
     assert all(r[2]["completed"] == r[2]["jobs"] for r in runs)
-    # The trace's own work over the GPU time (no credit for work a preemption threw away):
-    # within half a point of backfill's on average. Per trace it is not yet (docs/simulator.md:
-    # the last jobs of a 150-job trace decide its makespan).
-    assert total("work_utilization", 4) >= total("work_utilization", 3) - 0.005 * len(runs)
+    # The trace's own work over the GPU time (no credit for work a preemption threw away): no
+    # worse than backfill's over the seeds (0.817 against 0.810 with fillers; 0.4 points
+    # below before them). Per trace it is not yet, on 8 of 24 (docs/simulator.md: the last
+    # jobs of a 150-job trace decide its makespan).
+    assert total("work_utilization", 4) >= total("work_utilization", 3)
 
 
 def test_the_generator_makes_the_shape_it_is_asked_for():
