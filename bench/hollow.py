@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -299,6 +300,90 @@ class Watcher(threading.Thread):
             self.connected.set()
 
 
+class ProcessSampler(threading.Thread):
+    """CPU and memory of each process of the portal under load, by kind, from /proc: the
+    portal's own processes (`pids`: kind -> pid, with their children) and, found by name, the
+    database server's (every `postgres` process, summed) and Redis's. Started at the steady
+    state, stopped with the load; `result()` gives per kind the cores used (CPU seconds over
+    wall seconds) and the largest resident memory seen (MB)."""
+
+    TICK = 1.0
+    BY_NAME = {"postgres": "postgres", "redis-server": "redis"}
+
+    def __init__(self, pids: dict[str, int]):
+        super().__init__(daemon=True)
+        self.pids = pids
+        self.halt = threading.Event()
+        self.cpu: dict[str, float] = {}  # kind -> CPU seconds at the first sample
+        self.last: dict[str, float] = {}
+        self.rss: Counter = Counter()
+        self.began = self.ended = 0.0
+
+    def _kinds(self) -> dict[int, str]:
+        kinds = {pid: kind for kind, pid in self.pids.items()}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+            if name in self.BY_NAME:
+                kinds[int(entry.name)] = self.BY_NAME[name]
+            elif parent in kinds and int(entry.name) not in kinds:
+                kinds[int(entry.name)] = kinds[parent]
+        return kinds
+
+    def _sample(self) -> tuple[dict[str, float], Counter]:
+        ticks = os.sysconf("SC_CLK_TCK")
+        page = os.sysconf("SC_PAGE_SIZE")
+        cpu: dict[str, float] = defaultdict(float)
+        rss: Counter = Counter()
+        for pid, kind in self._kinds().items():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            cpu[kind] += (int(fields[11]) + int(fields[12])) / ticks
+            rss[kind] += resident * page
+        return cpu, rss
+
+    def run(self) -> None:
+        self.began = time.monotonic()
+        self.cpu, _ = self._sample()
+        while not self.halt.wait(self.TICK):
+            cpu, rss = self._sample()
+            self.last, self.ended = cpu, time.monotonic()
+            for kind, held in rss.items():
+                self.rss[kind] = max(self.rss[kind], held)
+
+    def result(self) -> dict[str, dict]:
+        wall = max(1e-9, self.ended - self.began)
+        return {
+            kind: {
+                "cores": round((self.last[kind] - self.cpu.get(kind, 0.0)) / wall, 3),
+                "rss_mb": round(self.rss[kind] / 2**20, 1),
+            }
+            for kind in sorted(self.last)
+        }
+
+
+def database_bytes(url: str, sqlite_path: Path | None) -> int:
+    """The cluster database's size on disk: PostgreSQL's pg_database_size, or the SQLite file
+    with its WAL."""
+    if url.startswith("postgres"):
+        import psycopg
+
+        with psycopg.connect(url.replace("postgres://", "postgresql://", 1)) as conn:
+            return conn.execute("SELECT pg_database_size(current_database())").fetchone()[0]
+    if sqlite_path is None:
+        return 0
+    return sum(p.stat().st_size for p in (sqlite_path, Path(f"{sqlite_path}-wal")) if p.exists())
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -338,10 +423,12 @@ def run_load(
     steps: int,
     step_s: float,
     settle_s: float = 5.0,
+    measure: Callable[[str], None] | None = None,
 ) -> tuple[Stats, float, list[int]]:
     """Register `nodes` hollow nodes, then `submit()` the jobs (a job needs registered GPUs),
     open `watchers` websockets spread over them, and let the ranks step for `seconds` (then
-    `settle_s` more for the last records to reach the watchers). Returns the stats, the
+    `settle_s` more for the last records to reach the watchers). `measure("start")` and
+    `measure("stop")` are called as the steady state begins and ends. Returns the stats, the
     measured seconds and the job ids."""
     stats, stop, go, quiet = Stats(), threading.Event(), threading.Event(), threading.Event()
     hollow = [
@@ -371,8 +458,12 @@ def run_load(
     with stats.lock:
         stats.beats.clear()  # registration and placement are not the steady state measured
     started = time.monotonic()
+    if measure:
+        measure("start")
     go.set()
     time.sleep(seconds)
+    if measure:
+        measure("stop")
     stop.set()
     for node in hollow:
         node.join(60)
@@ -423,7 +514,6 @@ def main(argv: list[str] | None = None) -> int:
 
     # The portal as the suite starts it: its own database (PostgreSQL with DATABASE_URL, else
     # SQLite) and the embedded Redis unless REDIS_URL is set.
-    import os
     import tempfile
 
     sys.path.insert(0, str(ROOT))
@@ -444,6 +534,20 @@ def main(argv: list[str] | None = None) -> int:
             live.start()
             token = live.token("alice", "--team", "load", "--quota", str(args.nodes * args.gpus))
             api = Api(live.url, token)
+            sampler = ProcessSampler(
+                {"harness": os.getpid()} | {k: p.pid for k, p in live.procs.items()}
+            )
+            sqlite = Path(work) / "cluster.sqlite3"
+            size: dict[str, int] = {}
+
+            def measure(when: str) -> None:
+                size[when] = database_bytes(live.database.url, sqlite)
+                if when == "start":
+                    sampler.start()
+                else:
+                    sampler.halt.set()
+                    sampler.join(5)
+
             stats, elapsed, _jobs = run_load(
                 live.url,
                 live.agent_token,
@@ -455,10 +559,21 @@ def main(argv: list[str] | None = None) -> int:
                 seconds=args.seconds,
                 steps=args.steps,
                 step_s=args.step_s,
+                measure=measure,
             )
+            vendor = "postgresql" if live.database.url.startswith("postgres") else "sqlite"
         finally:
             live.stop()
-    result = {"args": vars(args), **summary(stats, elapsed)}
+    grown = size.get("stop", 0) - size.get("start", 0)
+    result = {
+        "args": vars(args),
+        **summary(stats, elapsed),
+        "database": vendor,
+        "database_growth_bytes": grown,
+        "database_growth_per_hour_bytes": round(grown * 3600 / max(1.0, args.seconds)),
+        "processes": sampler.result(),
+        "cores": os.cpu_count(),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

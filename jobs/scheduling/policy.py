@@ -42,15 +42,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from jobs.scheduling.claimants import honour_claims
 from jobs.scheduling.grow import grow_back
 from jobs.scheduling.isolation import allowed
 from jobs.scheduling.order import fifo_key, job_order_key, stretch
 from jobs.scheduling.placement import (
     occupy,
-    place_on_claim,
     shrunk,
     to_slots,
-    whole_nodes,
 )
 from jobs.scheduling.protection import pays
 from jobs.scheduling.reservations import Reservations, team_holds
@@ -108,6 +107,7 @@ class SchedulingPass:
         self.guaranteed_waiting = False  # a job within its team's quota found no victims
         self.settled: set[int] = set()  # claimants placed or waiting on their claim
         self.head_borrowing = False  # the reservation's head job is beyond its team's quota
+        self.head_team: int | None = None  # the team of the reservation's head job
         # GPUs of jobs already told to stop are as good as gone: a reclaim must not count them
         # again as the owner's lent GPUs (it would take the owner below its quota).
         lent: dict[int, int] = defaultdict(int)
@@ -145,7 +145,7 @@ class SchedulingPass:
         self.reservations: Reservations
 
     def run(self) -> Plan:
-        held = self.honour_claims()
+        held = honour_claims(self)
         self.nodes = [n for n in self.nodes if n.id not in held]
         self.reservations = Reservations(
             self.snapshot, self.nodes, self.free, self.taken, self.largest
@@ -177,97 +177,6 @@ class SchedulingPass:
         reason = self.waits[job.id] = WaitReason(code, data)
         self.reasons[job.id] = reason.text()
 
-    def honour_claims(self) -> set[int]:
-        """Rule 5 carried through: a claimant gets the GPUs its victims free. Returns the node
-        ids held for claimants this pass.
-
-        Before the main pass, in the usual order, each queued job with a claim (`claim_nodes`)
-        that fits under its team's cap is placed on its claimed nodes if it fits there now. If
-        it does not yet, and some of its victims are still checkpointing, it waits for them: it
-        claims nothing more (without this each pass stopped yet another victim for the same
-        job) the free GPUs it needs beyond what its victims will free are held from everyone
-        else for this pass (for a whole-node job: its claimed nodes and the idle nodes it needs
-        beyond them). A claim whose victims are all gone and that still does not fit is spent:
-        the job goes through the main pass like any other."""
-        held: set[int] = set()
-        pending: dict[int, list[RunningView]] = defaultdict(list)
-        for run in self.snapshot.running:
-            if run.stopping and run.claimant_id is not None:
-                pending[run.claimant_id].append(run)
-        by_id = {n.id: n for n in self.nodes}
-        # Those whose victims are all gone first: the GPUs just freed are theirs, not those of a
-        # claimant whose own victims on the same node are still stopping.
-        claimants = sorted(
-            (j for j in self.snapshot.queued if j.claim_nodes),
-            key=lambda j: (j.id in pending, job_order_key(j, self.teams, self.now)),
-        )
-        for job in claimants:
-            team = self.teams.get(job.team_id)
-            victims = pending.get(job.id, [])
-            # A priority claim inside the team: its victims' GPUs still count against the team
-            # until they exit, and then make the room under its cap.
-            leaving = sum(v.gpus for v in victims if v.team_id == job.team_id)
-            if team is None:
-                continue
-            # The borrowing pause after a reclaim does not apply: it keeps a team from taking
-            # more of others' GPUs, while these are GPUs another job was already stopped for.
-            # Its team's later jobs may have filled its quota in the meantime (on the msft trace
-            # at 4,096 GPUs and 3.5 times the load, reclaims waited out the pause: 240 s, not
-            # 60).
-            cap = team.quota + team.borrow_limit
-            if self.used[team.id] - leaving + job.gpus > cap:
-                continue
-            claimed = [by_id[i] for i in dict.fromkeys(job.claim_nodes) if i in by_id]
-            claimed = allowed(team, [n for n in claimed if n.id not in held])
-            fits_cap = self.used[team.id] + job.gpus <= cap
-            choice = (
-                place_on_claim(job, self.free, claimed, allowed(team, self.nodes), self.largest)
-                if claimed and fits_cap
-                else None
-            )
-            if choice is not None:
-                occupy(self.free, choice)
-                self.used[team.id] += job.gpus
-                self.placements.append(Placement(job.id, job.team_id, to_slots(choice)))
-                self.settled.add(job.id)
-                continue
-            if not victims or not claimed:
-                continue
-            hold = self._hold_for_claimant(job, team, victims, claimed, held)
-            self.settled.add(job.id)
-            if self.used[team.id] + self.claiming[team.id] + job.gpus <= team.quota:
-                self.claiming[team.id] += job.gpus
-            self.note(
-                job,
-                "stopping",
-                victims=tuple(sorted(v.id for v in victims)),
-                gpus=job.gpus,
-                nodes=tuple(sorted(self.names[i] for i in hold)),
-            )
-        return held
-
-    def _hold_for_claimant(self, job, team, victims, claimed, held: set[int]) -> set[int]:
-        """What a claimant waiting for its victims keeps from everyone else: on one node, the
-        claimed node closest to fitting keeps back only the free GPUs the job needs beyond its
-        victims' there (the rest of the node stays usable); whole nodes, its victims' and the
-        idle ones it needs beyond them, added to `held`. Returns the nodes it holds."""
-        if job.gpus <= self.largest:
-            stopping: dict[int, int] = defaultdict(int)
-            for victim in victims:
-                for node_id, _ in victim.slots:
-                    stopping[node_id] += 1
-            node = max(claimed, key=lambda n: (len(self.free[n.id]) + stopping[n.id], n.name))
-            keep = max(0, job.gpus - stopping[node.id])
-            self.free[node.id] = self.free[node.id][keep:]
-            return {node.id}
-        hold = {n.id for n in claimed}
-        need = job.gpus - sum(n.total for n in claimed)
-        if need > 0:
-            rest = [n for n in allowed(team, self.nodes) if n.id not in held | hold]
-            hold.update(node.id for node, _ in whole_nodes(need, self.free, rest) or ())
-        held |= hold
-        return hold
-
     def consider(self, job: JobView) -> None:
         """One queued job in order: start it (perhaps smaller), or claim, reserve or wait."""
         team = self.teams.get(job.team_id)
@@ -294,7 +203,7 @@ class SchedulingPass:
         key, usable = self.reservations.usable_for(job, team)
         choice = self.reservations.place(job, key, usable)
         filler = False
-        if choice is None and not key[0]:
+        if choice is None and not key[0] and self._may_fill(job, team):
             filled = self.reservations.fill(job, team, usable)
             if filled is not None:
                 choice, filler = filled
@@ -305,6 +214,13 @@ class SchedulingPass:
             self.reservations.placed()
             self.used[team.id] += self.shrunk.get(job.id, job.gpus)
             self.placements.append(Placement(job.id, job.team_id, to_slots(choice), filler))
+
+    def _may_fill(self, job: JobView, team: TeamView) -> bool:
+        """A job may fill the head's draining nodes only if the head may stop it then
+        (`reservations.may_take`): a borrowing head takes no other team's guaranteed work."""
+        if self.head_team is None or team.id == self.head_team or not self.head_borrowing:
+            return True
+        return self.used[team.id] >= team.quota
 
     def _behind_team_hold(self, job: JobView, team: TeamView) -> bool:
         """Rule 4 inside a team: behind the team's first job blocked by its cap, a job waits
@@ -491,7 +407,8 @@ class SchedulingPass:
         """The first blocked job holds the reservation."""
         team = self.teams[job.team_id]
         self.head_borrowing = self.used[team.id] + job.gpus > team.quota
-        self.reservations.reserve_head(job, team)
+        self.head_team = team.id
+        self.reservations.reserve_head(job, team, borrowing=self.head_borrowing)
         fillers = self.reservations.fillers_to_stop(job)
         if fillers:
             self.taken.update(v.id for v in fillers)

@@ -49,15 +49,18 @@ class Reservations:
         self.running = [r for r in snapshot.running if not r.stopping]
         self.largest = largest  # GPUs of the cluster's largest schedulable node
         self.floor_s = snapshot.preempt_exempt_s
-        # node id -> the fillers running there (started past a reservation's time, rule 4):
-        # a reservation counts their GPUs as its own, to be taken back once the rest drained.
-        # One at its safety stop may not be taken: it counts as the job it is.
+        # Fillers (started past a reservation's time, rule 4) at their safety stop may not be
+        # taken: they count as the jobs they are.
+        self._fillers = [
+            run
+            for run in self.running
+            if run.filler and not at_safety_stop(run, snapshot.max_preemptions)
+        ]
+        self._teams = {t.id: t for t in snapshot.teams}
+        # node id -> the fillers there the first blocked job may take (`reserve_head`): its
+        # reservation counts their GPUs as its own, taken back once the rest has drained.
         self.fillers: dict[int, list[RunningView]] = defaultdict(list)
-        for run in self.running:
-            if run.filler and not at_safety_stop(run, snapshot.max_preemptions):
-                for node_id in dict.fromkeys(n for n, _ in run.slots):
-                    self.fillers[node_id].append(run)
-        self.takable = {r.id for runs in self.fillers.values() for r in runs}
+        self.takable: set[int] = set()
         self._fill_refused: dict[tuple[bool, bool], int] = {}
         # The first blocked job's reservation, with the nodes later claims of the pass add:
         # (job id, node ids) (Plan.reservation).
@@ -65,6 +68,7 @@ class Reservations:
         self.reserved: set[int] = set()
         self.head_nodes: frozenset[int] = frozenset()  # the first blocked job's own nodes
         self.shadow: float | None = None  # when the reserved nodes are expected to be free
+        self.head_shadow: float | None = None  # the same for the first blocked job's own nodes
         # Reservations of starving jobs (STARVING_STRETCH), beside the first blocked job's:
         # (their nodes, when those are expected to drain).
         self.starving: list[tuple[frozenset[int], float | None]] = []
@@ -156,9 +160,9 @@ class Reservations:
         run ends before then (the holder may stop it then, checkpoint-first, and it has saved
         by then), and not for a job already stopped as a filler within the safety window (a
         job is a filler at most once a day). Returns (placement, filler) or None."""
-        if self.holder is None or self.shadow is None or job.filled or not self.head_nodes:
+        if self.head_shadow is None or job.filled or not self.head_nodes:
             return None
-        left = self.shadow - self.now.timestamp()
+        left = self.head_shadow - self.now.timestamp()
         if left < max(job.min_run_s, self.floor_s):
             return None
         shape = (job.gpus <= self.largest, bool(team and team.isolated_only))
@@ -199,9 +203,18 @@ class Reservations:
             return None
         return list(chosen.values())
 
-    def reserve_head(self, job: JobView, team: TeamView | None = None) -> None:
+    def reserve_head(
+        self, job: JobView, team: TeamView | None = None, *, borrowing: bool = False
+    ) -> None:
         """The first blocked job's reservation: where its GPUs free first if it is starving,
-        else the freest nodes (isolated ones only for an isolated-only team's job)."""
+        else the freest nodes (isolated ones only for an isolated-only team's job).
+        `borrowing`: the job is beyond its team's quota; it then takes no filler of another
+        team within that team's quota (invariant 6)."""
+        for run in self._fillers:
+            if may_take(job, borrowing, run, self._teams.get(run.team_id)):
+                self.takable.add(run.id)
+                for node_id in dict.fromkeys(n for n, _ in run.slots):
+                    self.fillers[node_id].append(run)
         nodes = allowed(team, self.nodes)
         self.reserved.update(
             _soonest_nodes(
@@ -212,6 +225,7 @@ class Reservations:
         )
         self.head_nodes = frozenset(self.reserved)
         self.reserve(job.id, ())
+        self.head_shadow = self.shadow  # later claims of the pass add nodes, not to this
 
     def hold_for_starving(
         self, job: JobView, team: TeamView | None = None
@@ -224,9 +238,8 @@ class Reservations:
         shape = (job.gpus <= self.largest, bool(team and team.isolated_only))
         nodes = allowed(team, self.unreserved)
         hold, starts_at = (
-            _soonest_nodes(
-                job, nodes, self.free, self.all_running, self.taken, self.largest, self.takable
-            )
+            # Only the head stops fillers: here they run to their ends.
+            _soonest_nodes(job, nodes, self.free, self.all_running, self.taken, self.largest, set())
             if len(self.starving) < MAX_STARVING_HOLDS
             and job.gpus < self._hold_refused.get(shape, _NEVER)
             and stretch(job, self.now) >= STARVING_STRETCH
@@ -256,6 +269,16 @@ class Reservations:
         self._usable.clear()
         self._free_counts.clear()
         self._unfit.clear()
+
+
+def may_take(head: JobView, borrowing: bool, filler: RunningView, team: TeamView | None) -> bool:
+    """Whether the first blocked job may stop this filler when its nodes drain: one of its own
+    team, or it is within its team's quota, or the filler runs wholly on borrowed GPUs (its
+    team holds its quota without it). A team's guaranteed GPUs never serve another team's
+    borrowing (invariant 6)."""
+    if filler.team_id == head.team_id or not borrowing:
+        return True
+    return team is not None and team.used - filler.gpus >= team.quota
 
 
 def team_holds(snapshot: Snapshot) -> dict[int, tuple[int, float | None, tuple]]:
