@@ -310,9 +310,11 @@ class ProcessSampler(threading.Thread):
     TICK = 1.0
     BY_NAME = {"postgres": "postgres", "redis-server": "redis"}
 
-    def __init__(self, pids: dict[str, int]):
+    def __init__(self, pids: dict[str, int], *, postgres: bool):
         super().__init__(daemon=True)
         self.pids = pids
+        # The machine's PostgreSQL serves others too: counted only when the portal uses it.
+        self.by_name = {k: v for k, v in self.BY_NAME.items() if postgres or v != "postgres"}
         self.halt = threading.Event()
         self.cpu: dict[str, float] = {}  # kind -> CPU seconds at the first sample
         self.last: dict[str, float] = {}
@@ -330,8 +332,8 @@ class ProcessSampler(threading.Thread):
                 continue
             name = stat[stat.index("(") + 1 : stat.rindex(")")]
             parent = int(stat[stat.rindex(")") + 2 :].split()[1])
-            if name in self.BY_NAME:
-                kinds[int(entry.name)] = self.BY_NAME[name]
+            if name in self.by_name:
+                kinds[int(entry.name)] = self.by_name[name]
             elif parent in kinds and int(entry.name) not in kinds:
                 kinds[int(entry.name)] = kinds[parent]
         return kinds
@@ -372,16 +374,23 @@ class ProcessSampler(threading.Thread):
 
 
 def database_bytes(url: str, sqlite_path: Path | None) -> int:
-    """The cluster database's size on disk: PostgreSQL's pg_database_size, or the SQLite file
-    with its WAL."""
+    """The cluster database's size: PostgreSQL's pg_database_size, or the SQLite pages in use."""
     if url.startswith("postgres"):
         import psycopg
 
         with psycopg.connect(url.replace("postgres://", "postgresql://", 1)) as conn:
             return conn.execute("SELECT pg_database_size(current_database())").fetchone()[0]
-    if sqlite_path is None:
+    if sqlite_path is None or not sqlite_path.exists():
         return 0
-    return sum(p.stat().st_size for p in (sqlite_path, Path(f"{sqlite_path}-wal")) if p.exists())
+    import sqlite3
+
+    # Pages in use as a reader sees the database, the WAL's committed frames included (the
+    # files shrink whenever the WAL is checkpointed).
+    with sqlite3.connect(f"file:{sqlite_path}?mode=ro", uri=True) as conn:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        free = conn.execute("PRAGMA freelist_count").fetchone()[0]
+        size = conn.execute("PRAGMA page_size").fetchone()[0]
+    return (pages - free) * size
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -535,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
             token = live.token("alice", "--team", "load", "--quota", str(args.nodes * args.gpus))
             api = Api(live.url, token)
             sampler = ProcessSampler(
-                {"harness": os.getpid()} | {k: p.pid for k, p in live.procs.items()}
+                {"harness": os.getpid()} | {k: p.pid for k, p in live.procs.items()},
+                postgres=live.database.url.startswith("postgres"),
             )
             sqlite = Path(work) / "cluster.sqlite3"
             size: dict[str, int] = {}
