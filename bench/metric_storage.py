@@ -9,9 +9,10 @@ through the real ingest (`jobs.actions.ingest.ingest_records`, one node's heartb
 per transaction, as do_heartbeat runs it: raw points, the dedupe, the rollups). Then, after a
 VACUUM ANALYZE, the size on disk with indexes (`pg_total_relation_size`) and the rows of
 - the kept partition (rank 0), the time partitions (every other rank), the rollups;
-- the same points copied into one unpartitioned table with the old indexes ("before");
-- the rollups of the same points as they were kept before (every rank from 16 steps),
-  written by `rollup.record` for a second job id.
+- the same points copied into one unpartitioned table with the old indexes ("before").
+The rollups' bytes per row are measured as the heartbeats left the table (upserted, then
+vacuumed, as autovacuum keeps it); their rows per point for a month-long series are counted
+from the levels each rank keeps, before (every rank from 16 steps) and now.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/test .venv/bin/python bench/metric_storage.py
     # --ranks 128 --steps 1800; writes bench/results/metric-storage.json and
@@ -57,9 +58,8 @@ def measure(ranks: int, steps: int) -> dict:
     from django.db import connection, transaction
     from django.utils import timezone
 
-    from jobs import metric_store, rollup
+    from jobs import metric_store
     from jobs.actions import ingest
-    from jobs.actions.ingest import _Point
     from jobs.models import Attempt
     from teams.actions import do_create_team
     from tests.heartbeats import submit
@@ -104,19 +104,6 @@ def measure(ranks: int, steps: int) -> dict:
                     locked = Attempt.objects.select_for_update().get(pk=attempt.pk)
                     ingest.ingest_records(locked, records, now=now)
         ingest_s = time.perf_counter() - began
-        # The rollups as they were kept before: every rank from 16 steps (world 0).
-        before_job = submit(team, user, gpus=ranks)
-        with transaction.atomic():
-            for step in range(steps):
-                rollup.record(
-                    before_job.id,
-                    [
-                        _Point(rank, step, name, 1.0, t0)
-                        for rank in range(ranks)
-                        for name in METRICS
-                    ],
-                    world=0,
-                )
         with connection.cursor() as cursor:
             cursor.execute(
                 """
@@ -132,14 +119,7 @@ def measure(ranks: int, steps: int) -> dict:
             parts.append(metric_store.DEFAULT)
             kept_rows = _count(cursor, f"SELECT count(*) FROM {metric_store.KEPT}")
             raw_rows = _count(cursor, f"SELECT count(*) FROM {metric_store.RANKS}")
-            rollup_rows = _count(
-                cursor, "SELECT count(*) FROM jobs_metricrollup WHERE job_id = %s", [job.id]
-            )
-            before_rollup_rows = _count(
-                cursor,
-                "SELECT count(*) FROM jobs_metricrollup WHERE job_id = %s",
-                [before_job.id],
-            )
+            rollup_rows = _count(cursor, "SELECT count(*) FROM jobs_metricrollup")
             rollup_bytes = _size(cursor, "jobs_metricrollup")
             out = {
                 "ranks": ranks,
@@ -148,9 +128,8 @@ def measure(ranks: int, steps: int) -> dict:
                 "ingest_s": round(ingest_s, 1),
                 "kept": {"rows": kept_rows, "bytes": _size(cursor, metric_store.KEPT)},
                 "raw": {"rows": raw_rows, "bytes": sum(_size(cursor, p) for p in parts)},
-                "rollup": {"rows": rollup_rows},
-                "before_rollup": {"rows": before_rollup_rows},
-                "rollup_table_bytes_per_row": rollup_bytes / (rollup_rows + before_rollup_rows),
+                "rollup": {"rows": rollup_rows, "bytes": rollup_bytes},
+                "rollup_table_bytes_per_row": rollup_bytes / max(1, rollup_rows),
                 "before": {"rows": kept_rows + raw_rows, "bytes": _size(cursor, "bench_before")},
             }
     finally:
@@ -160,7 +139,6 @@ def measure(ranks: int, steps: int) -> dict:
     for tier in ("kept", "raw", "before"):
         out[tier]["bytes_per_row"] = round(out[tier]["bytes"] / max(1, out[tier]["rows"]), 1)
     out["rollup"]["rows_per_point"] = out["rollup"]["rows"] / out["points"]
-    out["before_rollup"]["rows_per_point"] = out["before_rollup"]["rows"] / out["points"]
     return out
 
 
