@@ -183,65 +183,77 @@ def project(m: dict) -> dict:
 
 
 def plot(result: dict) -> None:
+    """Left: the month's total, before and with the tiers (log scale). Right: what the tiers'
+    total is made of, per retention of every rank's raw points (linear)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     p = result["projection"]
-    labels = ["before\n(one table,\nforever)"] + [f"tiers,\nraw kept {h} h" for h in RETENTIONS_H]
     gb = 1e9
-    raw = [p["before"]["raw_bytes"] / gb] + [
-        p["after"][f"{h}h"]["raw_window_bytes"] / gb for h in RETENTIONS_H
-    ]
-    rollups = [p["before"]["rollup_bytes"] / gb] + [
-        p["after"][f"{h}h"]["rollup_bytes"] / gb for h in RETENTIONS_H
-    ]
-    kept = [0.0] + [p["after"][f"{h}h"]["kept_bytes"] / gb for h in RETENTIONS_H]
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    x = range(len(labels))
-    ax.bar(x, raw, label="every rank, raw", color="#94a3b8")
-    ax.bar(x, rollups, bottom=raw, label="rollups", color="#2563eb")
-    ax.bar(
-        x,
-        kept,
-        bottom=[a + b for a, b in zip(raw, rollups, strict=True)],
-        label="rank 0, every step",
-        color="#16a34a",
-    )
-    for i, total in enumerate(a + b + c for a, b, c in zip(raw, rollups, kept, strict=True)):
-        per = (
-            p["before"]["bytes_per_gpu_hour"]
-            if i == 0
-            else p["after"][f"{RETENTIONS_H[i - 1]}h"]["bytes_per_gpu_hour"]
-        )
-        ax.text(
+    after = [p["after"][f"{h}h"] for h in RETENTIONS_H]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    totals = [p["before"]["total_bytes"] / gb] + [a["total_bytes"] / gb for a in after]
+    per = [p["before"]["bytes_per_gpu_hour"]] + [a["bytes_per_gpu_hour"] for a in after]
+    labels = ["before:\none table,\nforever"] + [f"tiers,\nraw {h} h" for h in RETENTIONS_H]
+    left.bar(range(4), totals, color=["#dc2626", "#2563eb", "#2563eb", "#2563eb"])
+    for i, (total, rate) in enumerate(zip(totals, per, strict=True)):
+        left.text(
             i,
-            total,
-            f"{total:,.0f} GB\n{per / 1e3:,.1f} KB/GPU-h",
+            total * 1.1,
+            f"{total:,.0f} GB\n{rate / 1e3:,.1f} KB/GPU-h",
             ha="center",
             va="bottom",
             fontsize=8,
         )
-    ax.set_yscale("log")
-    ax.set_ylabel("GB on PostgreSQL (log)")
-    ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set_title(
-        "Metric storage, 4,096 ranks x 4 metrics x 1 step/s for 30 days (projected from "
-        f"{result['measured']['ranks']} ranks measured)",
-        fontsize=9,
+    left.set_yscale("log")
+    left.set_ylim(10, max(totals) * 8)
+    left.set_ylabel("GB on PostgreSQL (log scale)")
+    left.set_xticks(range(4), labels, fontsize=8)
+    left.set_title("the month's total", fontsize=9)
+    x = range(len(RETENTIONS_H))
+    kept = [a["kept_bytes"] / gb for a in after]
+    rollups = [a["rollup_bytes"] / gb for a in after]
+    raw = [a["raw_window_bytes"] / gb for a in after]
+    right.bar(x, kept, label="rank 0, every step (the job's life)", color="#16a34a")
+    right.bar(
+        x, rollups, bottom=kept, label="every rank's rollups (the job's life)", color="#2563eb"
     )
-    ax.legend(fontsize=8, loc="upper right")
+    right.bar(
+        x,
+        raw,
+        bottom=[a + b for a, b in zip(kept, rollups, strict=True)],
+        label="every rank, raw (the retention)",
+        color="#94a3b8",
+    )
+    right.set_xticks(list(x), [f"raw kept {h} h" for h in RETENTIONS_H], fontsize=8)
+    right.set_ylabel("GB")
+    right.set_title("what the tiers hold", fontsize=9)
+    right.legend(fontsize=8, loc="upper left")
+    fig.suptitle(
+        "Metric storage of one run: 4,096 ranks x 4 metrics x 1 step/s for 30 days "
+        f"(bytes per row measured on {result['measured']['ranks']} ranks)",
+        fontsize=10,
+    )
     fig.tight_layout()
     FIGURE.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(FIGURE, dpi=120)
+
+
+def replot() -> None:
+    plot(json.loads(RESULTS.read_text()))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=128)
     parser.add_argument("--steps", type=int, default=1800)
+    parser.add_argument("--plot", action="store_true", help="redraw the figure from the results")
     args = parser.parse_args()
+    if args.plot:
+        replot()
+        return 0
     os.environ.setdefault("LOCKSTEP_TEST_DB_NAME", f"metric_storage_{os.getpid()}")
     measured = measure(args.ranks, args.steps)
     result = {"measured": measured, "flagship": FLAGSHIP, "projection": project(measured)}
