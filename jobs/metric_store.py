@@ -5,7 +5,7 @@ A 4,096-rank run stepping once a second with four metrics writes about 16,000 po
 the database every page reads. So the points are kept in tiers:
 
 - **rank 0, every step, for the job's life**: the loss curve researchers read, exact;
-- **every rank, every step, for `METRIC_RAW_RETENTION_S`** (a day by default): what straggler
+- **every rank, every step, for `METRIC_RAW_RETENTION_S`** (6 h by default): what straggler
   and hang detection read (the last minutes) and per-rank charts zoomed into recent steps;
 - **every rank at reduced resolution, for the job's life**: the rollups (`jobs/rollup.py`,
   buckets of 16 to 1,048,576 steps with min, max and count), kept at ingest, from which the
