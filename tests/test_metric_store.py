@@ -19,8 +19,9 @@ _POSTGRES_ONLY = pytest.mark.skipif(
 )
 
 
-def _attempt(team, user, started):
-    job = submit(team, user, gpus=2)
+def _attempt(team, user, started, gpus=2):
+    """A running attempt of a new job of `gpus` ranks, started at `started`."""
+    job = submit(team, user, gpus=gpus)
     Job.objects.filter(pk=job.pk).update(first_started_at=started)
     return Attempt.objects.create(
         job=job,
@@ -30,6 +31,7 @@ def _attempt(team, user, started):
         master_port=29400,
         created_at=started,
         running_at=started,
+        world_size=gpus,
     )
 
 
@@ -147,17 +149,8 @@ def test_a_large_jobs_other_ranks_are_rolled_up_from_256_steps(lab):
     more than FINE_RANKS ranks keeps them for rank 0 only; its other ranks read coarser."""
     team, user = lab
     now = timezone.now()
-    job = submit(team, user, gpus=rollup.FINE_RANKS + 8)
-    attempt = Attempt.objects.create(
-        job=job,
-        number=1,
-        state="running",
-        master_addr="127.0.0.1",
-        master_port=29400,
-        created_at=now,
-        running_at=now,
-        world_size=job.gpus,
-    )
+    attempt = _attempt(team, user, now, gpus=rollup.FINE_RANKS + 8)
+    job = attempt.job
     records = [
         {"kind": "step", "rank": rank, "step": step, "time": now.timestamp(), "loss": step + rank}
         for step in range(600)
@@ -176,17 +169,8 @@ def test_a_large_jobs_other_ranks_are_rolled_up_from_256_steps(lab):
         [512, 599, 582.0, 669.0, 88],
     ]
     # A small job keeps every rank's finest level, as before.
-    small = submit(team, user, gpus=2)
-    small_attempt = Attempt.objects.create(
-        job=small,
-        number=1,
-        state="running",
-        master_addr="127.0.0.1",
-        master_port=29401,
-        created_at=now,
-        running_at=now,
-        world_size=2,
-    )
+    small_attempt = _attempt(team, user, now)
+    small = small_attempt.job
     _steps(small_attempt, range(40), now)
     ranks = MetricRollup.objects.filter(job=small, name="loss", width=rollup.LEVELS[0])
     assert set(ranks.values_list("rank", flat=True)) == {0, 1}

@@ -177,6 +177,21 @@ class SchedulingPass:
         reason = self.waits[job.id] = WaitReason(code, data)
         self.reasons[job.id] = reason.text()
 
+    def stop_for(self, job: JobView, victims, kind, why: str, *, ahead: bool = True, **data):
+        """Preempt `victims` for `job` (kind, and why, for each Preemption) and say so as the
+        job's wait ("preempting"); `ahead`: the job counts as one more ahead of later jobs
+        (`wait`), else its reason only changes (`note`)."""
+        self.taken.update(v.id for v in victims)
+        self.preemptions.extend(Preemption(v.id, job.id, kind, why) for v in victims)
+        (self.wait if ahead else self.note)(
+            job,
+            "preempting",
+            victims=tuple(v.id for v in victims),
+            gpus=job.gpus,
+            kind=kind,
+            **data,
+        )
+
     def consider(self, job: JobView) -> None:
         """One queued job in order: start it (perhaps smaller), or claim, reserve or wait."""
         team = self.teams.get(job.team_id)
@@ -293,23 +308,12 @@ class SchedulingPass:
             )
             return
         victims, choice = found
-        self.taken.update(v.id for v in victims)
         self.reservations.reserve(job.id, (node.id for node, _ in choice), drains=False)
-        self.preemptions.extend(
-            Preemption(
-                v.id,
-                job.id,
-                PreemptionKind.PRIORITY,
-                f"priority over lower-priority work of team {team.name}",
-            )
-            for v in victims
-        )
-        self.wait(
+        self.stop_for(
             job,
-            "preempting",
-            victims=tuple(v.id for v in victims),
-            gpus=job.gpus,
-            kind=PreemptionKind.PRIORITY,
+            victims,
+            PreemptionKind.PRIORITY,
+            f"priority over lower-priority work of team {team.name}",
             same_team=True,
         )
 
@@ -381,7 +385,6 @@ class SchedulingPass:
         """Stop the claim's victims. They keep their GPUs (and count against their teams)
         until they exit; the claimant is placed by a later pass, on the nodes reserved now."""
         victims, choice, kind = claimed
-        self.taken.update(v.id for v in victims)
         if kind == PreemptionKind.RECLAIM:
             self.claiming[team.id] += job.gpus
         why = (
@@ -389,17 +392,8 @@ class SchedulingPass:
             if kind == PreemptionKind.RECLAIM
             else f"priority {job.priority} over lower-priority work"
         )
-        self.preemptions.extend(
-            Preemption(v.id, job.id, kind, f"{why} for job {job.id}") for v in victims
-        )
-        self.wait(
-            job,
-            "preempting",
-            victims=tuple(v.id for v in victims),
-            gpus=job.gpus,
-            kind=kind,
-            same_team=False,
-            priority=job.priority,
+        self.stop_for(
+            job, victims, kind, f"{why} for job {job.id}", same_team=False, priority=job.priority
         )
         self.reservations.reserve(job.id, (node.id for node, _ in choice))
 
@@ -411,22 +405,11 @@ class SchedulingPass:
         self.reservations.reserve_head(job, team, borrowing=self.head_borrowing)
         fillers = self.reservations.fillers_to_stop(job)
         if fillers:
-            self.taken.update(v.id for v in fillers)
-            self.preemptions.extend(
-                Preemption(
-                    v.id,
-                    job.id,
-                    PreemptionKind.BACKFILL,
-                    f"job {job.id}'s reserved nodes have drained",
-                )
-                for v in fillers
-            )
-            self.wait(
+            self.stop_for(
                 job,
-                "preempting",
-                victims=tuple(v.id for v in fillers),
-                gpus=job.gpus,
-                kind=PreemptionKind.BACKFILL,
+                fillers,
+                PreemptionKind.BACKFILL,
+                f"job {job.id}'s reserved nodes have drained",
                 same_team=False,
                 priority=job.priority,
             )
@@ -500,20 +483,13 @@ class SchedulingPass:
                 refused[(team.id, head)] = job.gpus
                 continue
             victims, choice = claimed
-            self.taken.update(v.id for v in victims)
             reservations.claimed(node.id for node, _ in choice)
             waited = f"{stretch(job, self.now):.0f} times its length"
-            self.preemptions.extend(
-                Preemption(
-                    v.id, job.id, PreemptionKind.STARVATION, f"job {job.id} has waited {waited}"
-                )
-                for v in victims
-            )
-            self.note(
+            self.stop_for(
                 job,
-                "preempting",
-                victims=tuple(v.id for v in victims),
-                gpus=job.gpus,
-                kind=PreemptionKind.STARVATION,
+                victims,
+                PreemptionKind.STARVATION,
+                f"job {job.id} has waited {waited}",
+                ahead=False,
                 stretch=stretch(job, self.now),
             )
