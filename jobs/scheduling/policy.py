@@ -219,7 +219,7 @@ class SchedulingPass:
         choice = self.reservations.place(job, key, usable)
         filler = False
         if choice is None and not key[0] and self._may_fill(job, team):
-            filled = self.reservations.fill(job, team, usable)
+            filled = self.reservations.fill(job, team, key, usable)
             if filled is not None:
                 choice, filler = filled
         if choice is None:

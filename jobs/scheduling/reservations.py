@@ -61,7 +61,7 @@ class Reservations:
         # reservation counts their GPUs as its own, taken back once the rest has drained.
         self.fillers: dict[int, list[RunningView]] = defaultdict(list)
         self.takable: set[int] = set()
-        self._fill_refused: dict[tuple[bool, bool], int] = {}
+        self._fill_refused: dict[tuple, int] = {}  # (usable_for's key, one node) -> GPUs
         # The first blocked job's reservation, with the nodes later claims of the pass add:
         # (job id, node ids) (Plan.reservation).
         self.holder: tuple[int, tuple[int, ...]] | None = None
@@ -154,7 +154,7 @@ class Reservations:
             self.shadow = _shadow_time(self.reserved, self.running, self.taken, self.takable)
         self._changed()
 
-    def fill(self, job: JobView, team: TeamView | None, usable: list[NodeView]):
+    def fill(self, job: JobView, team: TeamView | None, key: tuple, usable: list[NodeView]):
         """A place for `job` as a filler (rule 4): on the first blocked job's draining nodes
         as well as its usable ones, although it runs past their time. Only when its minimum
         run ends before then (the holder may stop it then, checkpoint-first, and it has saved
@@ -165,7 +165,7 @@ class Reservations:
         left = self.head_shadow - self.now.timestamp()
         if left < max(job.min_run_s, self.floor_s):
             return None
-        shape = (job.gpus <= self.largest, bool(team and team.isolated_only))
+        shape = (key, job.gpus <= self.largest)  # `usable` is the same for one key
         if job.gpus >= self._fill_refused.get(shape, _NEVER):
             return None
         seen = {n.id for n in usable}
