@@ -83,9 +83,14 @@ def test_the_summary_counts_claims_per_team_against_their_bound(claims):
 
     mine = summary[owner.id]
     assert (mine["claims"], mine["median_s"], mine["max_s"]) == (4, 75.0, 200.0)
-    assert mine["by_kind"] == {"reclaim": 3, "priority": 1, "starvation": 0}
+    assert mine["by_kind"] == {"reclaim": 3, "priority": 1, "starvation": 0, "backfill": 0}
     assert (mine["breaches"], mine["waiting"], mine["breached"]) == (1, 0, True)
-    assert mine["bound_s"] == {"reclaim": 65.0, "priority": 365.0, "starvation": 65.0}
+    assert mine["bound_s"] == {
+        "reclaim": 65.0,
+        "priority": 365.0,
+        "starvation": 65.0,
+        "backfill": 65.0,
+    }
     theirs = summary[guest.id]
     assert (theirs["claims"], theirs["median_s"], theirs["breaches"]) == (0, None, 0)
     assert (theirs["waiting"], theirs["waiting_over_bound"], theirs["breached"]) == (1, 1, True)
@@ -142,7 +147,12 @@ def test_the_team_api_includes_the_same_summary(claims, make_user):
         want = expected[team.id]
         for key in ("claims", "median_s", "max_s", "breaches", "waiting", "breached", "by_kind"):
             assert got[key] == want[key], (team.name, key)
-        assert got["bound_s"] == {"reclaim": 65.0, "priority": 365.0, "starvation": 65.0}
+        assert got["bound_s"] == {
+            "reclaim": 65.0,
+            "priority": 365.0,
+            "starvation": 65.0,
+            "backfill": 65.0,
+        }
     member = APIClient()
     member.force_authenticate(olga)
     (mine,) = member.get("/api/v1/teams/").json()["results"]
@@ -177,7 +187,7 @@ def test_a_starvation_claim_in_the_window_is_counted_on_the_console_and_the_team
     )
     summary = reclaim_summary(since=now - timedelta(days=7), now=now, team_ids=[owner.id])
     mine = summary[owner.id]
-    assert mine["by_kind"] == {"reclaim": 3, "priority": 1, "starvation": 1}
+    assert mine["by_kind"] == {"reclaim": 3, "priority": 1, "starvation": 1, "backfill": 0}
     assert mine["bound_s"]["starvation"] == GRACE + TICK  # automatic: no approval delay
     assert mine["claims"] == 5
 
