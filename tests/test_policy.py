@@ -1160,26 +1160,3 @@ def test_a_borrowing_head_neither_takes_nor_admits_another_teams_guaranteed_fill
     b_running = dataclasses.replace(b, used=2)
     p = plan(snapshot([n2], [head], [a, b_running], [theirs]))
     assert p.preemptions == ()
-
-
-def test_a_head_within_its_quota_takes_a_borrowed_filler_still_in_its_minimum_run():
-    # As a reclaim takes a protected borrower when no other will do (on the msft trace such
-    # heads otherwise waited up to 11 min past the reclaim bound); a filler of a team within
-    # its quota, or any filler of a borrowing head, is left to its minimum run.
-    from jobs.scheduling.reservations import Reservations
-
-    a, b = team("a", quota=8, borrow=0), team("b", quota=0, borrow=16, used=2)
-    n = node("n", 8, busy=2)
-    young = _filler(20, n, [0, 1], team_id=b.id, protected_for=600)
-    head = job(1, 8, team_id=a.id)
-
-    def stops(teams, *, borrowing):
-        snap = snapshot([n], [head], teams, [young])
-        free = {n.id: sorted(n.free)}
-        found = Reservations(snap, [n], free, set(), 8)
-        found.reserve_head(head, teams[0], borrowing=borrowing)
-        return found.fillers_to_stop(head)
-
-    assert stops([a, b], borrowing=False) == [young]
-    assert stops([a, b], borrowing=True) is None
-    assert stops([a, dataclasses.replace(b, quota=8)], borrowing=False) is None

@@ -69,7 +69,6 @@ class Reservations:
         self.head_nodes: frozenset[int] = frozenset()  # the first blocked job's own nodes
         self.shadow: float | None = None  # when the reserved nodes are expected to be free
         self.head_shadow: float | None = None  # the same for the first blocked job's own nodes
-        self.head_borrowing = False  # the first blocked job is beyond its team's quota
         # Reservations of starving jobs (STARVING_STRETCH), beside the first blocked job's:
         # (their nodes, when those are expected to drain).
         self.starving: list[tuple[frozenset[int], float | None]] = []
@@ -182,7 +181,7 @@ class Reservations:
     def fillers_to_stop(self, job: JobView) -> list[RunningView] | None:
         """The fillers on the first blocked job's nodes that stand between it and a start now
         (everything else there has drained), or None while anything else is in the way or a
-        filler is still within its minimum run (unless `_reclaimable`)."""
+        filler is still within its minimum run."""
         nodes = [self._by_id[i] for i in sorted(self.head_nodes) if i in self._by_id]
         chosen: dict[int, RunningView] = {}
         for node in nodes:
@@ -198,21 +197,11 @@ class Reservations:
                 chosen[run.id] = run
                 need -= _gpus_on(run, node.id)
         if not chosen or any(
-            run.protected_until is not None
-            and run.protected_until > self.now
-            and not self._reclaimable(run)
+            run.protected_until is not None and run.protected_until > self.now
             for run in chosen.values()
         ):
             return None
         return list(chosen.values())
-
-    def _reclaimable(self, run: RunningView) -> bool:
-        """A head within its team's quota takes a filler still within its minimum run when
-        the filler runs on borrowed GPUs, as a reclaim takes a protected borrower when no other
-        victim will do (rule 5): on the msft trace such heads otherwise waited up to 11 min
-        past the reclaim bound for their nodes' fillers."""
-        team = self._teams.get(run.team_id)
-        return not self.head_borrowing and team is not None and team.used - run.gpus >= team.quota
 
     def reserve_head(
         self, job: JobView, team: TeamView | None = None, *, borrowing: bool = False
@@ -221,7 +210,6 @@ class Reservations:
         else the freest nodes (isolated ones only for an isolated-only team's job).
         `borrowing`: the job is beyond its team's quota; it then takes no filler of another
         team within that team's quota (invariant 6)."""
-        self.head_borrowing = borrowing
         for run in self._fillers:
             if may_take(job, borrowing, run, self._teams.get(run.team_id)):
                 self.takable.add(run.id)
