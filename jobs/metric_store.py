@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from datetime import UTC, datetime, timedelta
 
 from django.db import connection, transaction
@@ -141,7 +142,7 @@ def ensure_partitions(now: datetime) -> list[str]:
 def drop_expired(now: datetime) -> dict:
     """Drop the raw partitions wholly older than the retention, and delete the default
     partition's rows older than it. Returns what went: {"dropped": [names], "deleted": rows}."""
-    horizon = now - timedelta(seconds=float(lockstep_setting("METRIC_RAW_RETENTION_S")))
+    horizon = pruned_before(now)
     dropped = []
     for name, _, end in raw_partitions():
         if end <= horizon:
@@ -157,9 +158,8 @@ def drop_expired(now: datetime) -> dict:
 def delete_expired(now: datetime) -> int:
     """Without partitions (SQLite): delete the raw points of ranks other than 0 older than the
     retention. Returns the rows deleted."""
-    horizon = now - timedelta(seconds=float(lockstep_setting("METRIC_RAW_RETENTION_S")))
     with connection.cursor() as cursor:
-        cursor.execute(f'DELETE FROM "{TABLE}" WHERE rank <> 0 AND time < %s', [horizon])
+        cursor.execute(f'DELETE FROM "{TABLE}" WHERE rank <> 0 AND time < %s', [pruned_before(now)])
         return cursor.rowcount
 
 
@@ -167,8 +167,6 @@ def maintain(now: datetime, *, force: bool = False) -> dict | None:
     """Partitions ahead, expired raw points gone; at most every MAINTAIN_EVERY_S per process
     unless `force`. Returns what it did, or None when it was not due."""
     global _next_run
-    import time
-
     if not force and time.monotonic() < _next_run:
         return None
     _next_run = time.monotonic() + MAINTAIN_EVERY_S

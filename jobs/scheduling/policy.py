@@ -52,7 +52,7 @@ from jobs.scheduling.placement import (
     to_slots,
 )
 from jobs.scheduling.protection import pays
-from jobs.scheduling.reservations import Reservations, team_holds
+from jobs.scheduling.reservations import Reservations, may_take, team_holds
 from jobs.scheduling.snapshot import JobView, RunningView, Snapshot, TeamView
 from jobs.scheduling.victims import Victims
 from jobs.scheduling.vocab import Placement, Plan, Preemption, PreemptionKind, WaitReason
@@ -233,9 +233,11 @@ class SchedulingPass:
     def _may_fill(self, job: JobView, team: TeamView) -> bool:
         """A job may fill the head's draining nodes only if the head may stop it then
         (`reservations.may_take`): a borrowing head takes no other team's guaranteed work."""
-        if self.head_team is None or team.id == self.head_team or not self.head_borrowing:
+        if self.head_team is None:
             return True
-        return self.used[team.id] >= team.quota
+        return may_take(
+            self.head_team, self.head_borrowing, team.id, self.used[team.id], team.quota
+        )
 
     def _behind_team_hold(self, job: JobView, team: TeamView) -> bool:
         """Rule 4 inside a team: behind the team's first job blocked by its cap, a job waits

@@ -10,7 +10,7 @@ from collections import defaultdict
 from jobs.scheduling.isolation import allowed
 from jobs.scheduling.order import fifo_key, stretch
 from jobs.scheduling.placement import place
-from jobs.scheduling.protection import at_safety_stop
+from jobs.scheduling.protection import at_safety_stop, is_protected
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 
 # A job that has waited this many times its length (stretch) reserves the nodes that free up
@@ -196,10 +196,7 @@ class Reservations:
                     break
                 chosen[run.id] = run
                 need -= _gpus_on(run, node.id)
-        if not chosen or any(
-            run.protected_until is not None and run.protected_until > self.now
-            for run in chosen.values()
-        ):
+        if not chosen or any(is_protected(run, self.now, self.floor_s) for run in chosen.values()):
             return None
         return list(chosen.values())
 
@@ -211,7 +208,10 @@ class Reservations:
         `borrowing`: the job is beyond its team's quota; it then takes no filler of another
         team within that team's quota (invariant 6)."""
         for run in self._fillers:
-            if may_take(job, borrowing, run, self._teams.get(run.team_id)):
+            team_of = self._teams.get(run.team_id)
+            if team_of is not None and may_take(
+                job.team_id, borrowing, run.team_id, team_of.used - run.gpus, team_of.quota
+            ):
                 self.takable.add(run.id)
                 for node_id in dict.fromkeys(n for n, _ in run.slots):
                     self.fillers[node_id].append(run)
@@ -271,14 +271,14 @@ class Reservations:
         self._unfit.clear()
 
 
-def may_take(head: JobView, borrowing: bool, filler: RunningView, team: TeamView | None) -> bool:
-    """Whether the first blocked job may stop this filler when its nodes drain: one of its own
-    team, or it is within its team's quota, or the filler runs wholly on borrowed GPUs (its
-    team holds its quota without it). A team's guaranteed GPUs never serve another team's
-    borrowing (invariant 6)."""
-    if filler.team_id == head.team_id or not borrowing:
-        return True
-    return team is not None and team.used - filler.gpus >= team.quota
+def may_take(head_team: int, borrowing: bool, team: int, used_without: int, quota: int) -> bool:
+    """Whether the first blocked job (of `head_team`, `borrowing` beyond its quota) may stop a
+    filler of `team` when its nodes drain, `used_without`: that team's GPUs without the filler.
+    Yes if the filler is of its own team, or the head is within its team's quota, or the filler
+    runs wholly on borrowed GPUs (its team holds its quota without it): a team's guaranteed
+    GPUs never serve another team's borrowing (invariant 6). The policy asks the same before
+    it admits a filler (`SchedulingPass._may_fill`)."""
+    return team == head_team or not borrowing or used_without >= quota
 
 
 def team_holds(snapshot: Snapshot) -> dict[int, tuple[int, float | None, tuple]]:
