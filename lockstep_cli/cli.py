@@ -305,7 +305,8 @@ def cmd_plan(args) -> int:
     """Per-GPU memory and traffic of each parallel layout; pure arithmetic, no portal needed."""
     import math
 
-    from trainer.planner import ClusterShape, ModelShape, PlanError, format_table, plan
+    from trainer.planner import ClusterShape, ModelShape, PlanError, plan
+    from trainer.planner_text import format_table
 
     params = None
     if args.params is not None:

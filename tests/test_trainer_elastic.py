@@ -22,17 +22,26 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8"
         "--lr", "3e-3", "--warmup-steps", "3", "--log-every", "100"]  # fmt: skip
 
 
-def gang(tmp: Path, name: str, world: int, args: list[str], *, resume: str | Path = "") -> Path:
-    """Run `world` ranks to completion under tmp/name; share tmp/ckpt; return the run dir."""
+def gang(
+    tmp: Path,
+    name: str,
+    world: int,
+    args: list[str],
+    *,
+    resume: str | Path = "",
+    env: dict[str, str] | None = None,
+) -> Path:
+    """Run `world` ranks to completion under tmp/name; share tmp/ckpt; return the run dir.
+    `env`: variables added to the launch contract's (which drops the caller's LOCKSTEP_*)."""
     run_dir = tmp / name
     run_dir.mkdir()
     port = base.free_port()
     procs = []
     for r in range(world):
-        env = base.trainer_env(
+        contract = base.trainer_env(
             run_dir, rank=r, world_size=world, port=port, ckpt=tmp / "ckpt", resume=resume
         )
-        procs.append(base.start([*TINY, *args], env, run_dir, f"rank{r}"))
+        procs.append(base.start([*TINY, *args], {**contract, **(env or {})}, run_dir, f"rank{r}"))
     try:
         # Generous: on a loaded 2-core host most of a run is 3-4 interpreters importing torch.
         for r, p in enumerate(procs):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass, field
 
 from trainer.data import DEFAULT_DATASET
@@ -52,6 +53,8 @@ class OptimArgs:
 
 
 PARALLEL_MODES = ("ddp", "zero1", "fsdp", "fsdp-noreshard")
+PP_SCHEDULES = ("1f1b", "gpipe")
+LAYOUTS = ("auto", "flags")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -73,6 +76,18 @@ class ParallelArgs:
     the data-parallel degree world_size / tp is above 1."""
     precision: str = "auto"
     """auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16 (autocast, or FSDP's mixed precision)."""
+    pp: int = 1
+    """Pipeline stages: the layers cut into pp contiguous stages (must divide --n-layer); the
+    data-parallel degree is world_size / (pp x tp)."""
+    pp_schedule: str = "1f1b"
+    """1f1b (one forward, one backward: at most pp micro-batches of activations in flight on
+    the first stage) or gpipe (all forwards, then all backwards: every micro-batch's)."""
+    layout: str = "flags"
+    """auto: the planner's choice for this model, memory and world size (trainer/layout.py)
+    replaces mode, tp and pp; flags: as given."""
+    pp_microbatches: int = 0
+    """Micro-batches per step on each data-parallel replica when pp > 1; 0 = 2 x pp. With the
+    default global batch each is --batch-size sequences; the bubble is (pp-1)/(m+pp-1)."""
 
 
 @dataclass
@@ -142,6 +157,14 @@ class JobConfig:
     train: TrainArgs = field(default_factory=TrainArgs)
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
 
+    @property
+    def microbatches_per_replica(self) -> int:
+        """Micro-batches per step a fresh default global batch holds on each replica."""
+        p = self.parallel
+        if p.pp == 1:
+            return 1
+        return p.pp_microbatches or 2 * p.pp
+
     def __post_init__(self) -> None:
         positive = {
             "--steps": self.train.steps,
@@ -179,11 +202,28 @@ class JobConfig:
             raise ValueError("--tp must be >= 1")
         if self.model.n_head % self.parallel.tp:
             raise ValueError("--n-head must be divisible by --tp")
+        if self.parallel.pp < 1:
+            raise ValueError("--pp must be >= 1")
+        if self.model.n_layer % self.parallel.pp:
+            raise ValueError(f"--pp {self.parallel.pp} must divide --n-layer {self.model.n_layer}")
+        if self.parallel.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}")
+        if self.parallel.layout not in LAYOUTS:
+            raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}")
+        if self.parallel.pp_microbatches < 0:
+            raise ValueError("--pp-microbatches must be >= 0")
+        if self.parallel.pp > 1 and self.parallel.mode == "zero1":
+            raise ValueError("--pp does not combine with --parallel zero1; use ddp or fsdp")
 
 
 def _env(name: str, default: str) -> str:
     # The agent sets contract variables to "" when it has no value; treat that as unset.
     return os.environ.get(name) or default
+
+
+def _sets_layout(argv: list[str]) -> bool:
+    flags = ("--parallel", "--tp", "--pp")
+    return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
@@ -219,6 +259,22 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     par.add_argument("--activation-checkpointing", action="store_true")
     par.add_argument("--tp", type=int, default=pa.tp, help="tensor-parallel degree")
     par.add_argument("--precision", choices=PRECISIONS, default=pa.precision)
+    par.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default=None,
+        help="auto: the planner picks --parallel/--tp/--pp for the GPUs this launch got; "
+        "flags: as given (default: $LOCKSTEP_LAYOUT, else flags; a command that passes "
+        "--parallel, --tp or --pp keeps them)",
+    )
+    par.add_argument("--pp", type=int, default=pa.pp, help="pipeline stages")
+    par.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=pa.pp_schedule)
+    par.add_argument(
+        "--pp-microbatches",
+        type=int,
+        default=pa.pp_microbatches,
+        help="micro-batches per step per replica under --pp (0: 2 x pp)",
+    )
     p.add_argument("--lr", type=float, default=o.lr, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=o.warmup_steps)
     p.add_argument("--n-layer", type=int, default=m.n_layer)
@@ -294,6 +350,13 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     p.add_argument("--log-every", type=int, default=t.log_every, help="steps between prints")
     p.add_argument("--deterministic", action="store_true", help="deterministic torch kernels")
     a = p.parse_args(argv)
+    layout = a.layout or _env("LOCKSTEP_LAYOUT", pa.layout)
+    by_hand = _sets_layout(sys.argv[1:] if argv is None else argv)
+    if by_hand and a.layout == "auto":
+        raise ValueError("--layout auto chooses --parallel, --tp and --pp: drop them, or use "
+                         "--layout flags")  # fmt: skip
+    if by_hand:
+        layout = "flags"  # the platform's default (LOCKSTEP_LAYOUT=auto) yields to the command
     return JobConfig(
         model=ModelArgs(
             n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd, block_size=a.block_size
@@ -330,5 +393,9 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             activation_checkpointing=a.activation_checkpointing,
             tp=a.tp,
             precision=a.precision,
+            pp=a.pp,
+            pp_schedule=a.pp_schedule,
+            layout=layout,
+            pp_microbatches=a.pp_microbatches,
         ),
     )

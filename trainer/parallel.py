@@ -1,6 +1,7 @@
 """Parallelism chosen by config, applied to the unchanged model in a fixed order (as in
-torchtitan): tensor parallelism, then activation checkpointing, then data parallelism
-(DDP, ZeRO-1, or FSDP2), then the optimizer. docs/training.md says what each mode shards.
+torchtitan): the pipeline cut (trainer/pipeline.py), tensor parallelism, then activation
+checkpointing, then data parallelism (DDP, ZeRO-1, or FSDP2), then the optimizer.
+docs/training.md says what each mode shards.
 
 Also here: the layout-independent state dicts of model and optimizer for DCP (every mode saves
 the same FQN keys, so a checkpoint from one mode or world size loads into any other), gradient
@@ -37,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainer.config import OptimArgs, ParallelArgs
 from trainer.distributed import DistInfo
 from trainer.model import GPT
+from trainer.pipeline import Pipeline, StageGPT, tied_embedding
 
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -47,23 +49,36 @@ _AC_PREFIX = "_checkpoint_wrapped_module."
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """world_size = dp * tp; rank = dp_rank * tp + tp_rank (the mesh is row-major)."""
+    """world_size = pp * dp * tp; rank = (pp_rank * dp + dp_rank) * tp + tp_rank (the mesh is
+    row-major: tensor parallelism innermost, inside a node; pipeline stages outermost)."""
 
     world_size: int
     tp: int
     rank: int = 0
+    pp: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size % self.tp:
             raise ValueError(f"--tp {self.tp} does not divide the world size {self.world_size}")
+        if self.world_size % (self.tp * self.pp):
+            raise ValueError(
+                f"--pp {self.pp} x --tp {self.tp} does not divide the world size {self.world_size}"
+            )
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp * self.dp)
+
+    def describe(self) -> str:
+        return f"pp {self.pp} x dp {self.dp} x tp {self.tp}"
 
 
 def compute_dtype(args: ParallelArgs, device: torch.device) -> torch.dtype:
@@ -76,24 +91,30 @@ class Parallelized:
     """The model as the loop uses it, and the mode-specific pieces around it."""
 
     def __init__(self, model: GPT, cfg_parallel: ParallelArgs, info: DistInfo) -> None:
-        self.base = model
         self.args = cfg_parallel
         self.info = info
-        self.dims = ParallelDims(info.world_size, cfg_parallel.tp, info.rank)
+        self.dims = ParallelDims(info.world_size, cfg_parallel.tp, info.rank, cfg_parallel.pp)
         self.mode = cfg_parallel.mode
         self.dtype = compute_dtype(cfg_parallel, info.device)
         self.mesh: DeviceMesh | None = None
+        self.pipeline: Pipeline | None = None
         if self.dims.tp > 1 and self.dims.dp > 1 and not self.mode.startswith("fsdp"):
             raise ValueError("--tp with more than one data-parallel rank needs --parallel fsdp")
-        if self.dims.tp > 1 and self.mode == "zero1":
-            # ZeRO-1 would split the optimizer over the tp ranks, which hold different shards.
-            raise ValueError("--tp does not combine with --parallel zero1; use fsdp")
-        if info.distributed and (self.dims.tp > 1 or self.mode.startswith("fsdp")):
-            # Only where DTensors need it: plain DDP and ZeRO-1 use the default group, and a
-            # mesh would create sub-communicators for nothing.
+        if (self.dims.tp > 1 or self.dims.pp > 1) and self.mode == "zero1":
+            # ZeRO-1 would split the optimizer over every rank, which hold different shards.
+            raise ValueError("--tp and --pp do not combine with --parallel zero1; use fsdp")
+        needs_mesh = self.dims.tp > 1 or self.dims.pp > 1 or self.mode.startswith("fsdp")
+        if info.distributed and needs_mesh:
+            # Only where DTensors or sub-groups need it: plain DDP and ZeRO-1 use the default
+            # group, and a mesh would create sub-communicators for nothing.
             self.mesh = init_device_mesh(
-                info.device.type, (self.dims.dp, self.dims.tp), mesh_dim_names=("dp", "tp")
+                info.device.type,
+                (self.dims.pp, self.dims.dp, self.dims.tp),
+                mesh_dim_names=("pp", "dp", "tp"),
             )
+        if self.dims.pp > 1:
+            model = StageGPT(model, self.dims.pp_rank, self.dims.pp)
+        self.base: nn.Module = model
         if self.dims.tp > 1:
             assert self.mesh is not None
             apply_tp(model, self.mesh["tp"])
@@ -105,9 +126,25 @@ class Parallelized:
             mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
             apply_fsdp(model, self.mesh["dp"], self.mode == "fsdp", mp)
         elif info.distributed and self.dims.dp > 1:
-            self.module = apply_ddp(model, info, cfg_parallel.bucket_cap_mb)
+            group = self.mesh["dp"].get_group() if self.mesh is not None else None
+            if self.dims.pp == 1:
+                self.module = apply_ddp(model, info, cfg_parallel.bucket_cap_mb, group)
+            # Under a pipeline, DDP's reducer breaks on a schedule's several backwards per
+            # step (GPipe: "rebuilt parameter indices size is not same"); the Pipeline
+            # all-reduces the stage's gradients over its data-parallel group after the step.
         # FSDP casts the parameters itself; everywhere else bf16 means autocast.
         self._autocast = self.dtype != torch.float32 and not isinstance(model, FSDPModule)
+        if self.dims.pp > 1:
+            assert self.mesh is not None
+            self.pipeline = Pipeline(
+                self.module,
+                self.dims.pp_rank,
+                self.mesh,
+                info.device,
+                cfg_parallel.pp_schedule,
+                # Plain data parallelism: no DDP wrapper (above), the Pipeline reduces.
+                dp_group=None if isinstance(model, FSDPModule) else self.mesh["dp"].get_group(),
+            )
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if not self._autocast:
@@ -126,6 +163,13 @@ class Parallelized:
         else:
             yield
 
+    def clip_grads(self, max_norm: float) -> float:
+        """clip_grad_norm over this rank's parameters, summed over the pipeline stages."""
+        pipe = self.pipeline
+        skip = pipe.tied if pipe is not None and pipe.last else None
+        group = pipe.pp_group if pipe is not None else None
+        return clip_grad_norm(list(self.base.parameters()), max_norm, group, skip)
+
     def build_optimizer(self, optim: OptimArgs) -> torch.optim.Optimizer:
         kw: dict[str, Any] = dict(lr=optim.lr, betas=(0.9, 0.99), weight_decay=optim.weight_decay)
         if self.mode == "zero1" and self.info.distributed:
@@ -141,7 +185,13 @@ class Parallelized:
         return torch.optim.AdamW(self.base.parameters(), **kw)
 
 
-def apply_tp(model: GPT, tp_mesh: DeviceMesh) -> None:
+def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, block) of the transformer blocks, for the whole model (a ModuleList) and for a
+    pipeline stage (a ModuleDict keyed by layer index) alike."""
+    return list(model.blocks.named_children())
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Megatron-style: q, k, v and the MLP's first layer split by output columns (whole heads),
     the two projections by input rows, so each block needs one all-reduce forward and one
     backward. Embeddings, norms and the head stay replicated on the tp ranks, which all see the
@@ -160,33 +210,45 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh) -> None:
         "mlp.fc": ColwiseParallel(),
         "mlp.proj": RowwiseParallel(),
     }
-    for block in model.blocks:
+    for _, block in blocks(model):
         parallelize_module(block, tp_mesh, plan)
 
 
-def apply_ac(model: GPT) -> None:
+def apply_ac(model: nn.Module) -> None:
     """Keep only each block's input; recompute its activations during the backward pass."""
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    for name, block in blocks(model):
+        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        model.blocks.register_module(name, wrapped)
 
 
-def apply_fsdp(model: GPT, dp_mesh: DeviceMesh, reshard: bool, mp: MixedPrecisionPolicy) -> None:
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, reshard: bool, mp: MixedPrecisionPolicy
+) -> None:
     """FSDP2: each block is one all-gather / reduce-scatter unit, the root holds the rest.
 
     reshard=True frees the gathered parameters after forward and gathers them again for the
     backward (ZeRO-3); False keeps them until the backward is done (ZeRO-2-like: more memory,
     one all-gather less per step)."""
-    for block in model.blocks:
+    for _, block in blocks(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
-def apply_ddp(model: nn.Module, info: DistInfo, bucket_cap_mb: float = 25.0) -> nn.Module:
+def apply_ddp(
+    model: nn.Module,
+    info: DistInfo,
+    bucket_cap_mb: float = 25.0,
+    group: dist.ProcessGroup | None = None,
+) -> nn.Module:
     """DDP all-reduces gradients in buckets of bucket_cap_mb as the backward pass fills them,
-    so communication overlaps the rest of the backward."""
+    so communication overlaps the rest of the backward. `group`: the data-parallel ranks of
+    this pipeline stage (None: every rank)."""
     if info.device.type == "cuda":
-        return DDP(model, device_ids=[info.device.index], bucket_cap_mb=bucket_cap_mb)
-    return DDP(model, bucket_cap_mb=bucket_cap_mb)
+        return DDP(
+            model, device_ids=[info.device.index], bucket_cap_mb=bucket_cap_mb,
+            process_group=group,
+        )  # fmt: skip
+    return DDP(model, bucket_cap_mb=bucket_cap_mb, process_group=group)
 
 
 # --- state dicts for DCP ---------------------------------------------------------------------
@@ -234,19 +296,52 @@ def _zero1_optim_state(model: nn.Module, zero: ZeroRedundancyOptimizer) -> dict[
     return {"state": state, "param_groups": groups}
 
 
+# A one-stage model's optimizer state names the tied embedding by its first FQN only.
+_TIED_OPTIM_KEY, _HEAD_KEY = "wte.weight", "lm_head.weight"
+
+
+def _rename_optim_key(optim_sd: dict, old: str, new: str) -> dict:
+    state = {new if k == old else k: v for k, v in optim_sd.get("state", {}).items()}
+    groups = [
+        {**g, "params": [new if k == old else k for k in g["params"]]}
+        for g in optim_sd.get("param_groups", [])
+    ]
+    out = {**optim_sd, "state": state}
+    if "param_groups" in optim_sd:
+        out["param_groups"] = groups
+    return out
+
+
+def _untied_head(model: nn.Module) -> bool:
+    """A last pipeline stage, whose head is its own copy of the tied embedding."""
+    tied = tied_embedding(model)
+    base = getattr(model, "module", model)
+    return tied is not None and getattr(base, "untied_head", False)
+
+
 def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts with FQN keys, the same for every mode and world size."""
+    """(model, optimizer) state dicts with FQN keys, the same for every mode and world size.
+
+    A last pipeline stage saves its head's optimizer state under the tied embedding's key, as
+    a one-stage model names it: the first stage saves the same values under it (DCP writes
+    replicated entries once), and a checkpoint moves between any numbers of stages."""
     if _is_zero1(optimizer):
         return get_model_state_dict(model), _zero1_optim_state(model, optimizer)
-    return get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if _untied_head(model):
+        optim_sd = _rename_optim_key(optim_sd, _HEAD_KEY, _TIED_OPTIM_KEY)
+    return model_sd, optim_sd
 
 
 def load_templates(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """`state_dicts`, less what a load must not ask for (ZeRO-1's shared param_groups)."""
+    """`state_dicts`, less what a load must not ask for: the param_groups.
+
+    They hold only hyperparameters, which come from this run's config (the learning rate is
+    set every step), and a checkpoint's copy is not layout-independent: each pipeline stage or
+    ZeRO-1 rank saves a group listing its own parameters under the same key, and DCP keeps one
+    of them. `load_state_dicts` puts this optimizer's own groups back."""
     model_sd, optim_sd = state_dicts(model, optimizer)
-    if _is_zero1(optimizer):
-        optim_sd = {"state": optim_sd["state"]}
-    return model_sd, optim_sd
+    return model_sd, {"state": optim_sd["state"]}
 
 
 def load_state_dicts(
@@ -256,6 +351,10 @@ def load_state_dicts(
     if _is_zero1(optimizer):
         set_model_state_dict(model, model_sd)
         return  # dcp.load wrote the optimizer state into the tensors of _zero1_optim_state
+    # The groups as this optimizer has them, in state_dicts' FQN form (load_templates).
+    optim_sd = {**optim_sd, "param_groups": state_dicts(model, optimizer)[1]["param_groups"]}
+    if _untied_head(model):
+        optim_sd = _rename_optim_key(optim_sd, _TIED_OPTIM_KEY, _HEAD_KEY)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
@@ -263,23 +362,36 @@ def load_state_dicts(
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(
+    params: list[nn.Parameter],
+    max_norm: float,
+    stages: dist.ProcessGroup | None = None,
+    skip: nn.Parameter | None = None,
+) -> float:
     """Clip the global gradient norm; DTensor gradients (FSDP, TP, or both) count once each.
 
     torch's clip_grad_norm_ cannot stack norms of DTensors that live on different meshes (the
     TP blocks and the FSDP-only embeddings); so each norm is made a plain replicated number
-    first. One small collective per sharded parameter: fine for the reference model."""
+    first. One small collective per sharded parameter: fine for the reference model.
+    Under pipeline parallelism each stage holds some of the parameters: `stages` (the pipeline
+    group) sums the squares over them, and `skip` (the last stage's copy of the tied
+    embedding) is left out so that the tied tensor counts once, as in a one-stage model."""
     sq = []
     for p in params:
-        if p.grad is None:
+        if p.grad is None or p is skip:
             continue
         n = p.grad.norm(dtype=torch.float32)
         if isinstance(n, DTensor):
             n = n.full_tensor()
         sq.append(n.pow(2))
-    if not sq:
+    local = torch.stack(sq).sum() if sq else torch.zeros(())
+    if stages is not None:
+        device = params[0].device if params else torch.device("cpu")
+        local = local.reshape(1).to(device, torch.float32)
+        dist.all_reduce(local, group=stages)
+    if not sq and stages is None:
         return 0.0
-    total = math.sqrt(float(torch.stack(sq).sum()))
+    total = math.sqrt(float(local.sum()))
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
         for p in params:

@@ -80,6 +80,9 @@ class ModelShape:
     """Attention that never stores the seq x seq scores (FlashAttention, torch SDPA)."""
     tied_embeddings: bool = False
     """The output head shares the token embedding's weights (GPT-2, the reference trainer)."""
+    vocab_parallel: bool = True
+    """Tensor parallelism splits the embedding and the output head too (Megatron); the
+    reference trainer keeps them whole on every tensor-parallel rank."""
     global_batch: int | None = None
     """Sequences per optimizer step; default micro_batch x GPUs (one micro-batch per GPU)."""
 
@@ -150,6 +153,9 @@ class ClusterShape:
     gpus_per_node: int = 8
     gpu_mem_gb: float = 80.0
     """GPU memory in GiB (2^30 bytes), as nvidia-smi counts it."""
+    overhead_bytes: int = FIXED_OVERHEAD_BYTES
+    """Per GPU outside the model's tensors (CUDA context, workspaces, NCCL buffers); a CPU
+    process has none of them (the trainer's auto layout on CPU passes 0)."""
 
     def __post_init__(self) -> None:
         _positive_int("gpus", self.gpus, MAX_GPUS)
@@ -157,6 +163,8 @@ class ClusterShape:
         mem = self.gpu_mem_gb
         if isinstance(mem, bool) or not isinstance(mem, int | float) or not 0 < mem <= 1 << 20:
             raise PlanError("gpu_mem_gb", f"must be a number of GiB above 0, got {mem!r}")
+        if not isinstance(self.overhead_bytes, int) or self.overhead_bytes < 0:
+            raise PlanError("overhead_bytes", f"must be bytes >= 0, got {self.overhead_bytes!r}")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise PlanError(
                 "gpus",
@@ -220,7 +228,7 @@ class Plan:
             "model": model,
             "cluster": asdict(self.cluster),
             "assumptions": {
-                "fixed_overhead_bytes": FIXED_OVERHEAD_BYTES,
+                "fixed_overhead_bytes": self.cluster.overhead_bytes,
                 "fragmentation": FRAGMENTATION,
                 "tensor_parallel": "Megatron-style with sequence parallelism, inside a node",
                 "pipeline_schedule": "1F1B, non-interleaved",
@@ -298,7 +306,7 @@ def evaluate(
     embedding = model.vocab * model.hidden
     # ZeRO-3/FSDP gathers one unit (a block, or the embedding) at a time and prefetches the
     # next; the unsharded gradient of a unit lives until it is reduce-scattered.
-    unit = max(per_layer, embedding) / tp
+    unit = max(per_layer / tp, embedding / (tp if model.vocab_parallel else 1))
     keep, recompute = activation_parts(model, tp)
     sbh_bytes = model.seq * model.micro_batch * model.hidden * wb
 
@@ -314,7 +322,8 @@ def evaluate(
         else:
             # The last stage holds the head; tied weights need their own copy there.
             stage_embedding = embedding + 2 * model.hidden
-        params = (model.block_params / pp + stage_embedding) / tp
+        split = tp if model.vocab_parallel else 1
+        params = model.block_params / pp / tp + stage_embedding / split
         weights = params * wb
         if zero >= 3:  # never more than unsharded (a model of one or two units)
             weights = min(weights, weights / dp + 2 * unit * wb)
@@ -328,7 +337,7 @@ def evaluate(
         if stage in ("only", "first"):
             activations += in_flight * 8 * model.seq * model.micro_batch  # int64 token ids
         if stage in ("only", "last"):
-            activations += output_activation_bytes(model, tp)
+            activations += output_activation_bytes(model, tp if model.vocab_parallel else 1)
         parts = {
             "weights": weights,
             "grads": grads,
@@ -344,7 +353,7 @@ def evaluate(
             }
     assert worst is not None
     model_bytes = sum(worst.values())
-    overhead = FIXED_OVERHEAD_BYTES + FRAGMENTATION * model_bytes
+    overhead = cluster.overhead_bytes + FRAGMENTATION * model_bytes
     per_gpu = {k: round(v) for k, v in worst.items()}
     per_gpu["overhead"] = round(overhead)
     per_gpu["total"] = round(model_bytes + overhead)
@@ -551,46 +560,3 @@ def plan(model: ModelShape, cluster: ClusterShape) -> Plan:
             f"at the cost of {cost}."
         )
     return Plan(model, cluster, layouts, best, reasons)
-
-
-def format_table(result: Plan, show_all: bool = False, top: int = 12) -> str:
-    """The plan as text: the recommendation with its reasons, then the layouts."""
-    m, c = result.model, result.cluster
-    lines = [
-        f"model: {m.total_params / 1e9:,.2f}B params"
-        f"{' (derived)' if m.params is None else ''}, {m.layers} layers, hidden {m.hidden}, "
-        f"{m.heads} heads, vocab {m.vocab:,}, seq {m.seq}, micro-batch {m.micro_batch}, "
-        f"global batch {global_batch(m, c):,}, {m.dtype}, {m.optimizer}, "
-        f"activation checkpointing {'on' if m.activation_checkpointing else 'off'}",
-        f"cluster: {c.gpus:,} GPUs, {c.gpus_per_node} per node, {c.gpu_mem_gb:g} GiB each",
-        "",
-    ]
-    if result.recommended:
-        lines.append(f"recommended: {result.recommended.describe()}")
-    else:
-        lines.append("recommended: none")
-    lines += [f"  - {reason}" for reason in result.reasons]
-    lines.append("")
-    header = (
-        f"{'dp':>5} {'tp':>3} {'pp':>3} {'zero':>4} | {'weights':>8} {'grads':>8} "
-        f"{'optim':>8} {'activ':>8} {'total':>8} | {'comm/step':>9} | fits"
-    )
-    lines += [header + "   (GiB per GPU)", "-" * len(header)]
-    shown = result.layouts if show_all else result.layouts[:top]
-    for lay in shown:
-        b = lay.per_gpu_bytes
-        mark = "yes" if lay.fits else "no"
-        if lay is result.recommended:
-            mark += "  <- recommended"
-        lines.append(
-            f"{lay.dp:>5} {lay.tp:>3} {lay.pp:>3} {lay.zero:>4} | "
-            + " ".join(
-                f"{b[k] / GiB:>8.1f}"
-                for k in ("weights", "grads", "optimizer", "activations", "total")
-            )
-            + f" | {lay.comm_bytes_per_step / GiB:>9.1f} | {mark}"
-        )
-    hidden_count = len(result.layouts) - len(shown)
-    if hidden_count:
-        lines.append(f"... {hidden_count} more layouts (--all to list them)")
-    return "\n".join(lines)

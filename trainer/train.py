@@ -36,9 +36,10 @@ from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import JobConfig, TrainArgs, parse_args
 from trainer.data import AdditionDataset, BatchPlan, Dataset, GlobalSampler, build_dataset
 from trainer.distributed import DistInfo, close_distributed, init_distributed
+from trainer.layout import for_launch, measured_bytes
 from trainer.metrics import MetricsWriter
 from trainer.model import GPT, GPTConfig
-from trainer.parallel import Parallelized, clip_grad_norm
+from trainer.parallel import Parallelized
 from trainer.stop import StopFlag
 
 
@@ -208,6 +209,19 @@ class DataFeed:
             self._record.close()
 
 
+def check_pipeline_plan(plan: BatchPlan) -> None:
+    """A pipeline schedule splits a replica's rows into equal micro-batches and averages their
+    losses: unequal ones would weight some samples more than others."""
+    sizes = {stop - start for r in range(plan.dp_size) for start, stop in plan.micro_ranges(r)}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"pipeline parallelism needs equal micro-batches: global batch {plan.global_batch} "
+            f"over {plan.dp_size} replicas in micro-batches of at most {plan.micro_batch} gives "
+            f"sizes {sorted(sizes)}; choose --global-batch-size as a multiple of "
+            f"replicas x --batch-size"
+        )
+
+
 def lr_scale_at(state: TrainState, step: int, warmup_steps: int) -> float:
     """The linear-scaling multiplier for `step`: a ramp after a batch change, then constant."""
     if warmup_steps <= 0 or step >= state.lr_ramp_start + warmup_steps:
@@ -289,6 +303,11 @@ def train(cfg: JobConfig) -> int:
     fault = _test_faults(info.rank, cfg.train)
 
     dataset = build_dataset(cfg.train.dataset)
+    cfg, layout = for_launch(cfg, dataset.vocab_size, info)
+    if layout is not None and info.is_main:
+        print(f"{tag}trainer: layout ({layout.how}): {layout.describe()}", flush=True)
+        for reason in layout.reasons:
+            print(f"{tag}trainer:   - {reason}", flush=True)
     model = build_model(cfg, dataset.vocab_size, info)
     par = Parallelized(model, cfg.parallel, info)
     optimizer = par.build_optimizer(cfg.optim)
@@ -311,9 +330,14 @@ def train(cfg: JobConfig) -> int:
 
     resume_dir = ckpt.resolve_resume(cfg.train.resume_from)
     resumed = ckpt.load(resume_dir) if resume_dir else None
-    state = resolve_batch(cfg, batch_dp(par.dims.dp, info.world_size, tag), resumed, tag)
+    # Under pipeline parallelism a replica's default share of the batch is several
+    # micro-batches (the schedule needs them to keep its stages busy).
+    replicas = par.dims.dp * cfg.microbatches_per_replica
+    state = resolve_batch(cfg, batch_dp(replicas, info.world_size, tag), resumed, tag)
     start_step = state.step
     plan = BatchPlan(state.global_batch, par.dims.dp, cfg.train.batch_size)
+    if par.pipeline is not None:
+        check_pipeline_plan(plan)
     feed = DataFeed(dataset, cfg, plan, par.dims.dp_rank, info.rank)
     # The newest step known to be saved in our own checkpoint dir, tracked in memory so
     # every rank makes the same save decision without re-reading the filesystem.
@@ -322,7 +346,9 @@ def train(cfg: JobConfig) -> int:
     print(
         f"{tag}trainer: {model.num_params():,} params, dataset {dataset.uri}, "
         f"world size {info.world_size}, device {info.device}, "
-        f"parallel {cfg.parallel.mode} (dp {par.dims.dp} x tp {par.dims.tp}, {par.dtype}), "
+        f"parallel {cfg.parallel.mode} ({par.dims.describe()}, {par.dtype}"
+        + (f", {cfg.parallel.pp_schedule} schedule" if par.pipeline else "")
+        + "), "
         f"global batch {plan.global_batch} = {plan.dp_size} x {plan.accum_steps} micro-batches "
         f"of <= {plan.micro_batch}, sample {state.sample_position} "
         f"(epoch {feed.epoch_of(state.sample_position)}), "
@@ -376,6 +402,15 @@ def train(cfg: JobConfig) -> int:
             step_time_s=step_time,
             compute_s=clock.seconds(),
         )
+        if layout is not None and step == start_step + 1:
+            # The planner's prediction beside what this rank holds after a real step (and its
+            # first step time, which includes warm-up; the portal compares later steps).
+            metrics.write(
+                "layout",
+                step=step,
+                layout=layout.record(),
+                measured_bytes=measured_bytes(par.base, optimizer, info.device),
+            )
         if step % cfg.train.log_every == 0 or step == start_step + 1:
             print(
                 f"{tag}step {step}/{cfg.train.steps} loss {loss:.4f} lr {lr:.2e} "
@@ -404,6 +439,7 @@ def train(cfg: JobConfig) -> int:
         and not preempted
         and isinstance(dataset, AdditionDataset)
         and par.dims.tp == 1
+        and par.pipeline is None
         and not cfg.parallel.mode.startswith("fsdp")
     ):
         print(f"{tag}addition accuracy: {addition_accuracy(model, dataset, info):.1%}", flush=True)
@@ -439,6 +475,17 @@ def train_step(
     plan = feed.plan
     micro = feed.micro_batches(step, position)
     optimizer.zero_grad(set_to_none=True)
+    if par.pipeline is not None:
+        # The schedule runs the micro-batches itself, interleaved over the stages.
+        x = torch.cat([m[0] for m in micro]).to(info.device)
+        y = torch.cat([m[1] for m in micro]).to(info.device)
+        loss = par.pipeline.step(x, y, len(micro))
+        if clock is not None:
+            clock.forward_done()  # the whole schedule: its forwards and backwards interleave
+        if cfg.optim.grad_clip > 0:
+            par.clip_grads(cfg.optim.grad_clip)
+        optimizer.step()
+        return loss
     total = 0.0
     for i, (x, y, rows) in enumerate(micro):
         x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
@@ -452,7 +499,7 @@ def train_step(
             (loss * weight).backward()  # DDP/FSDP reduce the gradients here on the last one
         total += loss.detach().float() * rows
     if cfg.optim.grad_clip > 0:
-        clip_grad_norm(list(par.base.parameters()), cfg.optim.grad_clip)
+        par.clip_grads(cfg.optim.grad_clip)
     optimizer.step()
     return total.item() / feed.rows  # also waits for the device: the step time is real
 

@@ -1,0 +1,119 @@
+"""The layout as a setting: `auto` picks a runnable layout that fits a per-rank memory limit
+for a model that plain data parallelism does not fit, chooses again when the job comes back
+on fewer ranks (an elastic shrink) and resumes there; and every launch writes the planner's
+prediction beside what each rank measured, within the planner's published error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests import test_trainer as base
+from tests.test_trainer_elastic import gang, global_losses
+from trainer.config import parse_args
+from trainer.layout import ZERO_MODES, candidates, model_shape, resolve, runnable
+from trainer.planner import ClusterShape, GiB, evaluate
+
+# docs/planner.md ("Per layout"): weights, gradients and optimizer state after a step, the
+# largest rank against the planner's worst stage.
+STATE_TOLERANCE = 0.10
+
+SHAPE = ["--n-layer", "4", "--n-embd", "64", "--n-head", "4", "--block-size", "8",
+         "--batch-size", "4", "--global-batch-size", "32", "--steps", "4",
+         "--checkpoint-every", "2"]  # fmt: skip
+# Between what ZeRO-1 over 4 ranks needs (2.7 MiB) and plain DDP's 4.0 MiB (the planner's
+# figures for SHAPE; test_the_limit_sits_between_ddp_and_the_choice checks them).
+LIMIT_GB = "0.0030"
+
+
+def layout_records(run_dir: Path, world: int) -> list[dict]:
+    rows = []
+    for r in range(world):
+        path = run_dir / f"rank-{r}.metrics.jsonl"
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+    return [row for row in rows if row["kind"] == "layout"]
+
+
+def assert_within_prediction(records: list[dict]) -> None:
+    """The largest rank's resident state against the planner's (worst stage) prediction."""
+    predicted = records[0]["layout"]["predicted_resident_bytes"]
+    for part in ("weights", "grads", "optimizer"):
+        measured = max(r["measured_bytes"][part] for r in records)
+        assert measured == pytest.approx(predicted[part], rel=STATE_TOLERANCE), (
+            part,
+            measured,
+            predicted,
+        )
+
+
+def test_the_limit_sits_between_ddp_and_the_choice():
+    cfg = parse_args([*SHAPE, "--layout", "auto"])
+    model = model_shape(cfg, 13, 201_408, 32)
+    cluster = ClusterShape(gpus=4, gpus_per_node=4, gpu_mem_gb=float(LIMIT_GB), overhead_bytes=0)
+    assert not evaluate(model, cluster, dp=4, tp=1, pp=1, zero=0).fits
+    best = candidates(model, cluster)[0]
+    assert best.fits and runnable(best)
+    # What the trainer cannot run is never offered: tp beside dp without FSDP, zero1 with pp.
+    for lay in candidates(model, cluster):
+        assert not (lay.tp > 1 and lay.dp > 1 and lay.zero < 2)
+        assert not (lay.pp > 1 and lay.zero == 1)
+
+
+def test_auto_fits_a_model_plain_data_parallelism_does_not_and_chooses_again_on_fewer_ranks(
+    tmp_path,
+):
+    limit = {"LOCKSTEP_MEMORY_LIMIT_GB": LIMIT_GB}
+    full = gang(tmp_path, "w4", 4, [*SHAPE, "--layout", "auto"], env=limit)
+    log = (full / "rank0.log").read_text()
+    assert "layout (auto)" in log and "plain data parallelism would need" in log, log[-3000:]
+    records = layout_records(full, 4)
+    assert len(records) == 4
+    chosen = records[0]["layout"]
+    assert chosen["how"] == "auto"
+    assert chosen["predicted_bytes"]["total"] <= float(LIMIT_GB) * GiB
+    assert chosen["mode"] == ZERO_MODES[chosen["zero"]] and chosen["mode"] != "ddp"
+    assert_within_prediction(records)
+
+    # The job comes back on 2 of its 4 GPUs: the same limit, another choice, same batch.
+    shrunk = gang(tmp_path, "w2", 2, [*SHAPE, "--layout", "auto"],
+                  resume=tmp_path / "ckpt" / "step-000002", env=limit)  # fmt: skip
+    again = layout_records(shrunk, 2)[0]["layout"]
+    assert (again["dp"] * again["tp"] * again["pp"], again["global_batch"]) == (2, 32)
+    assert again["predicted_bytes"]["total"] <= float(LIMIT_GB) * GiB
+    assert again != chosen
+    assert_within_prediction(layout_records(shrunk, 2))
+    # The resumed curve continues the one the 4-rank run drew.
+    before, after = global_losses(full, 4), global_losses(shrunk, 2)
+    assert sorted(after) == [3, 4]
+    for step in after:
+        assert after[step] == pytest.approx(before[step], abs=1e-4), (step, before, after)
+
+
+def test_auto_refuses_when_nothing_fits_and_flags_win_over_the_platform_default(tmp_path):
+    env = base.trainer_env(tmp_path)
+    env["LOCKSTEP_MEMORY_LIMIT_GB"] = "0.0001"
+    env["LOCKSTEP_LAYOUT"] = "auto"
+    proc = base.start([*SHAPE], env, tmp_path, "none")
+    assert proc.wait(timeout=120) != 0
+    out = (tmp_path / "none.log").read_text()
+    assert "no layout of 1 ranks fits" in out, out[-2000:]
+    # A command that names its layout keeps it, whatever the platform's default says.
+    cfg = parse_args([*SHAPE, "--parallel", "fsdp"])
+    assert cfg.parallel.layout == "flags"
+    with pytest.raises(ValueError, match="--layout auto chooses"):
+        parse_args([*SHAPE, "--layout", "auto", "--tp", "2"])
+
+
+def test_flags_layouts_are_predicted_too():
+    cfg = parse_args([*SHAPE, "--parallel", "fsdp", "--pp", "2"])
+    _, choice = resolve(cfg, vocab=13, params=201_408, world_size=8, gpus_per_node=8,
+                        device_type="cpu", batch=32, memory_bytes=GiB, how="flags")  # fmt: skip
+    record = choice.record()
+    assert (record["pp"], record["dp"], record["tp"], record["zero"]) == (2, 4, 1, 3)
+    t = record["predicted_time"]
+    assert t["total_s"] == pytest.approx(t["compute_s"] + t["exposed_comm_s"] + t["bubble_s"])
+    # 1F1B on 2 stages with 32 / (4 x 4) = 2 micro-batches: the bubble is (pp-1)/m of compute.
+    assert record["micro_batches"] == 2
+    assert t["bubble_s"] == pytest.approx(t["compute_s"] / 2)
