@@ -98,7 +98,10 @@ METRIC_RECORD = {
         "bad ones are skipped"
     ),
     "properties": {
-        "kind": {"type": "string", "enum": ["step", "checkpoint", "scalar", "start", "end"]},
+        "kind": {
+            "type": "string",
+            "enum": ["step", "checkpoint", "scalar", "start", "end", "layout"],
+        },
         "name": {"type": "string"},
         "value": {"type": ["number", "null"]},
         "format": {"type": "string", "enum": ["dcp", "lightning", "hf", "torch"]},
@@ -110,6 +113,15 @@ METRIC_RECORD = {
         "bytes": {"type": "integer", "minimum": 0},
         "save_s": {"type": "number"},
         "reason": {"type": "string"},
+        "layout": {
+            "type": "object",
+            "description": "`layout`: the trainer's layout and the planner's prediction",
+        },
+        "measured_bytes": {
+            "type": "object",
+            "description": "`layout`: weights, grads, optimizer (and cuda_peak_allocated) "
+            "this rank held after its first step",
+        },
     },
     "required": ["kind"],
 }

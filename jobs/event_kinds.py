@@ -35,6 +35,7 @@ class EventKind(StrEnum):
     ATTEMPT_STRAGGLER = "attempt.straggler"
     ATTEMPT_TRAINER_STARTED = "attempt.trainer_started"
     ATTEMPT_TRAINER_ENDED = "attempt.trainer_ended"
+    ATTEMPT_LAYOUT = "attempt.layout"
     RANK_EXITED = "rank.exited"
     # Checkpoints and the model registry
     CHECKPOINT_COMMITTED = "checkpoint.committed"

@@ -121,6 +121,16 @@ class Job(models.Model):
     time_limit_s = models.PositiveIntegerField(null=True, blank=True)
     env = models.JSONField(default=dict, blank=True)
 
+    class Layout(models.TextChoices):
+        AUTO = "auto"
+        FLAGS = "flags"
+
+    # How the reference trainer spreads the model over the GPUs an attempt gets (given to it
+    # as LOCKSTEP_LAYOUT; other scripts ignore it): auto = the planner's choice at every
+    # launch, flags = the command's --parallel/--tp/--pp (a command that passes them keeps
+    # them either way). trainer/layout.py.
+    layout = models.CharField(max_length=8, choices=Layout.choices, default=Layout.AUTO)
+
     state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
     reason = models.CharField(max_length=500, blank=True, help_text="Why it waits / how it ended")
     # The scheduler's wait reason as data beside its text: {"code": ..., "data": its numbers}
@@ -212,6 +222,10 @@ class Attempt(models.Model):
         null=True, blank=True, help_text="Given to the trainer: the job's or Young/Daly's"
     )
     straggler_checked_at = models.DateTimeField(null=True, blank=True)
+    # The trainer's `layout` record (trainer/layout.py): the layout it runs, the planner's
+    # per-GPU memory and step-time prediction for it, and the largest of what the ranks
+    # measured after their first step ({"chosen": ..., "measured_max": ..., "ranks": n}).
+    layout = models.JSONField(default=dict, blank=True)
     filler = models.BooleanField(
         default=False,
         help_text="Started on a reservation's draining nodes past their time (scheduling "

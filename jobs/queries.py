@@ -87,6 +87,7 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
             else ""
         ),
         "dataset": job.dataset,
+        "layout": job.layout,
         "ranks": [
             {"rank": a.rank, "local_rank": a.local_rank, "gpu_index": a.gpu.index}
             for a in sorted(allocations, key=lambda a: a.rank)

@@ -58,6 +58,12 @@ class JobCreateSerializer(serializers.Serializer):
     env = serializers.JSONField(
         required=False, default=dict, validators=[_django(validation.validate_env)]
     )
+    layout = serializers.ChoiceField(
+        choices=Job.Layout.choices,
+        default=Job.Layout.AUTO,
+        help_text="The reference trainer's layout: auto (the planner's choice for the GPUs each "
+        "attempt gets) or flags (the command's --parallel/--tp/--pp); other scripts ignore it.",
+    )
 
     def validate_name(self, value: str) -> str:
         if not value.strip():
@@ -107,6 +113,7 @@ class AttemptSerializer(serializers.ModelSerializer):
             "last_step",
             "image_digest",
             "pull_s",
+            "layout",
         ]
 
     def get_nodes(self, attempt) -> list[str]:
@@ -149,6 +156,7 @@ class JobSerializer(serializers.ModelSerializer):
             "max_restarts",
             "checkpoint_interval_s",
             "time_limit_s",
+            "layout",
             "env",
             "state",
             "reason",

@@ -35,6 +35,7 @@ SPEC_FIELDS = (
     "checkpoint_interval_s",
     "time_limit_s",
     "env",
+    "layout",
 )
 SPEC_DEFAULTS = {"image": "lockstep/trainer:latest", "dataset": "synthetic://addition"}
 
@@ -446,6 +447,12 @@ def add_commands(sub) -> dict:
     p.add_argument("--max-restarts", type=int)
     p.add_argument("--checkpoint-interval-s", type=int)
     p.add_argument("--time-limit-s", type=int)
+    p.add_argument(
+        "--layout",
+        choices=["auto", "flags"],
+        help="reference trainer: auto (the planner picks dp/tp/pp per attempt, default) or "
+        "flags (the command's --parallel/--tp/--pp)",
+    )
     p.add_argument("--env", action="append", metavar="NAME=VALUE", help="repeatable")
     p.add_argument(
         "--wait", action="store_true", help="wait until it runs or ends; changes on stderr"

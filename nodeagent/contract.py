@@ -139,6 +139,8 @@ def build_worker_env(
         "LOCKSTEP_RESUME_FROM": resume_from,
         "LOCKSTEP_DATASET": launch.get("dataset") or "",
         "LOCKSTEP_JOB_GPUS": launch.get("job_gpus") or world_size,
+        # The reference trainer's layout setting (auto/flags); "" from an older portal.
+        "LOCKSTEP_LAYOUT": launch.get("layout") or "",
         "LOCKSTEP_METRICS_PATH": metrics_path,
         "LOCKSTEP_DEVICE": gpu_kind,
     }

@@ -52,6 +52,13 @@ class JobForm(forms.Form):
         help_text="Empty: Young/Daly's interval from the job's save cost and failure rate.",
     )
     time_limit_s = forms.IntegerField(min_value=1, required=False, label="Time limit (s)")
+    layout = forms.ChoiceField(
+        choices=Job.Layout.choices,
+        initial=Job.Layout.AUTO,
+        required=False,
+        help_text="Reference trainer: auto picks data, tensor and pipeline parallelism for the "
+        "GPUs each attempt gets; flags uses the command's --parallel/--tp/--pp.",
+    )
     env = forms.CharField(
         required=False,
         widget=forms.Textarea(attrs={"rows": 2}),
@@ -64,6 +71,9 @@ class JobForm(forms.Form):
 
     def clean_image_pull_policy(self) -> str:
         return self.cleaned_data.get("image_pull_policy") or Job.PullPolicy.IF_NOT_PRESENT
+
+    def clean_layout(self) -> str:
+        return self.cleaned_data.get("layout") or Job.Layout.AUTO
 
     def clean_name(self):
         name = self.cleaned_data["name"].strip()
@@ -127,6 +137,7 @@ def job_spec(job) -> dict:
         "checkpoint_interval_s": job.checkpoint_interval_s,
         "time_limit_s": job.time_limit_s,
         "env": dict(job.env or {}),
+        "layout": job.layout,
     }
 
 

@@ -28,6 +28,7 @@ from jobs.models import (
 from jobs.queries import protection, teams_with_usage
 from jobs.reports.estimates import band_text, estimate_bands
 from jobs.reports.goodput import job_goodput
+from jobs.reports.layout import report as layout_report
 from portal.formatting import duration
 from portal.forms import (
     JobForm,
@@ -268,6 +269,8 @@ def job_page(request, job_id: int):
         ],
     }
     goodput = job_goodput(job, now=now)
+    # The newest attempt whose trainer said how it spread the model.
+    layout = next((layout_report(a) for a in reversed(attempts) if a.layout), None)
     return render(
         request,
         "job.html",
@@ -277,6 +280,7 @@ def job_page(request, job_id: int):
             "events": events,
             "checkpoints": checkpoints,
             "goodput": goodput,
+            "layout": layout,
             "advice": checkpoint_advice(job),
             "protection": protection(job, now=now),
             "ranks": list(range(world)),

@@ -95,6 +95,25 @@ def test_gang_spans_both_agents_with_the_launch_contract(cluster, job):
         assert env["TORCHELASTIC_RUN_ID"] == f"job{job}-attempt1"
         assert env["LOCKSTEP_CHECKPOINT_DIR"].endswith(f"job-{job}/attempt-1")
         assert os.getsid(pid) == pid, "each worker runs in its own session"
+        assert env["LOCKSTEP_LAYOUT"] == "auto"  # the job's layout setting (the default)
+
+
+def test_the_reference_trainer_runs_the_planners_layout_and_reports_it(cluster, job):
+    """Layout auto, live: every rank reports the layout it runs (the planner's choice for 4
+    ranks on two 2-GPU nodes), the prediction and what it holds; the attempt carries them."""
+
+    def reported():
+        layout = cluster.alice.get(f"/api/v1/jobs/{job}/").json()["attempts"][0]["layout"]
+        return layout if layout.get("ranks") == 4 and layout.get("chosen") else None
+
+    layout = wait_for(reported, 60, "the four ranks' layout records")
+    chosen = layout["chosen"]
+    assert chosen["how"] == "auto"
+    assert chosen["pp"] * chosen["dp"] * chosen["tp"] == 4
+    assert chosen["predicted_time"]["total_s"] > 0
+    assert layout["measured_max"]["weights"] > 0
+    events = cluster.alice.get(f"/api/v1/jobs/{job}/events/").json()
+    assert any(e["kind"] == "attempt.layout" and "layout (auto)" in e["message"] for e in events)
 
 
 def test_websocket_client_receives_metrics_while_the_job_trains(cluster, job):

@@ -31,6 +31,8 @@ from trainer.step_time import H100_NODE, Hardware, StepTime, step_time
 
 ZERO_MODES = {0: "ddp", 1: "zero1", 2: "fsdp-noreshard", 3: "fsdp"}
 MODE_ZERO = {mode: zero for zero, mode in ZERO_MODES.items()}
+# Predicted step times this close to the fastest count as a tie.
+NEAR_TIE = 1.05
 
 
 class LayoutError(ValueError):
@@ -159,7 +161,20 @@ def choose(
             f"no layout of {cluster.gpus} ranks fits in {size(cluster.gpu_mem_bytes)} per rank"
             f"{need}: use more GPUs, activation checkpointing or a smaller --batch-size"
         )
-    best = fitting[0]
+    # The fastest predicted on this hardware; within NEAR_TIE of it, the simplest: the
+    # shallowest pipeline, the least tensor parallelism, the least sharding (then the
+    # planner's order). Simpler layouts carry what the time model does not see: stage
+    # imbalance, and collectives inside the forward pass, which make every rank wait for a
+    # slow one, so that the straggler detector (which times each rank's data and forward)
+    # can no longer tell which rank is slow.
+    times = [step_time(model, cluster, lay, hw).total_s for lay in fitting]
+    fastest = min(times)
+    near = [
+        (lay.pp, lay.tp, lay.zero, i)
+        for i, (lay, s) in enumerate(zip(fitting, times, strict=True))
+        if s <= fastest * NEAR_TIE
+    ]
+    best = fitting[min(near)[3]]
     t = step_time(model, cluster, best, hw)
     plain = next((lay for lay in layouts if (lay.pp, lay.tp, lay.zero) == (1, 1, 0)), None)
     reasons = [
@@ -170,8 +185,9 @@ def choose(
     if plain is not None and not plain.fits:
         reasons.append(f"plain data parallelism would need {size(plain.per_gpu_bytes['total'])}")
     reasons.append(
-        "preferred: the shallowest pipeline, then the least traffic between nodes, the least "
-        "tensor parallelism, the least traffic, the least memory"
+        f"the fastest predicted step of the fitting layouts; within {NEAR_TIE - 1:.0%} of it, "
+        "the simplest (the shallowest pipeline, the least tensor parallelism, the least "
+        "sharding)"
     )
     reasons.append(
         f"predicted step {t.total_s * 1e3:.1f} ms on {hw.name}: compute "
@@ -222,6 +238,7 @@ def cpu_hardware(cores: int, ranks: int) -> Hardware:
         intra_node_bw=0.5e9,
         inter_node_bw=0.5e9,
         overlap=0.0,
+        hop_latency_s=0.3e-3,
     )
 
 
@@ -236,6 +253,7 @@ def resolve(
     batch: int,
     memory_bytes: int,
     how: str,
+    hw: Hardware | None = None,
 ) -> tuple[JobConfig, Choice]:
     """The config to train with and the Choice behind it. `how` = auto: the planner's pick
     replaces the parallel settings and pins the global batch; flags: the config's own layout,
@@ -251,11 +269,12 @@ def resolve(
         gpu_mem_gb=memory_bytes / GiB,
         overhead_bytes=0 if device_type == "cpu" else ClusterShape.overhead_bytes,
     )
-    hw = (
-        H100_NODE
-        if device_type == "cuda"
-        else cpu_hardware(len(os.sched_getaffinity(0)), gpus_per_node)
-    )
+    if hw is None:
+        hw = (
+            H100_NODE
+            if device_type == "cuda"
+            else cpu_hardware(len(os.sched_getaffinity(0)), gpus_per_node)
+        )
     if how == "auto":
         layout, reasons = choose(model, cluster, hw)
         parallel = replace(cfg.parallel, mode=ZERO_MODES[layout.zero], tp=layout.tp, pp=layout.pp)

@@ -19,9 +19,10 @@ docs/planner.md ("Step time") has the measured error per layout and where it com
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
-from trainer.planner import ClusterShape, Layout, ModelShape, global_batch
+from trainer.planner import DTYPE_BYTES, ClusterShape, Layout, ModelShape, global_batch
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class Hardware:
     overlap: float = 0.9
     """Share of the data-parallel traffic that can hide behind compute when the window is long
     enough (NCCL runs on its own stream; the last bucket never hides)."""
+    hop_latency_s: float = 5e-6
+    """Fixed cost of one step of a ring (a message to the next rank): an all-reduce over n
+    ranks takes 2(n - 1) of them, a gather or reduce-scatter n - 1, a pipeline send one. It
+    dominates small collectives (the tensor-parallel ones of a small model, gloo on CPU)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,7 +56,10 @@ H100_NODE = Hardware(
     flops=0.40 * 989.4e12,
     intra_node_bw=360e9,
     inter_node_bw=45e9,
+    hop_latency_s=10e-6,
 )
+# DDP's default gradient bucket (trainer/config.py's --bucket-cap-mb).
+DDP_BUCKET_BYTES = 25 * (1 << 20)
 
 
 @dataclass(frozen=True)
@@ -81,17 +89,46 @@ def flops_per_gpu(model: ModelShape, cluster: ClusterShape, layout: Layout) -> f
     return per_token * tokens / cluster.gpus
 
 
+def ring_hops(model: ModelShape, layout: Layout) -> dict[str, int]:
+    """Ring steps per optimizer step, by group (the latency part of each collective).
+
+    dp: ZeRO-0/1 all-reduce the gradients once, in DDP buckets (ZeRO-1 adds one all-gather of
+    the updated weights); ZeRO-2/3 (FSDP2) reduce-scatter every unit (a block, and the rest as
+    one) each micro-batch and all-gather it once (ZeRO-2) or twice per micro-batch (ZeRO-3).
+    tp: 4 all-reduces per layer per micro-batch (6 with recomputation). pp: a send forward
+    and one back per micro-batch."""
+    m, dp, tp = layout.micro_batches, layout.dp, layout.tp
+    units = model.layers // layout.pp + 1
+    hops = {"dp": 0, "tp": 0, "pp": 0}
+    if dp > 1:
+        if layout.zero <= 1:
+            grad_bytes = model.total_params / layout.pp / tp * DTYPE_BYTES[model.dtype]
+            buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+            hops["dp"] = buckets * 2 * (dp - 1) + (dp - 1 if layout.zero == 1 else 0)
+        elif layout.zero == 2:
+            hops["dp"] = units * (m + 1) * (dp - 1)
+        else:
+            hops["dp"] = units * 3 * m * (dp - 1)
+    if tp > 1:
+        collectives = 6 if model.activation_checkpointing else 4
+        hops["tp"] = collectives * (model.layers // layout.pp) * m * 2 * (tp - 1)
+    if layout.pp > 1:
+        hops["pp"] = 2 * m
+    return hops
+
+
 def step_time(model: ModelShape, cluster: ClusterShape, layout: Layout, hw: Hardware) -> StepTime:
     compute = flops_per_gpu(model, cluster, layout) / hw.flops
     bubble = compute * (layout.pp - 1) / layout.micro_batches
     gpn = cluster.gpus_per_node
     comm = layout.comm_breakdown
+    hops = ring_hops(model, layout)
     # Rank order as the planner's: tp innermost, dp next, pp outermost.
     dp_bw = hw.inter_node_bw if layout.tp * layout.dp > gpn else hw.intra_node_bw
     pp_bw = hw.inter_node_bw if layout.tp * layout.dp >= gpn else hw.intra_node_bw
-    dp_s = comm["dp"] / dp_bw
-    tp_s = comm["tp"] / hw.intra_node_bw
-    pp_s = comm["pp"] / pp_bw
+    dp_s = comm["dp"] / dp_bw + hops["dp"] * hw.hop_latency_s
+    tp_s = comm["tp"] / hw.intra_node_bw + hops["tp"] * hw.hop_latency_s
+    pp_s = comm["pp"] / pp_bw + hops["pp"] * hw.hop_latency_s
     window = compute * (1.0 if layout.zero >= 3 else 2 / 3)  # backward is 2/3 of the work
     exposed_dp = max(dp_s - window, dp_s * (1 - hw.overlap))
     return StepTime(

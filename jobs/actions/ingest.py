@@ -168,6 +168,75 @@ def _scalar(rank: int, record: dict, now: datetime) -> _Point | None:
     return _Point(rank, step, name, float(value), metric_store.clamp_time(when, now))
 
 
+# What a layout record may carry into Attempt.layout: numbers and short strings only, so a
+# worker cannot grow the row (4,096 ranks each send one record; only the largest is kept).
+_LAYOUT_NUMBERS = ("pp", "dp", "tp", "zero", "micro_batches", "global_batch",
+                   "memory_limit_bytes", "pipeline_bubble")  # fmt: skip
+_LAYOUT_TEXT = ("how", "mode", "pp_schedule", "hardware")
+_BYTES = ("weights", "grads", "optimizer", "activations", "overhead", "total",
+          "cuda_peak_allocated")  # fmt: skip
+_TIMES = ("compute_s", "exposed_comm_s", "bubble_s", "comm_s", "total_s")
+
+
+def _numbers(d: object, keys: tuple[str, ...]) -> dict[str, float]:
+    if not isinstance(d, dict):
+        return {}
+    return {
+        k: d[k] if isinstance(d[k], int) else float(d[k])
+        for k in keys
+        if isinstance(d.get(k), int | float) and not isinstance(d.get(k), bool)
+    }
+
+
+def _record_layout(attempt: Attempt, rank: int, record: dict) -> None:
+    """The trainer's layout and prediction (rank 0's) and the largest measurement of any
+    rank (the planner predicts the worst stage's memory), into Attempt.layout."""
+    current = dict(attempt.layout or {})
+    chosen = record.get("layout")
+    if rank == 0 and isinstance(chosen, dict):
+        kept = _numbers(chosen, _LAYOUT_NUMBERS)
+        kept.update({k: str(chosen[k])[:80] for k in _LAYOUT_TEXT if chosen.get(k) is not None})
+        kept["predicted_bytes"] = _numbers(chosen.get("predicted_bytes"), _BYTES)
+        kept["predicted_resident_bytes"] = _numbers(chosen.get("predicted_resident_bytes"), _BYTES)
+        kept["predicted_time"] = _numbers(chosen.get("predicted_time"), _TIMES)
+        reasons = chosen.get("reasons")
+        kept["reasons"] = [str(r)[:300] for r in reasons[:8]] if isinstance(reasons, list) else []
+        current["chosen"] = kept
+        record_event(
+            EventKind.ATTEMPT_LAYOUT,
+            layout_sentence(kept),
+            job_id=attempt.job_id,
+            attempt=attempt,
+        )
+    measured = _numbers(record.get("measured_bytes"), _BYTES)
+    if measured:
+        largest = current.get("measured_max") or {}
+        current["measured_max"] = {
+            k: max(v, float(largest.get(k, 0))) for k, v in {**largest, **measured}.items()
+        }
+        current["ranks"] = int(current.get("ranks", 0)) + 1
+    attempt.layout = current
+    # Under the attempt's row lock (the heartbeat holds it): ranks' records cannot race.
+    Attempt.objects.filter(pk=attempt.pk).update(layout=current)
+
+
+def layout_sentence(chosen: dict) -> str:
+    """One line for the Event: what runs, why it was chosen, the prediction."""
+    how = chosen.get("how", "")
+    shape = (
+        f"pp {int(chosen.get('pp', 1))} x dp {int(chosen.get('dp', 1))} x "
+        f"tp {int(chosen.get('tp', 1))}, {chosen.get('mode', '?')}"
+    )
+    total = chosen.get("predicted_bytes", {}).get("total")
+    step = chosen.get("predicted_time", {}).get("total_s")
+    tail = ""
+    if total is not None:
+        tail += f"; predicted {total / (1 << 20):,.1f} MiB per GPU"
+    if step is not None:
+        tail += f", {step * 1000:,.1f} ms per step"
+    return f"layout ({how}): {shape}{tail}"
+
+
 def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[dict]:
     points, pushed = [], []
     step_keys = set()  # points that are steps (progress); the rest are a framework's scalars
@@ -208,6 +277,8 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
                     job_id=attempt.job_id,
                     attempt=attempt,
                 )
+            elif kind == "layout":
+                _record_layout(attempt, rank, record)
             elif kind == "end" and rank == 0:
                 record_event(
                     EventKind.ATTEMPT_TRAINER_ENDED,

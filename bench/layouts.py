@@ -1,0 +1,268 @@
+"""The planner against measurement, per layout: the reference trainer run for real (gloo on
+CPU; NCCL with --gpu) in each layout, its ranks' weights, gradients and optimizer state after
+a step and its median step time, beside the planner's memory and the step-time model's
+prediction (trainer/step_time.py) for the same layout.
+
+The CPU's figures are calibrated in the same run, before the layouts: achieved FLOP/s from a
+1-rank run of the same model (one thread per rank, as every run here), and gloo's bandwidth
+and per-hop latency from all-reduces of two sizes at the layouts' world size. Ranks share the
+machine's cores, so a rank gets cores / ranks of the 1-rank FLOP/s.
+
+    python bench/layouts.py            # ~8 min on 2 cores; bench/results/layouts.json + figure
+    python bench/layouts.py --quick    # three layouts, fewer steps
+    python bench/layouts.py --plot-only
+
+Results and what they mean: docs/planner.md ("Per layout").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from trainer.config import parse_args  # noqa: E402
+from trainer.layout import _params, model_shape, resident_bytes  # noqa: E402
+from trainer.planner import ClusterShape, evaluate  # noqa: E402
+from trainer.step_time import Hardware, flops_per_gpu, step_time  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "layouts.json"
+FIGURE = REPO / "docs" / "figures" / "layouts.png"
+
+MODEL = ["--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--block-size", "32",
+         "--batch-size", "8", "--global-batch-size", "64", "--log-every", "1000",
+         "--checkpoint-every", "0", "--warmup-steps", "2"]  # fmt: skip
+VOCAB = 13  # synthetic://addition
+
+# (label, world, flags)
+LAYOUTS = [
+    ("ddp", 4, ["--parallel", "ddp"]),
+    ("zero1", 4, ["--parallel", "zero1"]),
+    ("fsdp-noreshard (ZeRO-2)", 4, ["--parallel", "fsdp-noreshard"]),
+    ("fsdp (ZeRO-3)", 4, ["--parallel", "fsdp"]),
+    ("tp2 x dp2 fsdp", 4, ["--parallel", "fsdp", "--tp", "2"]),
+    ("tp4", 4, ["--parallel", "ddp", "--tp", "4"]),
+    ("pp2 x dp2 1f1b", 4, ["--parallel", "ddp", "--pp", "2"]),
+    ("pp2 x dp2 gpipe", 4, ["--parallel", "ddp", "--pp", "2", "--pp-schedule", "gpipe"]),
+    ("pp4 1f1b", 4, ["--parallel", "ddp", "--pp", "4"]),
+    ("pp2 x dp2 x tp2 fsdp", 8, ["--parallel", "fsdp", "--pp", "2", "--tp", "2"]),
+]
+QUICK = {"ddp", "pp2 x dp2 1f1b", "tp2 x dp2 fsdp"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_gang(work: Path, world: int, flags: list[str], steps: int) -> list[dict]:
+    """Every rank of one run, to the end; returns every metrics record of every rank."""
+    work.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_")}
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1", LOCKSTEP_CHECKPOINT_DIR=str(work / "ckpt"),
+            LOCKSTEP_METRICS_PATH=str(work / f"rank-{rank}.jsonl"), PYTHONPATH=str(REPO),
+        )  # fmt: skip
+        log = open(work / f"rank{rank}.log", "w")  # noqa: SIM115
+        argv = [sys.executable, "-m", "trainer", *MODEL, *flags, "--steps", str(steps)]
+        procs.append(subprocess.Popen(argv, env=env, cwd=work, stdout=log, stderr=log))
+    for rank, p in enumerate(procs):
+        if p.wait(timeout=900) != 0:
+            tail = (work / f"rank{rank}.log").read_text()[-2000:]
+            raise RuntimeError(f"{work.name}: rank {rank} failed:\n{tail}")
+    rows = []
+    for rank in range(world):
+        rows += [json.loads(x) for x in (work / f"rank-{rank}.jsonl").read_text().splitlines()]
+    return rows
+
+
+def median_step_s(rows: list[dict], skip: int) -> float:
+    """Rank 0's median step time, the first `skip` steps (warm-up) left out."""
+    times = [r["step_time_s"] for r in rows if r["kind"] == "step" and r["rank"] == 0]
+    return statistics.median(times[skip:])
+
+
+def _allreduce_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))  # fmt: skip
+    result = {}
+    for nbytes in (16 << 10, 4 << 20):
+        buf = torch.ones(nbytes // 4)
+        for _ in range(3):
+            dist.all_reduce(buf)
+        times = []
+        for _ in range(15):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            times.append(time.perf_counter() - t0)
+        result[nbytes] = statistics.median(times)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def calibrate_network(world: int, work: Path) -> tuple[float, float]:
+    """(bus bandwidth bytes/s, latency per ring hop s) from gloo all-reduces of two sizes:
+    t = 2(n-1)/n x bytes / bw + 2(n-1) x hop."""
+    import torch.multiprocessing as mp
+
+    out = work / "allreduce.json"
+    mp.spawn(_allreduce_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
+    t = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    small, large = sorted(t)
+    bus = lambda n: 2 * (world - 1) / world * n  # noqa: E731
+    bw = (bus(large) - bus(small)) / max(t[large] - t[small], 1e-9)
+    hop = max(t[small] - bus(small) / bw, 0.0) / (2 * (world - 1))
+    return bw, hop
+
+
+def predict(label: str, world: int, flags: list[str], hw_for) -> dict:
+    cfg = parse_args([*MODEL, *flags])
+    params = _params(cfg, VOCAB)
+    model = model_shape(cfg, VOCAB, params, cfg.train.global_batch_size)
+    cluster = ClusterShape(gpus=world, gpus_per_node=world, gpu_mem_gb=64.0, overhead_bytes=0)
+    p = cfg.parallel
+    dp = world // (p.tp * p.pp)
+    zero = {"ddp": 0, "zero1": 1, "fsdp-noreshard": 2, "fsdp": 3}[p.mode] if dp > 1 else 0
+    layout = evaluate(model, cluster, dp=dp, tp=p.tp, pp=p.pp, zero=zero)
+    t = step_time(model, cluster, layout, hw_for(world))
+    return {"resident": resident_bytes(layout), "time": t.to_dict(), "model": model,
+            "cluster": cluster, "layout": layout}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--work", default="/tmp/lockstep-bench-layouts")
+    args = ap.parse_args(argv)
+    results = RESULTS.with_name("layouts-quick.json") if args.quick else RESULTS
+    figure = FIGURE.with_name("layouts-quick.png") if args.quick else FIGURE
+    if args.plot_only:
+        plot(json.loads(results.read_text()), figure)
+        return 0
+    steps, skip = (12, 4) if args.quick else (30, 6)
+    work = Path(args.work) / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+    cores = len(os.sched_getaffinity(0))
+
+    # Calibration: the same model on one rank, and gloo at the worlds the layouts use.
+    started = time.monotonic()
+    one = run_gang(work / "calibrate-1rank", 1, ["--parallel", "ddp"], steps)
+    t1 = median_step_s(one, skip)
+    cfg1 = predict("1 rank", 1, ["--parallel", "ddp"], lambda w: Hardware("x", 1, 1, 1))
+    flops = flops_per_gpu(cfg1["model"], cfg1["cluster"], cfg1["layout"]) / t1
+    nets = {w: calibrate_network(w, work / f"net-{w}") for w in sorted({w for _, w, _ in LAYOUTS})}
+
+    def hw_for(world: int) -> Hardware:
+        bw, hop = nets.get(world, nets[4])
+        return Hardware(name=f"CPU {cores} cores, {world} ranks, gloo (calibrated)",
+                        flops=flops * min(1.0, cores / world), intra_node_bw=bw,
+                        inter_node_bw=bw, overlap=0.0, hop_latency_s=hop)  # fmt: skip
+
+    rows = []
+    for label, world, flags in LAYOUTS:
+        if args.quick and label not in QUICK:
+            continue
+        records = run_gang(work / label.replace(" ", "_"), world, flags, steps)
+        measured = {
+            part: max(r["measured_bytes"][part] for r in records if r["kind"] == "layout")
+            for part in ("weights", "grads", "optimizer")
+        }
+        pred = predict(label, world, flags, hw_for)
+        step_s = median_step_s(records, skip)
+        row = {
+            "layout": label, "world": world, "flags": flags,
+            "measured_bytes": measured, "predicted_bytes": pred["resident"],
+            "memory_error": {k: measured[k] / pred["resident"][k] - 1 for k in measured},
+            "measured_step_s": step_s, "predicted": pred["time"],
+            "step_error": step_s / pred["time"]["total_s"] - 1,
+        }  # fmt: skip
+        rows.append(row)
+        print(
+            f"{label:28} world {world}: state {sum(measured.values()) / 1e6:7.2f} MB measured, "
+            f"{sum(pred['resident'].values()) / 1e6:7.2f} predicted; step "
+            f"{step_s * 1e3:7.1f} ms measured, {pred['time']['total_s'] * 1e3:7.1f} predicted "
+            f"({row['step_error']:+.0%})",
+            flush=True,
+        )
+    report = {
+        "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"cores": cores, "platform": platform.platform()},
+        "model_flags": MODEL,
+        "steps": steps,
+        "warmup_steps_skipped": skip,
+        "calibration": {
+            "one_rank_step_s": t1,
+            "flops_per_rank_alone": flops,
+            "gloo": {str(w): {"bus_bw": bw, "hop_latency_s": hop} for w, (bw, hop) in nets.items()},
+        },
+        "rows": rows,
+        "elapsed_s": round(time.monotonic() - started, 1),
+    }
+    results.write_text(json.dumps(report, indent=1))
+    plot(report, figure)
+    print(f"wrote {results} and {figure} in {report['elapsed_s']:.0f} s")
+    return 0
+
+
+def plot(report: dict, figure: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    labels = [r["layout"] for r in rows]
+    y = range(len(rows))
+    fig, (mem, step) = plt.subplots(1, 2, figsize=(12, 0.5 * len(rows) + 2), sharey=True)
+    measured = [sum(r["measured_bytes"].values()) / 1e6 for r in rows]
+    predicted = [sum(r["predicted_bytes"].values()) / 1e6 for r in rows]
+    mem.barh([i + 0.2 for i in y], predicted, 0.4, label="predicted", color="#9ecae1")
+    mem.barh([i - 0.2 for i in y], measured, 0.4, label="measured", color="#3182bd")
+    mem.set_xlabel("weights + grads + optimizer state, largest rank (MB)")
+    mem.set_yticks(list(y), labels)
+    mem.invert_yaxis()
+    mem.legend(loc="lower right")
+    parts = [("compute_s", "compute", "#fdae6b"), ("exposed_comm_s", "exposed comm", "#e6550d"),
+             ("bubble_s", "bubble", "#a63603")]  # fmt: skip
+    left = [0.0] * len(rows)
+    for key, name, colour in parts:
+        values = [r["predicted"][key] * 1e3 for r in rows]
+        step.barh([i + 0.2 for i in y], values, 0.4, left=left, label=f"predicted {name}",
+                  color=colour)  # fmt: skip
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    step.barh([i - 0.2 for i in y], [r["measured_step_s"] * 1e3 for r in rows], 0.4,
+              label="measured", color="#31a354")  # fmt: skip
+    step.set_xlabel("step time (ms, median)")
+    step.legend(loc="lower right", fontsize=8)
+    cores = report["machine"]["cores"]
+    fig.suptitle(f"Planner vs measurement per layout (reference GPT, gloo on {cores} CPU cores)")
+    fig.tight_layout()
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(figure, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
