@@ -107,7 +107,7 @@ def _allreduce_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=120))  # fmt: skip
     result = {}
-    for nbytes in (16 << 10, 4 << 20):
+    for nbytes in (16 << 10, 16 << 20):
         buf = torch.ones(nbytes // 4)
         for _ in range(3):
             dist.all_reduce(buf)
@@ -128,6 +128,7 @@ def calibrate_network(world: int, work: Path) -> tuple[float, float]:
     t = 2(n-1)/n x bytes / bw + 2(n-1) x hop."""
     import torch.multiprocessing as mp
 
+    work.mkdir(parents=True, exist_ok=True)
     out = work / "allreduce.json"
     mp.spawn(_allreduce_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
     t = {int(k): v for k, v in json.loads(out.read_text()).items()}
@@ -167,19 +168,31 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work) / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     cores = len(os.sched_getaffinity(0))
 
-    # Calibration: the same model on one rank, and gloo at the worlds the layouts use.
+    # Calibration: the same model on one rank at two batch sizes (the step is FLOPs at one
+    # rate plus the optimizer's pass at another: two runs give both), and gloo at the worlds
+    # the layouts use.
     started = time.monotonic()
-    one = run_gang(work / "calibrate-1rank", 1, ["--parallel", "ddp"], steps)
-    t1 = median_step_s(one, skip)
-    cfg1 = predict("1 rank", 1, ["--parallel", "ddp"], lambda w: Hardware("x", 1, 1, 1))
-    flops = flops_per_gpu(cfg1["model"], cfg1["cluster"], cfg1["layout"]) / t1
+    unit = Hardware("unit", flops=1.0, intra_node_bw=1.0, inter_node_bw=1.0, mem_bw=1.0)
+    runs = {}
+    for batch in (64, 16):
+        flags = ["--parallel", "ddp", "--global-batch-size", str(batch)]
+        rows = run_gang(work / f"calibrate-1rank-{batch}", 1, flags, steps)
+        runs[batch] = (median_step_s(rows, skip), predict("1 rank", 1, flags, lambda w: unit))
+    (t_big, big), (t_small, small) = runs[64], runs[16]
+    work_big = flops_per_gpu(big["model"], big["cluster"], big["layout"])
+    work_small = flops_per_gpu(small["model"], small["cluster"], small["layout"])
+    flops = (work_big - work_small) / (t_big - t_small)
+    t1 = t_big
+    opt_bytes = small["time"]["compute_s"] - work_small  # the optimizer's bytes (unit bw)
+    mem_bw = opt_bytes / max(t_small - work_small / flops, 1e-6)
     nets = {w: calibrate_network(w, work / f"net-{w}") for w in sorted({w for _, w, _ in LAYOUTS})}
 
     def hw_for(world: int) -> Hardware:
         bw, hop = nets.get(world, nets[4])
+        share = min(1.0, cores / world)  # ranks share the cores
         return Hardware(name=f"CPU {cores} cores, {world} ranks, gloo (calibrated)",
-                        flops=flops * min(1.0, cores / world), intra_node_bw=bw,
-                        inter_node_bw=bw, overlap=0.0, hop_latency_s=hop)  # fmt: skip
+                        flops=flops * share, intra_node_bw=bw, inter_node_bw=bw, overlap=0.0,
+                        mem_bw=mem_bw * share, hop_latency_s=hop)  # fmt: skip
 
     rows = []
     for label, world, flags in LAYOUTS:
@@ -215,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_steps_skipped": skip,
         "calibration": {
             "one_rank_step_s": t1,
+            "one_rank_step_s_batch16": t_small,
             "flops_per_rank_alone": flops,
+            "optimizer_mem_bw_alone": mem_bw,
             "gloo": {str(w): {"bus_bw": bw, "hop_latency_s": hop} for w, (bw, hop) in nets.items()},
         },
         "rows": rows,

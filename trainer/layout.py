@@ -226,19 +226,21 @@ def device_memory_bytes(device_type: str, local_world_size: int) -> int:
 
 
 def cpu_hardware(cores: int, ranks: int) -> Hardware:
-    """A CPU node as the planner's hardware: ranks share the cores (so each gets cores / ranks
-    of them when oversubscribed), gloo over loopback. Figures measured on this project's CI
-    machine (bench/layouts.py calibrates them per run): ~6 GFLOP/s per core on the reference
-    GPT's fp32 step, ~0.5 GB/s gloo all-reduce bus bandwidth; little overlap (the collective
-    threads compete with compute for the same cores)."""
-    per_rank = 6e9 * min(1.0, cores / max(1, ranks))
+    """A CPU node as the step-time model's hardware: ranks share the cores (each gets
+    cores / ranks of them when oversubscribed), gloo over loopback, no overlap (the collective
+    threads compete with compute for the same cores). The figures are bench/layouts.py's
+    calibration on this project's 2-core CI machine (2026-12-04, one thread per rank): 58
+    GFLOP/s per core on the reference GPT's fp32 matmuls, 1.2 GB/s through AdamW's state,
+    gloo all-reduce at 0.7 GB/s bus bandwidth and 1.3 ms per ring step."""
+    share = min(1.0, cores / max(1, ranks))
     return Hardware(
         name=f"CPU ({cores} cores, {ranks} ranks), gloo",
-        flops=per_rank,
-        intra_node_bw=0.5e9,
-        inter_node_bw=0.5e9,
+        flops=58e9 * share,
+        intra_node_bw=0.7e9,
+        inter_node_bw=0.7e9,
         overlap=0.0,
-        hop_latency_s=0.3e-3,
+        mem_bw=1.2e9 * share,
+        hop_latency_s=1.3e-3,
     )
 
 

@@ -164,11 +164,11 @@ class Parallelized:
             yield
 
     def clip_grads(self, max_norm: float) -> float:
-        """clip_grad_norm over this rank's parameters, summed over the pipeline stages."""
+        """clip_grad_norm over every rank's parameters (one collective)."""
         pipe = self.pipeline
         skip = pipe.tied if pipe is not None and pipe.last else None
-        group = pipe.pp_group if pipe is not None else None
-        return clip_grad_norm(list(self.base.parameters()), max_norm, group, skip)
+        stage_ranks = self.dims.dp * self.dims.tp if self.info.distributed else 1
+        return clip_grad_norm(list(self.base.parameters()), max_norm, stage_ranks, skip)
 
     def build_optimizer(self, optim: OptimArgs) -> torch.optim.Optimizer:
         kw: dict[str, Any] = dict(lr=optim.lr, betas=(0.9, 0.99), weight_decay=optim.weight_decay)
@@ -365,32 +365,38 @@ def load_state_dicts(
 def clip_grad_norm(
     params: list[nn.Parameter],
     max_norm: float,
-    stages: dist.ProcessGroup | None = None,
+    stage_ranks: int = 1,
     skip: nn.Parameter | None = None,
 ) -> float:
-    """Clip the global gradient norm; DTensor gradients (FSDP, TP, or both) count once each.
+    """Clip the global gradient norm with one all-reduce for the whole model.
 
-    torch's clip_grad_norm_ cannot stack norms of DTensors that live on different meshes (the
-    TP blocks and the FSDP-only embeddings); so each norm is made a plain replicated number
-    first. One small collective per sharded parameter: fine for the reference model.
-    Under pipeline parallelism each stage holds some of the parameters: `stages` (the pipeline
-    group) sums the squares over them, and `skip` (the last stage's copy of the tied
-    embedding) is left out so that the tied tensor counts once, as in a one-stage model."""
-    sq = []
+    Each rank adds the squares of its local gradient values, each divided by the number of
+    ranks of its pipeline stage that hold the same values (`stage_ranks` = dp x tp over the
+    shards: a DDP gradient is on every rank of the stage, an FSDP shard on the tp ranks, an
+    FSDP + TP shard on one), so that one sum over every rank counts each value once, whatever
+    mesh each parameter lives on (torch's clip_grad_norm_ cannot stack norms of DTensors on
+    different meshes). Under a pipeline each stage holds its own layers and the sum covers
+    them all; `skip` (the last stage's copy of the tied embedding) is left out so the tied
+    tensor counts once, as in a one-stage model. (Before: one collective per sharded
+    parameter, which bench/layouts.py measured as most of a small TP layout's step on gloo.)"""
+    local = torch.zeros((), dtype=torch.float32)
+    device = torch.device("cpu")
     for p in params:
         if p.grad is None or p is skip:
             continue
-        n = p.grad.norm(dtype=torch.float32)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        sq.append(n.pow(2))
-    local = torch.stack(sq).sum() if sq else torch.zeros(())
-    if stages is not None:
-        device = params[0].device if params else torch.device("cpu")
-        local = local.reshape(1).to(device, torch.float32)
-        dist.all_reduce(local, group=stages)
-    if not sq and stages is None:
-        return 0.0
+        grad = p.grad
+        copies = stage_ranks
+        if isinstance(grad, DTensor):
+            shards = math.prod(
+                grad.device_mesh.size(i) for i, pl in enumerate(grad.placements) if pl.is_shard()
+            )
+            copies = stage_ranks // shards
+            grad = grad._local_tensor
+        device = grad.device
+        local = local.to(device) + grad.float().pow(2).sum() / copies
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        local = local.reshape(1).to(device)
+        dist.all_reduce(local)
     total = math.sqrt(float(local.sum()))
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:

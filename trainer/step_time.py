@@ -4,7 +4,8 @@ Pure arithmetic beside trainer/planner.py (which counts bytes; this turns them i
 
 - compute: the model's training FLOPs per step on one GPU (6N + 12LCT per token, PaLM's count,
   trainer/flops.py; x 4/3 for the forward that activation checkpointing repeats) over the
-  hardware's achieved FLOP/s. A GPU of a pp x tp group does 1 / (pp x tp) of its replica's work.
+  hardware's achieved FLOP/s (a GPU of a pp x tp group does 1 / (pp x tp) of its replica's
+  work), plus the optimizer's pass over the state this GPU updates at memory bandwidth.
 - pipeline bubble: a GPipe or 1F1B step of m micro-batches on pp stages idles (pp - 1) of
   m + pp - 1 slots (Narayanan et al. 2021): (pp - 1) / m x compute.
 - communication: each part of the planner's bytes (dp, tp, pp) over the bus bandwidth of the
@@ -12,7 +13,8 @@ Pure arithmetic beside trainer/planner.py (which counts bytes; this turns them i
   collectives block the next matmul and pipeline sends the next stage: both are exposed.
   Data-parallel traffic overlaps the backward pass (DDP's buckets, FSDP's reduce-scatters;
   ZeRO-3's all-gathers also the forward, by prefetch): only the part longer than that window,
-  or the share the overlap cannot hide, whichever is more, is exposed.
+  or the share the overlap cannot hide, whichever is more, is exposed. Every collective also
+  pays a latency per ring step (`ring_hops`), which dominates small ones.
 
 docs/planner.md ("Step time") has the measured error per layout and where it comes from.
 """
@@ -22,7 +24,14 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from trainer.planner import DTYPE_BYTES, ClusterShape, Layout, ModelShape, global_batch
+from trainer.planner import (
+    DTYPE_BYTES,
+    OPTIMIZER_BYTES,
+    ClusterShape,
+    Layout,
+    ModelShape,
+    global_batch,
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,8 @@ class Hardware:
     overlap: float = 0.9
     """Share of the data-parallel traffic that can hide behind compute when the window is long
     enough (NCCL runs on its own stream; the last bucket never hides)."""
+    mem_bw: float = 2.5e12
+    """Achieved memory bandwidth, bytes/s: the optimizer step is a pass over its state."""
     hop_latency_s: float = 5e-6
     """Fixed cost of one step of a ring (a message to the next rank): an all-reduce over n
     ranks takes 2(n - 1) of them, a gather or reduce-scatter n - 1, a pipeline send one. It
@@ -89,12 +100,23 @@ def flops_per_gpu(model: ModelShape, cluster: ClusterShape, layout: Layout) -> f
     return per_token * tokens / cluster.gpus
 
 
+def optimizer_s(model: ModelShape, layout: Layout, hw: Hardware) -> float:
+    """AdamW's pass over the parameters this GPU updates: it reads and writes the state and
+    the weights and reads the gradients. Memory-bound; it does not shrink with data
+    parallelism unless ZeRO shards the state (bench/layouts.py measured it as a third of a
+    small model's CPU step under DDP)."""
+    state = layout.per_gpu_bytes["optimizer"]
+    updated = state / OPTIMIZER_BYTES[(model.optimizer, model.half_precision)]
+    return (2 * state + 3 * updated * DTYPE_BYTES[model.dtype]) / hw.mem_bw
+
+
 def ring_hops(model: ModelShape, layout: Layout) -> dict[str, int]:
     """Ring steps per optimizer step, by group (the latency part of each collective).
 
-    dp: ZeRO-0/1 all-reduce the gradients once, in DDP buckets (ZeRO-1 adds one all-gather of
-    the updated weights); ZeRO-2/3 (FSDP2) reduce-scatter every unit (a block, and the rest as
-    one) each micro-batch and all-gather it once (ZeRO-2) or twice per micro-batch (ZeRO-3).
+    dp: ZeRO-0/1 all-reduce the gradients once, in DDP buckets (ZeRO-1 adds a broadcast of
+    every updated parameter tensor); ZeRO-2/3 (FSDP2) reduce-scatter every unit (a block, and
+    the rest as one) each micro-batch and all-gather it once (ZeRO-2) or twice per
+    micro-batch (ZeRO-3).
     tp: 4 all-reduces per layer per micro-batch (6 with recomputation). pp: a send forward
     and one back per micro-batch."""
     m, dp, tp = layout.micro_batches, layout.dp, layout.tp
@@ -104,7 +126,12 @@ def ring_hops(model: ModelShape, layout: Layout) -> dict[str, int]:
         if layout.zero <= 1:
             grad_bytes = model.total_params / layout.pp / tp * DTYPE_BYTES[model.dtype]
             buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
-            hops["dp"] = buckets * 2 * (dp - 1) + (dp - 1 if layout.zero == 1 else 0)
+            hops["dp"] = buckets * 2 * (dp - 1)
+            if layout.zero == 1:
+                # torch's ZeroRedundancyOptimizer broadcasts every parameter tensor from the
+                # rank that updated it (16 per GPT block with biases, 4 outside): one message
+                # each, which bench/layouts.py measured as most of ZeRO-1's cost on gloo.
+                hops["dp"] += 16 * model.layers // layout.pp + 4
         elif layout.zero == 2:
             hops["dp"] = units * (m + 1) * (dp - 1)
         else:
@@ -118,8 +145,9 @@ def ring_hops(model: ModelShape, layout: Layout) -> dict[str, int]:
 
 
 def step_time(model: ModelShape, cluster: ClusterShape, layout: Layout, hw: Hardware) -> StepTime:
-    compute = flops_per_gpu(model, cluster, layout) / hw.flops
-    bubble = compute * (layout.pp - 1) / layout.micro_batches
+    matmuls = flops_per_gpu(model, cluster, layout) / hw.flops
+    bubble = matmuls * (layout.pp - 1) / layout.micro_batches
+    compute = matmuls + optimizer_s(model, layout, hw)
     gpn = cluster.gpus_per_node
     comm = layout.comm_breakdown
     hops = ring_hops(model, layout)
