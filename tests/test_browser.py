@@ -106,6 +106,16 @@ def test_log_in_submit_in_the_form_and_watch_the_live_chart(cluster, page):
     page.wait_for_timeout(3000)
     _shot(page, "job-page")
 
+    # The layout the trainer chose (the form's default: auto) beside what its ranks measured.
+    page.reload()
+    layout = page.locator("#layout")
+    assert layout.is_visible()
+    assert "auto: the planner's choice" in page.locator(".layout-shape").inner_text()
+    weights = layout.locator("tr", has_text="weights per GPU").locator("td")
+    assert weights.nth(1).inner_text().endswith("MiB")  # predicted
+    assert weights.nth(2).inner_text().endswith("MiB")  # measured on the ranks
+    assert "pp 1 × dp 2 × tp 1" in page.locator("#attempts").inner_text()
+
     page.goto(cluster.url + "/cluster/")
     assert page.locator("#nodes .gpu.busy").count() == 2
     _shot(page, "cluster")

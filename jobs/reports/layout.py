@@ -84,8 +84,9 @@ def report(attempt: Attempt) -> dict | None:
         ("bubble_s", "pipeline bubble"),
     ):
         rows.append(
-            {"what": f"  {label}", "predicted": times.get(key), "measured": None, "unit": "s"}
-        )
+            {"what": f"of which {label}", "predicted": times.get(key), "measured": None,
+             "unit": "s"}
+        )  # fmt: skip
     for row in rows:
         row["ratio"] = _ratio(row["measured"], row["predicted"])
         row["predicted_text"] = text(row["predicted"], row["unit"])
