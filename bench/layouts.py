@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from trainer.config import parse_args  # noqa: E402
-from trainer.layout import _params, model_shape, resident_bytes  # noqa: E402
+from trainer.layout import MODE_ZERO, _params, model_shape, resident_bytes  # noqa: E402
 from trainer.planner import ClusterShape, evaluate  # noqa: E402
 from trainer.step_time import Hardware, flops_per_gpu, step_time  # noqa: E402
 
@@ -146,7 +146,7 @@ def predict(label: str, world: int, flags: list[str], hw_for) -> dict:
     cluster = ClusterShape(gpus=world, gpus_per_node=world, gpu_mem_gb=64.0, overhead_bytes=0)
     p = cfg.parallel
     dp = world // (p.tp * p.pp)
-    zero = {"ddp": 0, "zero1": 1, "fsdp-noreshard": 2, "fsdp": 3}[p.mode] if dp > 1 else 0
+    zero = MODE_ZERO[p.mode] if dp > 1 else 0
     layout = evaluate(model, cluster, dp=dp, tp=p.tp, pp=p.pp, zero=zero)
     t = step_time(model, cluster, layout, hw_for(world))
     return {"resident": resident_bytes(layout), "time": t.to_dict(), "model": model,

@@ -25,6 +25,7 @@ from trainer.planner import (
     Layout,
     ModelShape,
     enumerate_layouts,
+    evaluate,
     recommendation_key,
 )
 from trainer.step_time import H100_NODE, Hardware, StepTime, step_time
@@ -283,8 +284,6 @@ def resolve(
         if layout.pp > 1:
             parallel = replace(parallel, pp_schedule="1f1b")
     else:
-        from trainer.planner import evaluate
-
         p = cfg.parallel
         dp = world_size // (p.tp * p.pp)
         zero = MODE_ZERO[p.mode] if dp > 1 else 0
