@@ -237,7 +237,14 @@ CHANNEL_LAYERS = {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
         # redis-py 8 times reads out after 5 s by default, exactly channels-redis's blocking
         # receive (BZPOPMIN, 5 s): a longer socket timeout keeps idle websockets from dying.
-        "CONFIG": {"hosts": [{"address": redis_url_with_db(REDIS_URL, 2), "socket_timeout": 30}]},
+        # Every websocket of one daphne process shares one Redis queue ("specific.<id>!"), and
+        # channels-redis drops a group message silently once that queue holds `capacity`: the
+        # default 100 lost live points whenever a portal serving a dozen job pages fell a
+        # second behind. The queue is drained continuously; the cap only bounds Redis memory.
+        "CONFIG": {
+            "hosts": [{"address": redis_url_with_db(REDIS_URL, 2), "socket_timeout": 30}],
+            "capacity": 5000,
+        },
     }
 }
 

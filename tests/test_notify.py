@@ -40,3 +40,33 @@ def test_a_rolled_back_push_is_dropped_and_later_pushes_still_go_out(settings):
     assert received == [{"n": 2}, {"n": 4}]
     with pytest.raises(TimeoutError):
         async_to_sync(_next)(layer, channel, 0.3)
+
+
+@pytest.mark.django_db
+def test_the_configured_layer_keeps_every_push_to_a_process_watching_many_jobs():
+    """The real layer (the embedded Redis here, the machine's in the PostgreSQL leg), as
+    configured. Every websocket of one portal process shares one Redis queue, and at
+    channels-redis's default capacity (100) a group message beyond it was dropped silently:
+    a dozen job pages and a second's lag lost live points (the hollow-node load test)."""
+    watchers, pushes = 8, 200
+
+    async def scenario():
+        layer = get_channel_layer()
+        group = "capacity-check"
+        channels = [await layer.new_channel() for _ in range(watchers)]
+        for channel in channels:
+            await layer.group_add(group, channel)
+        try:
+            # Sent before anyone reads: the process was busy for the whole burst.
+            for n in range(pushes):
+                await layer.group_send(group, {"type": "job.message", "n": n})
+            return {
+                channel: [(await _next(layer, channel))["n"] for _ in range(pushes)]
+                for channel in channels
+            }
+        finally:
+            for channel in channels:
+                await layer.group_discard(group, channel)
+
+    received = async_to_sync(scenario)()
+    assert all(ns == list(range(pushes)) for ns in received.values())
