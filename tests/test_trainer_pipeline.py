@@ -1,6 +1,7 @@
-"""Pipeline parallelism as real gloo processes: 2 stages x 2 data-parallel ranks and
-2 x 2 x 2 (pp x dp x tp) each follow DDP's loss curve on the same global batch, and a
-checkpoint saved with 2 stages resumes with 1 and with 4 and continues the curve."""
+"""Pipeline parallelism as real gloo processes: 2 stages x 2 data-parallel ranks (GPipe, 1F1B,
+interleaved 1F1B) and 2 x 2 x 2 (pp x dp x tp) each follow DDP's loss curve on the same global
+batch, and a checkpoint saved with 2 stages resumes with 1 and with 4, one saved interleaved
+resumes on a plain pipeline, and each continues the curve."""
 
 from __future__ import annotations
 
@@ -43,8 +44,23 @@ def assert_follows(got: dict[int, float], reference: dict[int, float], steps: li
         (4, ["--pp", "2", "--batch-size", "4", "--parallel", "ddp"]),
         (4, ["--pp", "2", "--batch-size", "4", "--parallel", "ddp", "--pp-schedule", "gpipe"]),
         (8, ["--pp", "2", "--tp", "2", "--batch-size", "4", "--parallel", "fsdp"]),
+        # Two stages per rank (layers 0 and 2 on rank 0, 1 and 3 on rank 1), each its own
+        # FSDP root, as torchtitan shards model parts.
+        (
+            4,
+            [
+                "--pp",
+                "2",
+                "--batch-size",
+                "4",
+                "--parallel",
+                "fsdp",
+                "--pp-schedule",
+                "interleaved",
+            ],
+        ),  # fmt: skip
     ],
-    ids=["pp2-dp2-1f1b", "pp2-dp2-gpipe", "pp2-dp2-tp2-fsdp"],
+    ids=["pp2-dp2-1f1b", "pp2-dp2-gpipe", "pp2-dp2-tp2-fsdp", "pp2x2-dp2-interleaved-fsdp"],
 )
 def test_pipeline_layouts_follow_the_ddp_loss_curve(world, flags, ddp, tmp_path):
     run = gang(tmp_path, "pp", world, [*SHAPE, *flags])
@@ -77,6 +93,23 @@ def test_a_two_stage_checkpoint_resumes_on_one_and_on_four_stages(ddp, tmp_path)
         assert_follows(global_losses(run, world), reference, [4, 5, 6])
 
 
+def test_an_interleaved_checkpoint_resumes_on_a_plain_pipeline(ddp, tmp_path):
+    """Saved by ranks that each hold two stages (their layers not contiguous), loaded by
+    ranks that hold one: the checkpoint names every weight as the whole model does."""
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    flags = ["--pp", "2", "--batch-size", "4", "--parallel", "ddp"]
+    run = gang(saved, "interleaved", 4, [*SHAPE, *flags, "--pp-schedule", "interleaved"])
+    reference = global_losses(ddp / "run", 4)
+    assert_follows(global_losses(run, 4), reference, [1, 2, 3, 4, 5, 6])
+    assert "interleaved schedule" in (run / "rank0.log").read_text()
+    tmp = tmp_path / "plain"
+    tmp.mkdir()
+    shutil.copytree(saved / "ckpt", tmp / "ckpt")
+    resumed = gang(tmp, "resumed", 4, [*SHAPE, *flags], resume=tmp / "ckpt" / "step-000003")
+    assert_follows(global_losses(resumed, 4), reference, [4, 5, 6])
+
+
 def test_pipeline_flags_are_checked():
     cfg = parse_args(["--n-layer", "4", "--pp", "2", "--pp-schedule", "gpipe"])
     assert (cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.microbatches_per_replica) == (
@@ -90,6 +123,17 @@ def test_pipeline_flags_are_checked():
         parse_args(["--n-layer", "2", "--pp", "2", "--parallel", "zero1"])
     with pytest.raises(SystemExit):
         parse_args(["--pp-schedule", "zigzag"])
+    interleaved = parse_args(["--n-layer", "8", "--pp", "2", "--pp-schedule", "interleaved"])
+    assert interleaved.parallel.stages_per_rank == 2
+    with pytest.raises(ValueError, match="x 2 stages per rank must divide --n-layer 6"):
+        parse_args(["--n-layer", "6", "--pp", "2", "--pp-schedule", "interleaved"])
+    with pytest.raises(ValueError, match="needs --pp 2 or more"):
+        parse_args(["--pp-schedule", "interleaved"])
+    with pytest.raises(ValueError, match="needs --pp-schedule interleaved"):
+        parse_args(["--n-layer", "4", "--pp", "2", "--pp-stages-per-rank", "2"])
+    with pytest.raises(ValueError, match="multiple of --pp"):
+        parse_args(["--n-layer", "4", "--pp", "2", "--pp-schedule", "interleaved",
+                    "--pp-microbatches", "3"])  # fmt: skip
     dims = ParallelDims(world_size=8, tp=2, rank=5, pp=2)
     assert (dims.dp, dims.pp_rank, dims.dp_rank) == (2, 1, 0)
     assert ParallelDims(world_size=8, tp=2, rank=3, pp=2).dp_rank == 1

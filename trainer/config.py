@@ -53,7 +53,7 @@ class OptimArgs:
 
 
 PARALLEL_MODES = ("ddp", "zero1", "fsdp", "fsdp-noreshard")
-PP_SCHEDULES = ("1f1b", "gpipe")
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 LAYOUTS = ("auto", "flags")
 PRECISIONS = ("auto", "fp32", "bf16")
 
@@ -81,13 +81,22 @@ class ParallelArgs:
     data-parallel degree is world_size / (pp x tp)."""
     pp_schedule: str = "1f1b"
     """1f1b (one forward, one backward: at most pp micro-batches of activations in flight on
-    the first stage) or gpipe (all forwards, then all backwards: every micro-batch's)."""
+    the first stage), gpipe (all forwards, then all backwards: every micro-batch's), or
+    interleaved (1F1B over --pp-stages-per-rank stages per rank: the bubble that many times
+    smaller, as many times the point-to-point messages)."""
+    pp_stages_per_rank: int = 0
+    """Stages each pipeline rank holds under the interleaved schedule (0 = 2); the others
+    take one. pp x this must divide --n-layer."""
     layout: str = "flags"
     """auto: the planner's choice for this model, memory and world size (trainer/layout.py)
     replaces mode, tp and pp; flags: as given."""
     pp_microbatches: int = 0
     """Micro-batches per step on each data-parallel replica when pp > 1; 0 = 2 x pp. With the
     default global batch each is --batch-size sequences; the bubble is (pp-1)/(m+pp-1)."""
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.pp_stages_per_rank or (2 if self.pp_schedule == "interleaved" else 1)
 
 
 @dataclass
@@ -212,6 +221,21 @@ class JobConfig:
             raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}")
         if self.parallel.pp_microbatches < 0:
             raise ValueError("--pp-microbatches must be >= 0")
+        p = self.parallel
+        if p.pp_stages_per_rank < 0:
+            raise ValueError("--pp-stages-per-rank must be >= 0")
+        if p.pp_schedule == "interleaved" and p.pp < 2:
+            raise ValueError("--pp-schedule interleaved needs --pp 2 or more")
+        if p.pp_schedule != "interleaved" and p.stages_per_rank > 1:
+            raise ValueError("--pp-stages-per-rank above 1 needs --pp-schedule interleaved")
+        if self.model.n_layer % (p.pp * p.stages_per_rank):
+            raise ValueError(
+                f"--pp {p.pp} x {p.stages_per_rank} stages per rank must divide "
+                f"--n-layer {self.model.n_layer}"
+            )
+        if p.pp_schedule == "interleaved" and p.pp_microbatches % p.pp:
+            # torch's interleaved 1F1B runs the micro-batches in rounds of pp.
+            raise ValueError("--pp-microbatches must be a multiple of --pp when interleaved")
         if self.parallel.pp > 1 and self.parallel.mode == "zero1":
             raise ValueError("--pp does not combine with --parallel zero1; use ddp or fsdp")
 
@@ -274,6 +298,12 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         type=int,
         default=pa.pp_microbatches,
         help="micro-batches per step per replica under --pp (0: 2 x pp)",
+    )
+    par.add_argument(
+        "--pp-stages-per-rank",
+        type=int,
+        default=pa.pp_stages_per_rank,
+        help="stages per pipeline rank under --pp-schedule interleaved (0: 2)",
     )
     p.add_argument("--lr", type=float, default=o.lr, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=o.warmup_steps)
@@ -397,5 +427,6 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             pp_schedule=a.pp_schedule,
             layout=layout,
             pp_microbatches=a.pp_microbatches,
+            pp_stages_per_rank=a.pp_stages_per_rank,
         ),
     )

@@ -282,7 +282,7 @@ def resolve(
         layout, reasons = choose(model, cluster, hw)
         parallel = replace(cfg.parallel, mode=ZERO_MODES[layout.zero], tp=layout.tp, pp=layout.pp)
         if layout.pp > 1:
-            parallel = replace(parallel, pp_schedule="1f1b")
+            parallel = replace(parallel, pp_schedule="1f1b", pp_stages_per_rank=0)
     else:
         p = cfg.parallel
         dp = world_size // (p.tp * p.pp)
@@ -299,7 +299,7 @@ def resolve(
         layout=layout,
         parallel=parallel,
         global_batch=batch,
-        predicted=step_time(model, cluster, layout, hw),
+        predicted=step_time(model, cluster, layout, hw, parallel.stages_per_rank),
         memory_limit_bytes=memory_bytes,
         hardware=hw,
         how=how,

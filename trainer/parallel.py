@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainer.config import OptimArgs, ParallelArgs
 from trainer.distributed import DistInfo
 from trainer.model import GPT
-from trainer.pipeline import Pipeline, StageGPT, tied_embedding
+from trainer.pipeline import Pipeline, StageGPT, rank_stages, tied_embedding
 
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -113,7 +113,9 @@ class Parallelized:
                 mesh_dim_names=("pp", "dp", "tp"),
             )
         if self.dims.pp > 1:
-            model = StageGPT(model, self.dims.pp_rank, self.dims.pp)
+            per_rank = cfg_parallel.stages_per_rank
+            stages = rank_stages(self.dims.pp_rank, self.dims.pp, per_rank)
+            model = StageGPT(model, stages, self.dims.pp * per_rank)
         self.base: nn.Module = model
         if self.dims.tp > 1:
             assert self.mesh is not None
@@ -121,10 +123,14 @@ class Parallelized:
         if cfg_parallel.activation_checkpointing:
             apply_ac(model)
         self.module: nn.Module = model
-        if info.distributed and self.mode.startswith("fsdp"):
+        # What each pipeline stage runs: the stage itself, or views of a rank's several stages
+        # (made now: tensor parallelism and activation checkpointing replaced the blocks).
+        chunks = model.chunks() if isinstance(model, StageGPT) else [model]
+        fsdp = info.distributed and self.mode.startswith("fsdp")
+        if fsdp:
             assert self.mesh is not None
             mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-            apply_fsdp(model, self.mesh["dp"], self.mode == "fsdp", mp)
+            apply_fsdp(model, self.mesh["dp"], self.mode == "fsdp", mp, roots=chunks)
         elif info.distributed and self.dims.dp > 1:
             group = self.mesh["dp"].get_group() if self.mesh is not None else None
             if self.dims.pp == 1:
@@ -133,17 +139,17 @@ class Parallelized:
             # step (GPipe: "rebuilt parameter indices size is not same"); the Pipeline
             # all-reduces the stage's gradients over its data-parallel group after the step.
         # FSDP casts the parameters itself; everywhere else bf16 means autocast.
-        self._autocast = self.dtype != torch.float32 and not isinstance(model, FSDPModule)
+        self._autocast = self.dtype != torch.float32 and not fsdp
         if self.dims.pp > 1:
             assert self.mesh is not None
             self.pipeline = Pipeline(
                 self.module,
-                self.dims.pp_rank,
+                chunks,
                 self.mesh,
                 info.device,
                 cfg_parallel.pp_schedule,
                 # Plain data parallelism: no DDP wrapper (above), the Pipeline reduces.
-                dp_group=None if isinstance(model, FSDPModule) else self.mesh["dp"].get_group(),
+                dp_group=None if fsdp else self.mesh["dp"].get_group(),
             )
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -222,16 +228,23 @@ def apply_ac(model: nn.Module) -> None:
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, reshard: bool, mp: MixedPrecisionPolicy
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    reshard: bool,
+    mp: MixedPrecisionPolicy,
+    roots: list[nn.Module] | None = None,
 ) -> None:
     """FSDP2: each block is one all-gather / reduce-scatter unit, the root holds the rest.
 
     reshard=True frees the gathered parameters after forward and gathers them again for the
     backward (ZeRO-3); False keeps them until the backward is done (ZeRO-2-like: more memory,
-    one all-gather less per step)."""
+    one all-gather less per step). `roots`: the modules whose forward runs (a rank's pipeline
+    stages when it holds several, as torchtitan shards each model part; default the model):
+    each is the root of what its blocks leave."""
     for _, block in blocks(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    for root in roots or [model]:
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
 def apply_ddp(

@@ -7,7 +7,8 @@ Pure arithmetic beside trainer/planner.py (which counts bytes; this turns them i
   hardware's achieved FLOP/s (a GPU of a pp x tp group does 1 / (pp x tp) of its replica's
   work), plus the optimizer's pass over the state this GPU updates at memory bandwidth.
 - pipeline bubble: a GPipe or 1F1B step of m micro-batches on pp stages idles (pp - 1) of
-  m + pp - 1 slots (Narayanan et al. 2021): (pp - 1) / m x compute.
+  m + pp - 1 slots (Narayanan et al. 2021): (pp - 1) / m x compute; interleaved over v stages
+  per rank, (pp - 1) / (v m).
 - communication: each part of the planner's bytes (dp, tp, pp) over the bus bandwidth of the
   link its group uses (NVLink inside a node, the network between nodes). Tensor-parallel
   collectives block the next matmul and pipeline sends the next stage: both are exposed.
@@ -144,13 +145,23 @@ def ring_hops(model: ModelShape, layout: Layout) -> dict[str, int]:
     return hops
 
 
-def step_time(model: ModelShape, cluster: ClusterShape, layout: Layout, hw: Hardware) -> StepTime:
+def step_time(
+    model: ModelShape,
+    cluster: ClusterShape,
+    layout: Layout,
+    hw: Hardware,
+    stages_per_rank: int = 1,
+) -> StepTime:
+    """`stages_per_rank` v > 1: the interleaved 1F1B schedule, whose bubble is v times
+    smaller for v times the pipeline messages (Narayanan et al. 2021)."""
     matmuls = flops_per_gpu(model, cluster, layout) / hw.flops
-    bubble = matmuls * (layout.pp - 1) / layout.micro_batches
+    bubble = matmuls * (layout.pp - 1) / (layout.micro_batches * stages_per_rank)
     compute = matmuls + optimizer_s(model, layout, hw)
     gpn = cluster.gpus_per_node
-    comm = layout.comm_breakdown
+    comm = {**layout.comm_breakdown}
+    comm["pp"] *= stages_per_rank
     hops = ring_hops(model, layout)
+    hops["pp"] *= stages_per_rank
     # Rank order as the planner's: tp innermost, dp next, pp outermost.
     dp_bw = hw.inter_node_bw if layout.tp * layout.dp > gpn else hw.intra_node_bw
     pp_bw = hw.inter_node_bw if layout.tp * layout.dp >= gpn else hw.intra_node_bw
