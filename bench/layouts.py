@@ -56,6 +56,11 @@ LAYOUTS = [
     ("pp2 x dp2 1f1b", 4, ["--parallel", "ddp", "--pp", "2"]),
     ("pp2 x dp2 gpipe", 4, ["--parallel", "ddp", "--pp", "2", "--pp-schedule", "gpipe"]),
     ("pp4 1f1b", 4, ["--parallel", "ddp", "--pp", "4"]),
+    (
+        "pp2x2 x dp2 interleaved",
+        4,
+        ["--parallel", "ddp", "--pp", "2", "--pp-schedule", "interleaved"],
+    ),  # fmt: skip
     ("pp2 x dp2 x tp2 fsdp", 8, ["--parallel", "fsdp", "--pp", "2", "--tp", "2"]),
 ]
 QUICK = {"ddp", "pp2 x dp2 1f1b", "tp2 x dp2 fsdp"}
@@ -148,7 +153,7 @@ def predict(label: str, world: int, flags: list[str], hw_for) -> dict:
     dp = world // (p.tp * p.pp)
     zero = MODE_ZERO[p.mode] if dp > 1 else 0
     layout = evaluate(model, cluster, dp=dp, tp=p.tp, pp=p.pp, zero=zero)
-    t = step_time(model, cluster, layout, hw_for(world))
+    t = step_time(model, cluster, layout, hw_for(world), p.stages_per_rank)
     return {"resident": resident_bytes(layout), "time": t.to_dict(), "model": model,
             "cluster": cluster, "layout": layout}  # fmt: skip
 

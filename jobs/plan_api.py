@@ -9,6 +9,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from trainer import planner
+from trainer.layout import timed_plan
 
 
 class PlanRequestSerializer(serializers.Serializer):
@@ -62,4 +63,4 @@ class PlanView(APIView):
             result = planner.plan(body.validated_data["model"], body.validated_data["cluster"])
         except planner.PlanError as e:
             raise serializers.ValidationError({e.field: [e.message]}) from None
-        return Response(result.to_dict())
+        return Response(timed_plan(result))

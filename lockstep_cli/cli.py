@@ -305,6 +305,7 @@ def cmd_plan(args) -> int:
     """Per-GPU memory and traffic of each parallel layout; pure arithmetic, no portal needed."""
     import math
 
+    from trainer.layout import timed_plan
     from trainer.planner import ClusterShape, ModelShape, PlanError, plan
     from trainer.planner_text import format_table
 
@@ -341,10 +342,20 @@ def cmd_plan(args) -> int:
     except PlanError as e:
         print(f"lockstep plan: --{e.field.replace('_', '-')}: {e.message}", file=sys.stderr)
         return EXIT_USAGE
+    timed = timed_plan(result)
     if args.json or args.plan_json:
-        print(json.dumps(result.to_dict()))
-    else:
-        print(format_table(result, show_all=args.all))
+        print(json.dumps(timed))
+        return 0
+    print(format_table(result, show_all=args.all))
+    fastest, hw = timed["fastest"], timed["hardware"]["name"]
+    if fastest is not None:
+        t = fastest["predicted_step"]
+        print(
+            f"fastest predicted on {hw} (what --layout auto takes): dp={fastest['dp']} "
+            f"tp={fastest['tp']} pp={fastest['pp']} ZeRO-{fastest['zero']}, step "
+            f"{t['total_s']:.2f} s (compute {t['compute_s']:.2f}, exposed communication "
+            f"{t['exposed_comm_s']:.2f}, bubble {t['bubble_s']:.2f})"
+        )
     return 0
 
 

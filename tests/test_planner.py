@@ -11,7 +11,9 @@ from rest_framework.test import APIClient
 
 from lockstep_cli.cli import main as cli_main
 from trainer import planner
+from trainer.layout import NEAR_TIE, choose, runnable
 from trainer.planner import ClusterShape, ModelShape, PlanError, evaluate, plan
+from trainer.step_time import H100_NODE, step_time
 
 GiB = planner.GiB
 
@@ -333,6 +335,7 @@ def test_cli_prints_a_table_with_the_recommendation(capsys):
     out = capsys.readouterr().out
     assert "recommended: dp=64 tp=8 pp=1 ZeRO-1" in out
     assert "<- recommended" in out
+    assert "fastest predicted on H100/H200" in out and "(what --layout auto takes)" in out
 
 
 @pytest.mark.parametrize(
@@ -377,8 +380,39 @@ def test_api_plans_the_same_as_the_library(api):
     assert response.status_code == 200, response.content
     body = response.json()
     expected = plan(ModelShape(**LLAMA_70B), ClusterShape(gpus=64)).to_dict()
+    # The API adds the step-time model's figures (test below) to the planner's own.
+    assert body["recommended"].pop("predicted_step")["total_s"] > 0
     assert body["recommended"] == expected["recommended"]
     assert len(body["layouts"]) == len(expected["layouts"])
+
+
+@pytest.mark.django_db
+def test_api_adds_each_layouts_step_time_and_the_layout_auto_takes(api):
+    """Beside the traffic-ordered recommendation, the step-time model's figures and the
+    choice `--layout auto` makes (trainer/layout.choose) for the same shape."""
+    body = api.post("/api/v1/plan/", API_BODY, format="json").json()
+    model, cluster = ModelShape(**LLAMA_70B), ClusterShape(gpus=64)
+    result = plan(model, cluster)
+    for entry, layout in zip(body["layouts"], result.layouts, strict=True):
+        expected = step_time(model, cluster, layout, H100_NODE)
+        assert entry["predicted_step"]["total_s"] == pytest.approx(expected.total_s)
+    best, reasons = choose(model, cluster, H100_NODE)
+    fastest = body["fastest"]
+    assert (fastest["dp"], fastest["tp"], fastest["pp"], fastest["zero"]) == (
+        best.dp, best.tp, best.pp, best.zero,
+    )  # fmt: skip
+    assert body["fastest_reasons"] == reasons
+    assert body["hardware"]["name"] == H100_NODE.name
+    # It is the fastest fitting runnable layout, up to the near-tie rule.
+    fitting = [
+        e["predicted_step"]["total_s"]
+        for e, layout in zip(body["layouts"], result.layouts, strict=True)
+        if layout.fits and runnable(layout)
+    ]
+    assert fastest["predicted_step"]["total_s"] <= NEAR_TIE * min(fitting)
+    # Nothing fits on one GPU: no choice, and the reason.
+    none = api.post("/api/v1/plan/", {**API_BODY, "gpus": 8}, format="json").json()
+    assert none["fastest"] is None and "no layout of 8 ranks fits" in none["fastest_reasons"][0]
 
 
 @pytest.mark.django_db
@@ -485,6 +519,8 @@ def test_submit_page_shows_the_recommended_layout_in_the_browser(
             page.click("#planner-check")
             fits = page.wait_for_selector("#planner-result .planner-fits")
             assert "dp=8 tp=1 pp=1 ZeRO-2" in fits.inner_text()
+            fastest = page.wait_for_selector("#planner-result .planner-fastest").inner_text()
+            assert "what layout auto takes" in fastest and "step" in fastest
             page.fill("#plan-hidden", "4100")  # not divisible by 32 heads
             page.click("#planner-check")
             error = page.wait_for_selector("#planner-result .errorlist li")

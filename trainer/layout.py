@@ -24,6 +24,7 @@ from trainer.planner import (
     GiB,
     Layout,
     ModelShape,
+    Plan,
     enumerate_layouts,
     evaluate,
     recommendation_key,
@@ -196,6 +197,32 @@ def choose(
         f"bubble {t.bubble_s * 1e3:.1f}"
     )
     return best, reasons
+
+
+def timed_plan(plan: Plan, hw: Hardware = H100_NODE) -> dict:
+    """The planner's answer (`Plan.to_dict`) with time added: each layout's predicted step
+    on `hw` (compute, exposed communication, bubble), and `fastest`, the layout that
+    `--layout auto` takes for this model and cluster (`choose`: the fastest runnable layout
+    that fits, the simplest within NEAR_TIE), with its reasons; None when none fits. The
+    planner's own `recommended` orders by traffic volume, which knows no link speeds."""
+    out = plan.to_dict()
+    for entry, layout in zip(out["layouts"], plan.layouts, strict=True):
+        entry["predicted_step"] = step_time(plan.model, plan.cluster, layout, hw).to_dict()
+        if layout is plan.recommended:
+            out["recommended"] = entry
+    try:
+        best, reasons = choose(plan.model, plan.cluster, hw)
+    except LayoutError as e:
+        out["fastest"] = None
+        out["fastest_reasons"] = [str(e)]
+    else:
+        out["fastest"] = {
+            **best.to_dict(),
+            "predicted_step": step_time(plan.model, plan.cluster, best, hw).to_dict(),
+        }
+        out["fastest_reasons"] = reasons
+    out["hardware"] = hw.to_dict()
+    return out
 
 
 def device_memory_bytes(device_type: str, local_world_size: int) -> int:

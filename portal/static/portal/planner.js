@@ -78,6 +78,18 @@
     var reasons = el("ul");
     plan.reasons.forEach(function (reason) { reasons.appendChild(el("li", reason)); });
     result.appendChild(reasons);
+    // The recommendation above orders by traffic; this is what `--layout auto` takes, by the
+    // step-time model on the hardware the API names.
+    var fast = plan.fastest;
+    if (fast) {
+      var t = fast.predicted_step;
+      result.appendChild(el("p",
+        "Fastest predicted on " + plan.hardware.name + " (what layout auto takes): dp=" +
+        fast.dp + " tp=" + fast.tp + " pp=" + fast.pp + " ZeRO-" + fast.zero + ", step " +
+        t.total_s.toFixed(2) + " s (compute " + t.compute_s.toFixed(2) +
+        ", exposed communication " + t.exposed_comm_s.toFixed(2) + ", bubble " +
+        t.bubble_s.toFixed(2) + ").", "planner-fastest"));
+    }
   }
 
   function check() {
