@@ -3,10 +3,18 @@ CPU; NCCL with --gpu) in each layout, its ranks' weights, gradients and optimize
 a step and its median step time, beside the planner's memory and the step-time model's
 prediction (trainer/step_time.py) for the same layout.
 
-The CPU's figures are calibrated in the same run, before the layouts: achieved FLOP/s from a
-1-rank run of the same model (one thread per rank, as every run here), and gloo's bandwidth
-and per-hop latency from all-reduces of two sizes at the layouts' world size. Ranks share the
-machine's cores, so a rank gets cores / ranks of the 1-rank FLOP/s.
+The CPU's figures are calibrated in the same run: achieved FLOP/s from a 1-rank run of the
+same model (one thread per rank, as every run here), gloo's bandwidth and per-hop latency from
+all-reduces of two sizes at the layouts' world size, and the fixed cost of a collective the
+rank waits on inside forward and backward (`Hardware.call_s`) from one layout, CALIBRATION
+(the one with the most such calls): what its measured step has beyond the rest of the model,
+per call. Every other layout is predicted with those figures. Ranks share the machine's cores,
+so a rank gets cores / ranks of the 1-rank FLOP/s, and a call costs ranks / cores times the
+CPU it takes.
+
+Each layout is also run for 2 and for 4 steps under torch.profiler, and its collectives per
+step (the difference, by kind) are compared with the count the model uses
+(trainer/step_time.collective_calls).
 
     python bench/layouts.py            # ~8 min on 2 cores; bench/results/layouts.json + figure
     python bench/layouts.py --quick    # three layouts, fewer steps
@@ -35,7 +43,13 @@ sys.path.insert(0, str(REPO))
 from trainer.config import parse_args  # noqa: E402
 from trainer.layout import MODE_ZERO, _params, model_shape, resident_bytes  # noqa: E402
 from trainer.planner import ClusterShape, evaluate  # noqa: E402
-from trainer.step_time import Hardware, flops_per_gpu, step_time  # noqa: E402
+from trainer.step_time import (  # noqa: E402
+    Hardware,
+    blocking_calls,
+    collective_calls,
+    flops_per_gpu,
+    step_time,
+)
 
 RESULTS = REPO / "bench" / "results" / "layouts.json"
 FIGURE = REPO / "docs" / "figures" / "layouts.png"
@@ -63,7 +77,12 @@ LAYOUTS = [
     ),  # fmt: skip
     ("pp2 x dp2 x tp2 fsdp", 8, ["--parallel", "fsdp", "--pp", "2", "--tp", "2"]),
 ]
-QUICK = {"ddp", "pp2 x dp2 1f1b", "tp2 x dp2 fsdp"}
+QUICK = {"ddp", "pp2 x dp2 1f1b", "tp2 x dp2 fsdp", "tp4"}
+CALIBRATION = "tp4"
+# Profiler event names of gloo's collectives -> collective_calls' kinds.
+GLOO_KINDS = {"gloo:all_reduce": "all_reduce", "gloo:all_gather": "all_gather",
+              "gloo:reduce_scatter": "reduce_scatter", "gloo:broadcast": "broadcast",
+              "gloo:send": "p2p", "gloo:recv": "p2p"}  # fmt: skip
 
 
 def free_port() -> int:
@@ -72,8 +91,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_gang(work: Path, world: int, flags: list[str], steps: int) -> list[dict]:
-    """Every rank of one run, to the end; returns every metrics record of every rank."""
+def run_gang(
+    work: Path, world: int, flags: list[str], steps: int, count: bool = False
+) -> list[dict]:
+    """Every rank of one run, to the end; returns every metrics record of every rank (with
+    `count`, under torch.profiler, rank 0's gloo collectives by kind instead)."""
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
@@ -86,16 +108,62 @@ def run_gang(work: Path, world: int, flags: list[str], steps: int) -> list[dict]
             LOCKSTEP_METRICS_PATH=str(work / f"rank-{rank}.jsonl"), PYTHONPATH=str(REPO),
         )  # fmt: skip
         log = open(work / f"rank{rank}.log", "w")  # noqa: SIM115
-        argv = [sys.executable, "-m", "trainer", *MODEL, *flags, "--steps", str(steps)]
+        entry = (
+            ["-c", COUNTING, str(work / "collectives-RANK.json")] if count else ["-m", "trainer"]
+        )
+        argv = [sys.executable, *entry, *MODEL, *flags, "--steps", str(steps)]
         procs.append(subprocess.Popen(argv, env=env, cwd=work, stdout=log, stderr=log))
     for rank, p in enumerate(procs):
         if p.wait(timeout=900) != 0:
             tail = (work / f"rank{rank}.log").read_text()[-2000:]
             raise RuntimeError(f"{work.name}: rank {rank} failed:\n{tail}")
+    if count:
+        return [json.loads((work / f"collectives-{r}.json").read_text()) for r in range(world)]
     rows = []
     for rank in range(world):
         rows += [json.loads(x) for x in (work / f"rank-{rank}.jsonl").read_text().splitlines()]
     return rows
+
+
+# The trainer under torch.profiler (CPU events): each rank writes its gloo collectives by name.
+COUNTING = """
+import collections, json, os, sys
+from torch.profiler import ProfilerActivity, profile
+from trainer.train import main
+out, sys.argv = sys.argv[1], ["trainer", *sys.argv[2:]]
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    main()
+names = collections.Counter(e.name for e in prof.events() if e.name.startswith("gloo:"))
+open(out.replace("RANK", os.environ["RANK"]), "w").write(json.dumps(names))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def as_gloo_runs(calls: dict[str, int]) -> dict[str, int]:
+    """collective_calls' kinds as gloo runs them: it has no reduce-scatter, and FSDP2 falls
+    back to an all-reduce."""
+    out = dict(calls)
+    if "reduce_scatter" in out:
+        out["all_reduce"] = out.get("all_reduce", 0) + out.pop("reduce_scatter")
+    return out
+
+
+def count_collectives(work: Path, world: int, flags: list[str]) -> dict[str, float]:
+    """The busiest rank's collectives per step by kind (the most of each kind over the
+    ranks): runs of 4 and of 2 steps, the difference / 2 (what a run does once, setup and the
+    final checkpoint, cancels)."""
+    runs = [run_gang(work / f"count-{n}", world, flags, n, count=True) for n in (2, 4)]
+    kinds: dict[str, float] = {}
+    for rank in range(world):
+        mine: dict[str, float] = {}
+        for name, kind in GLOO_KINDS.items():
+            per_step = (runs[1][rank].get(name, 0) - runs[0][rank].get(name, 0)) / 2
+            mine[kind] = mine.get(kind, 0) + per_step
+        for kind, n in mine.items():
+            if n:
+                kinds[kind] = max(kinds.get(kind, 0), n)
+    return kinds
 
 
 def median_step_s(rows: list[dict], skip: int) -> float:
@@ -154,8 +222,13 @@ def predict(label: str, world: int, flags: list[str], hw_for) -> dict:
     zero = MODE_ZERO[p.mode] if dp > 1 else 0
     layout = evaluate(model, cluster, dp=dp, tp=p.tp, pp=p.pp, zero=zero)
     t = step_time(model, cluster, layout, hw_for(world), p.stages_per_rank)
+    model_calls: dict[str, int] = {}
+    for kinds in collective_calls(model, layout, p.stages_per_rank).values():
+        for kind, n in kinds.items():
+            model_calls[kind] = model_calls.get(kind, 0) + n
     return {"resident": resident_bytes(layout), "time": t.to_dict(), "model": model,
-            "cluster": cluster, "layout": layout}  # fmt: skip
+            "cluster": cluster, "layout": layout, "calls": model_calls,
+            "blocking_calls": blocking_calls(model, layout, p.stages_per_rank)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,37 +265,58 @@ def main(argv: list[str] | None = None) -> int:
     mem_bw = opt_bytes / max(t_small - work_small / flops, 1e-6)
     nets = {w: calibrate_network(w, work / f"net-{w}") for w in sorted({w for _, w, _ in LAYOUTS})}
 
-    def hw_for(world: int) -> Hardware:
+    def hw_for(world: int, call_cpu_s: float = 0.0) -> Hardware:
         bw, hop = nets.get(world, nets[4])
         share = min(1.0, cores / world)  # ranks share the cores
         return Hardware(name=f"CPU {cores} cores, {world} ranks, gloo (calibrated)",
                         flops=flops * share, intra_node_bw=bw, inter_node_bw=bw, overlap=0.0,
-                        mem_bw=mem_bw * share, hop_latency_s=hop)  # fmt: skip
+                        mem_bw=mem_bw * share, hop_latency_s=hop,
+                        call_s=call_cpu_s / share)  # fmt: skip
 
-    rows = []
+    measured_runs = []
     for label, world, flags in LAYOUTS:
         if args.quick and label not in QUICK:
             continue
-        records = run_gang(work / label.replace(" ", "_"), world, flags, steps)
+        name = label.replace(" ", "_")
+        records = run_gang(work / name, world, flags, steps)
         measured = {
             part: max(r["measured_bytes"][part] for r in records if r["kind"] == "layout")
             for part in ("weights", "grads", "optimizer")
         }
-        pred = predict(label, world, flags, hw_for)
-        step_s = median_step_s(records, skip)
+        counted = count_collectives(work / f"{name}-count", world, flags)
+        measured_runs.append((label, world, flags, measured, median_step_s(records, skip), counted))
+        print(f"{label:28} world {world}: measured", flush=True)
+
+    # The call cost from CALIBRATION: its measured step less the model without it, per call
+    # it waits on, in CPU time (x cores / ranks: a call costs its ranks' share of the cores).
+    label, world, flags, _, step_s, _ = next(r for r in measured_runs if r[0] == CALIBRATION)
+    without = predict(label, world, flags, hw_for)
+    call_cpu_s = max(0.0, step_s - without["time"]["total_s"]) / without["blocking_calls"]
+    call_cpu_s *= min(1.0, cores / world)
+
+    rows = []
+    for label, world, flags, measured, step_s, counted in measured_runs:
+        pred = predict(label, world, flags, lambda w: hw_for(w, call_cpu_s))
+        bare = predict(label, world, flags, hw_for)
         row = {
             "layout": label, "world": world, "flags": flags,
             "measured_bytes": measured, "predicted_bytes": pred["resident"],
             "memory_error": {k: measured[k] / pred["resident"][k] - 1 for k in measured},
             "measured_step_s": step_s, "predicted": pred["time"],
             "step_error": step_s / pred["time"]["total_s"] - 1,
+            "step_error_without_call_cost": step_s / bare["time"]["total_s"] - 1,
+            "calibration": label == CALIBRATION,
+            "collectives_measured": counted, "collectives_model": as_gloo_runs(pred["calls"]),
+            "blocking_calls": pred["blocking_calls"],
         }  # fmt: skip
         rows.append(row)
         print(
             f"{label:28} world {world}: state {sum(measured.values()) / 1e6:7.2f} MB measured, "
             f"{sum(pred['resident'].values()) / 1e6:7.2f} predicted; step "
             f"{step_s * 1e3:7.1f} ms measured, {pred['time']['total_s'] * 1e3:7.1f} predicted "
-            f"({row['step_error']:+.0%})",
+            f"({row['step_error']:+.0%}; {row['step_error_without_call_cost']:+.0%} without "
+            f"the call cost); collectives {counted} measured, {as_gloo_runs(pred['calls'])} "
+            "model",
             flush=True,
         )
     report = {
@@ -237,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             "flops_per_rank_alone": flops,
             "optimizer_mem_bw_alone": mem_bw,
             "gloo": {str(w): {"bus_bw": bw, "hop_latency_s": hop} for w, (bw, hop) in nets.items()},
+            "call_cpu_s": call_cpu_s,
+            "call_calibrated_on": CALIBRATION,
         },
         "rows": rows,
         "elapsed_s": round(time.monotonic() - started, 1),
@@ -254,7 +350,7 @@ def plot(report: dict, figure: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["rows"]
-    labels = [r["layout"] for r in rows]
+    labels = [r["layout"] + (" (fit)" if r.get("calibration") else "") for r in rows]
     y = range(len(rows))
     fig, (mem, step) = plt.subplots(1, 2, figsize=(12, 0.5 * len(rows) + 2), sharey=True)
     measured = [sum(r["measured_bytes"].values()) / 1e6 for r in rows]

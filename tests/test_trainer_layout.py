@@ -15,7 +15,7 @@ from tests.test_trainer_elastic import gang, global_losses
 from trainer.config import parse_args
 from trainer.layout import ZERO_MODES, candidates, model_shape, resolve, runnable
 from trainer.planner import ClusterShape, GiB, evaluate
-from trainer.step_time import optimizer_s
+from trainer.step_time import Hardware, optimizer_s
 
 # docs/planner.md ("Per layout"): weights, gradients and optimizer state after a step, the
 # largest rank against the planner's worst stage.
@@ -123,3 +123,24 @@ def test_flags_layouts_are_predicted_too():
     matmuls = t["compute_s"] - optimizer_s(model, choice.layout, choice.hardware)
     assert 0 < matmuls < t["compute_s"]
     assert t["bubble_s"] == pytest.approx(matmuls / 2)
+
+
+@pytest.mark.parametrize(
+    ("world", "flags"),
+    [
+        (4, ["--parallel", "fsdp", "--tp", "2"]),
+        (4, ["--parallel", "ddp", "--pp", "2", "--pp-schedule", "interleaved"]),
+    ],
+    ids=["tp2-dp2-fsdp", "pp2x2-dp2-interleaved"],
+)
+def test_the_step_time_model_counts_the_collectives_the_trainer_issues(world, flags, tmp_path):
+    """trainer/step_time.collective_calls against torch.profiler's gloo events of a real run
+    (rank 0, per step: a 4-step run less a 2-step one): tensor parallelism's all-reduces,
+    FSDP's gathers and reduce-scatters, pipeline messages (twice as many interleaved) and the
+    step's own small all-reduces. The per-call cost of the model multiplies this count."""
+    from bench.layouts import as_gloo_runs, count_collectives, predict
+
+    counted = count_collectives(tmp_path, world, flags)
+    unit = Hardware("unit", flops=1.0, intra_node_bw=1.0, inter_node_bw=1.0)
+    model = as_gloo_runs(predict("test", world, flags, lambda w: unit)["calls"])
+    assert counted == pytest.approx({k: float(v) for k, v in model.items() if v})

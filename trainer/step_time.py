@@ -15,7 +15,9 @@ Pure arithmetic beside trainer/planner.py (which counts bytes; this turns them i
   Data-parallel traffic overlaps the backward pass (DDP's buckets, FSDP's reduce-scatters;
   ZeRO-3's all-gathers also the forward, by prefetch): only the part longer than that window,
   or the share the overlap cannot hide, whichever is more, is exposed. Every collective also
-  pays a latency per ring step (`ring_hops`), which dominates small ones.
+  pays a latency per ring step (`ring_hops`), which dominates small ones, and each one the
+  rank waits on inside the forward or backward pass a fixed cost (`Hardware.call_s`), counted
+  from the collectives the reference trainer issues (`collective_calls`).
 
 docs/planner.md ("Step time") has the measured error per layout and where it comes from.
 """
@@ -55,6 +57,14 @@ class Hardware:
     """Fixed cost of one step of a ring (a message to the next rank): an all-reduce over n
     ranks takes 2(n - 1) of them, a gather or reduce-scatter n - 1, a pipeline send one. It
     dominates small collectives (the tensor-parallel ones of a small model, gloo on CPU)."""
+
+    call_s: float = 10e-6
+    """Fixed cost to the rank of one collective it waits on inside the forward or backward
+    pass (`blocking_calls`), beyond the bytes and the ring steps: launching it, the framework's
+    bookkeeping around it (FSDP2's copies into and out of the flat buffer and its hooks,
+    DTensor's dispatch), and on ranks that share CPU cores the CPU time the collective itself
+    takes from their compute. A few microseconds where a GPU runs the collective and the host
+    runs ahead; milliseconds for gloo ranks sharing 2 cores (bench/layouts.py calibrates it)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,38 +121,94 @@ def optimizer_s(model: ModelShape, layout: Layout, hw: Hardware) -> float:
     return (2 * state + 3 * updated * DTYPE_BYTES[model.dtype]) / hw.mem_bw
 
 
-def ring_hops(model: ModelShape, layout: Layout) -> dict[str, int]:
-    """Ring steps per optimizer step, by group (the latency part of each collective).
+# Tensor-parallel all-reduces per block per micro-batch: forward, after the attention and the
+# MLP projections (row-parallel); backward, the input gradient of every column-parallel layer.
+# The reference trainer's q, k and v are three such layers (Megatron fuses them: 2 + 2); a
+# recomputed forward adds its 2 again.
+TP_FORWARD, TP_BACKWARD = 2, 4
+# Small collectives outside the layers every step: the loss averaged for the metrics and the
+# gradient norm for clipping; under a pipeline also the loss over the stages and the tied
+# embedding's gradient (first and last stage).
+STEP_EXTRAS, PIPELINE_EXTRAS = 2, 2
 
-    dp: ZeRO-0/1 all-reduce the gradients once, in DDP buckets (ZeRO-1 adds a broadcast of
-    every updated parameter tensor); ZeRO-2/3 (FSDP2) reduce-scatter every unit (a block, and
-    the rest as one) each micro-batch and all-gather it once (ZeRO-2) or twice per
-    micro-batch (ZeRO-3).
-    tp: 4 all-reduces per layer per micro-batch (6 with recomputation). pp: a send forward
-    and one back per micro-batch."""
-    m, dp, tp = layout.micro_batches, layout.dp, layout.tp
-    units = model.layers // layout.pp + 1
-    hops = {"dp": 0, "tp": 0, "pp": 0}
+
+def collective_calls(
+    model: ModelShape, layout: Layout, stages_per_rank: int = 1
+) -> dict[str, dict[str, int]]:
+    """Collectives one GPU issues per optimizer step, by group and kind ("all_reduce",
+    "all_gather", "reduce_scatter", "broadcast", "p2p"), as the reference trainer issues them
+    (bench/layouts.py counts them in torch.profiler's traces and checks these counts).
+
+    m micro-batches per step. dp: DDP and ZeRO-1 one all-reduce per gradient bucket (ZeRO-1
+    then a broadcast of every updated parameter tensor: 16 per GPT block with biases, 4
+    outside); FSDP2 all-gathers each unit (a block, and the rest as one) once per micro-batch
+    (ZeRO-2) or twice, for the forward and again for the backward (ZeRO-3; under a pipeline
+    the stage keeps them gathered between its backwards: m + 1), and reduce-scatters each
+    unit once, at the last micro-batch. tp: TP_FORWARD + TP_BACKWARD all-reduces per block per
+    micro-batch. pp, on the busiest rank: per micro-batch a stage at either end of the
+    pipeline sends and receives once, a middle stage twice each way; interleaved, a rank holds
+    `stages_per_rank` stages (on 2 ranks each holds one end; beyond, middle ranks none)."""
+    m, dp, tp, pp = layout.micro_batches, layout.dp, layout.tp, layout.pp
+    layers = model.layers // pp
+    units = layers + 1
+    calls: dict[str, dict[str, int]] = {"dp": {}, "tp": {}, "pp": {}, "step": {}}
     if dp > 1:
         if layout.zero <= 1:
-            grad_bytes = model.total_params / layout.pp / tp * DTYPE_BYTES[model.dtype]
-            buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
-            hops["dp"] = buckets * 2 * (dp - 1)
+            grad_bytes = model.total_params / pp / tp * DTYPE_BYTES[model.dtype]
+            calls["dp"]["all_reduce"] = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
             if layout.zero == 1:
-                # torch's ZeroRedundancyOptimizer broadcasts every parameter tensor from the
-                # rank that updated it (16 per GPT block with biases, 4 outside): one message
-                # each, which bench/layouts.py measured as most of ZeRO-1's cost on gloo.
-                hops["dp"] += 16 * model.layers // layout.pp + 4
-        elif layout.zero == 2:
-            hops["dp"] = units * (m + 1) * (dp - 1)
+                calls["dp"]["broadcast"] = 16 * layers + 4
         else:
-            hops["dp"] = units * 3 * m * (dp - 1)
+            gathers = m if layout.zero == 2 else (m + 1 if pp > 1 else 2 * m)
+            calls["dp"]["all_gather"] = units * gathers
+            calls["dp"]["reduce_scatter"] = units
     if tp > 1:
-        collectives = 6 if model.activation_checkpointing else 4
-        hops["tp"] = collectives * (model.layers // layout.pp) * m * 2 * (tp - 1)
-    if layout.pp > 1:
-        hops["pp"] = 2 * m
+        forward = TP_FORWARD * (2 if model.activation_checkpointing else 1)
+        calls["tp"]["all_reduce"] = (forward + TP_BACKWARD) * layers * m
+    if pp > 1:
+        ends = 1 if pp == 2 else 0  # end stages on the busiest rank
+        calls["pp"]["p2p"] = m * (2 * ends + 4 * (stages_per_rank - ends))
+        calls["step"]["all_reduce"] = STEP_EXTRAS + PIPELINE_EXTRAS
+    else:
+        calls["step"]["all_reduce"] = STEP_EXTRAS
+    return calls
+
+
+# Ring steps of one collective over n ranks: an all-reduce is a reduce-scatter and an
+# all-gather; a broadcast is pipelined along the ring; a pipeline send is one message.
+_HOPS = {
+    "all_reduce": lambda n: 2 * (n - 1),
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: n - 1,
+    "broadcast": lambda n: n - 1,
+    "p2p": lambda n: 1,
+}
+
+
+def ring_hops(model: ModelShape, layout: Layout, stages_per_rank: int = 1) -> dict[str, int]:
+    """Ring steps per optimizer step, by group (the latency part of each collective): each of
+    `collective_calls` over its group's ranks. The step's own small all-reduces ride on the
+    data-parallel group's count (they span every rank, and are a handful)."""
+    size = {"dp": layout.dp, "tp": layout.tp, "pp": 2, "step": layout.dp}
+    hops = {"dp": 0, "tp": 0, "pp": 0}
+    for group, kinds in collective_calls(model, layout, stages_per_rank).items():
+        n = size[group]
+        if n < 2:
+            continue
+        key = "dp" if group == "step" else group
+        hops[key] += sum(count * _HOPS[kind](n) for kind, count in kinds.items())
     return hops
+
+
+def blocking_calls(model: ModelShape, layout: Layout, stages_per_rank: int = 1) -> int:
+    """Collectives inside the forward and backward passes that the rank waits on: FSDP's
+    gathers and reduce-scatters, tensor parallelism's all-reduces, pipeline messages. Each
+    costs the rank `Hardware.call_s` beyond its bytes and ring steps."""
+    calls = collective_calls(model, layout, stages_per_rank)
+    inside = sum(calls["tp"].values()) + sum(calls["pp"].values())
+    if layout.zero >= 2:
+        inside += sum(calls["dp"].values())
+    return inside
 
 
 def step_time(
@@ -160,8 +226,7 @@ def step_time(
     gpn = cluster.gpus_per_node
     comm = {**layout.comm_breakdown}
     comm["pp"] *= stages_per_rank
-    hops = ring_hops(model, layout)
-    hops["pp"] *= stages_per_rank
+    hops = ring_hops(model, layout, stages_per_rank)
     # Rank order as the planner's: tp innermost, dp next, pp outermost.
     dp_bw = hw.inter_node_bw if layout.tp * layout.dp > gpn else hw.intra_node_bw
     pp_bw = hw.inter_node_bw if layout.tp * layout.dp >= gpn else hw.intra_node_bw
@@ -170,9 +235,10 @@ def step_time(
     pp_s = comm["pp"] / pp_bw + hops["pp"] * hw.hop_latency_s
     window = compute * (1.0 if layout.zero >= 3 else 2 / 3)  # backward is 2/3 of the work
     exposed_dp = max(dp_s - window, dp_s * (1 - hw.overlap))
+    calls_s = blocking_calls(model, layout, stages_per_rank) * hw.call_s
     return StepTime(
         compute_s=compute,
-        exposed_comm_s=exposed_dp + tp_s + pp_s,
+        exposed_comm_s=exposed_dp + tp_s + pp_s + calls_s,
         bubble_s=bubble,
-        comm_s=dp_s + tp_s + pp_s,
+        comm_s=dp_s + tp_s + pp_s + calls_s,
     )
