@@ -337,26 +337,6 @@ def test_the_head_counts_a_fillers_gpus_as_its_own_when_it_picks_the_freest_node
     assert p.reservation == (1, (a.id,))
 
 
-def test_a_head_within_quota_does_not_wait_on_protected_fillers_where_gpus_free_sooner():
-    # a: 6 free + a filler in its minimum run for another hour; b: 7 free beside a job that
-    # ends in 10 minutes. Counting the filler, a is the freest; but a head within its quota
-    # (held to the reclaim bound) would wait an hour there, as its reclaim cannot take a
-    # protected filler: it reserves b, where its 8 GPUs free first.
-    def plan_for(t):
-        a, b = node("a", 8, busy=2), node("b", 8, busy=1)
-        runs = [
-            _filler(20, a, [0, 1], team_id=t.id, protected_for=3600),
-            running(21, b, [0], team_id=t.id, ends_in=600),
-        ]
-        return a, b, plan(snapshot([a, b], [job(1, 8, team_id=t.id)], [t], runs))
-
-    a, b, p = plan_for(team(quota=64, used=3))
-    assert p.reservation == (1, (b.id,))
-    # A borrowing head is not held to the bound: the freest nodes, fillers counted.
-    a, b, p = plan_for(team(quota=2, used=3, borrow=64))
-    assert p.reservation == (1, (a.id,))
-
-
 def test_a_starving_head_reserves_the_node_that_frees_up_first_a_young_one_the_freest():
     # a has the most free GPUs but a 2-hour job; b frees all 8 in 600 s.
     t = team()

@@ -204,8 +204,7 @@ class Reservations:
         self, job: JobView, team: TeamView | None = None, *, borrowing: bool = False
     ) -> None:
         """The first blocked job's reservation: where its GPUs free first if it is starving,
-        or if it is within its team's quota and the freest nodes hold fillers in their minimum
-        run; else the freest nodes (isolated ones only for an isolated-only team's job).
+        else the freest nodes (isolated ones only for an isolated-only team's job).
         `borrowing`: the job is beyond its team's quota; it then takes no filler of another
         team within that team's quota (invariant 6)."""
         for run in self._fillers:
@@ -217,32 +216,16 @@ class Reservations:
                 for node_id in dict.fromkeys(n for n, _ in run.slots):
                     self.fillers[node_id].append(run)
         nodes = allowed(team, self.nodes)
-        chosen = (
-            ()
+        self.reserved.update(
+            _soonest_nodes(
+                job, nodes, self.free, self.all_running, self.taken, self.largest, self.takable
+            )[0]
             if stretch(job, self.now) >= STARVING_STRETCH
             else _freest_nodes(job, nodes, self.free, self.largest, self.fillers)
         )
-        if not chosen or (not borrowing and self._waits_on_protected_fillers(chosen)):
-            # A head within its team's quota is held to the reclaim bound, and its reclaim
-            # cannot take fillers in their minimum run: where the freest nodes would make it
-            # wait for those, it reserves where its GPUs free first (fillers at the end of
-            # their minimum run). On the msft trace at 1,280 GPUs three such heads waited up
-            # to 662 s past the bound on one node of protected fillers while 148-210 GPUs
-            # were free elsewhere in pieces.
-            chosen = _soonest_nodes(
-                job, nodes, self.free, self.all_running, self.taken, self.largest, self.takable
-            )[0]
-        self.reserved.update(chosen)
         self.head_nodes = frozenset(self.reserved)
         self.reserve(job.id, ())
         self.head_shadow = self.shadow  # later claims of the pass add nodes, not to this
-
-    def _waits_on_protected_fillers(self, node_ids) -> bool:
-        return any(
-            is_protected(run, self.now, self.floor_s)
-            for node_id in node_ids
-            for run in self.fillers.get(node_id, ())
-        )
 
     def hold_for_starving(
         self, job: JobView, team: TeamView | None = None
