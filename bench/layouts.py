@@ -231,16 +231,92 @@ def predict(label: str, world: int, flags: list[str], hw_for) -> dict:
             "blocking_calls": blocking_calls(model, layout, p.stages_per_rank)}  # fmt: skip
 
 
+def hardware(calibration: dict, world: int, cores: int, call_cpu_s: float = 0.0) -> Hardware:
+    """The calibrated CPU as the model's hardware for `world` ranks on `cores` cores."""
+    nets = calibration["gloo"]
+    net = nets.get(str(world), nets["4"])
+    share = min(1.0, cores / world)  # ranks share the cores
+    return Hardware(name=f"CPU {cores} cores, {world} ranks, gloo (calibrated)",
+                    flops=calibration["flops_per_rank_alone"] * share,
+                    intra_node_bw=net["bus_bw"], inter_node_bw=net["bus_bw"], overlap=0.0,
+                    mem_bw=calibration["optimizer_mem_bw_alone"] * share,
+                    hop_latency_s=net["hop_latency_s"], call_s=call_cpu_s / share)  # fmt: skip
+
+
+def evaluate_rows(calibration: dict, runs: list[dict], cores: int) -> tuple[dict, list[dict]]:
+    """Each measured run (layout, world, flags, measured_bytes, measured_step_s,
+    collectives_measured) beside the model's prediction, after calibrating the call cost on
+    CALIBRATION: its measured step less the model without it, per call it waits on, in CPU
+    time (x cores / ranks: a call costs its ranks' share of the cores)."""
+    cal = next(r for r in runs if r["layout"] == CALIBRATION)
+    without = predict(cal["layout"], cal["world"], cal["flags"],
+                      lambda w: hardware(calibration, w, cores))  # fmt: skip
+    call_cpu_s = max(0.0, cal["measured_step_s"] - without["time"]["total_s"])
+    call_cpu_s *= min(1.0, cores / cal["world"]) / without["blocking_calls"]
+    calibration = {**calibration, "call_cpu_s": call_cpu_s, "call_calibrated_on": CALIBRATION}
+    rows = []
+    for run in runs:
+        label, world, flags, measured = (
+            run["layout"],
+            run["world"],
+            run["flags"],
+            run["measured_bytes"],
+        )
+        step_s, counted = run["measured_step_s"], run["collectives_measured"]
+        pred = predict(label, world, flags, lambda w: hardware(calibration, w, cores, call_cpu_s))
+        bare = predict(label, world, flags, lambda w: hardware(calibration, w, cores))
+        row = {
+            "layout": label, "world": world, "flags": flags,
+            "measured_bytes": measured, "predicted_bytes": pred["resident"],
+            "memory_error": {k: measured[k] / pred["resident"][k] - 1 for k in measured},
+            "measured_step_s": step_s, "predicted": pred["time"],
+            "step_error": step_s / pred["time"]["total_s"] - 1,
+            "step_error_without_call_cost": step_s / bare["time"]["total_s"] - 1,
+            "calibration": label == CALIBRATION,
+            "collectives_measured": counted, "collectives_model": as_gloo_runs(pred["calls"]),
+            "blocking_calls": pred["blocking_calls"],
+        }  # fmt: skip
+        rows.append(row)
+        print(
+            f"{label:28} world {world}: state {sum(measured.values()) / 1e6:7.2f} MB measured, "
+            f"{sum(pred['resident'].values()) / 1e6:7.2f} predicted; step "
+            f"{step_s * 1e3:7.1f} ms measured, {pred['time']['total_s'] * 1e3:7.1f} predicted "
+            f"({row['step_error']:+.0%}; {row['step_error_without_call_cost']:+.0%} without "
+            f"the call cost); collectives {counted} measured, {as_gloo_runs(pred['calls'])} "
+            "model",
+            flush=True,
+        )
+    return calibration, rows
+
+
+def repredict(report: dict) -> dict:
+    calibration, rows = evaluate_rows(
+        report["calibration"], report["rows"], report["machine"]["cores"]
+    )
+    return {**report, "calibration": calibration, "rows": rows,
+            "repredicted_at": datetime.now(UTC).isoformat(timespec="seconds")}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument(
+        "--repredict",
+        action="store_true",
+        help="the stored run's measurements and calibration against the model as it is now",
+    )
     ap.add_argument("--work", default="/tmp/lockstep-bench-layouts")
     args = ap.parse_args(argv)
     results = RESULTS.with_name("layouts-quick.json") if args.quick else RESULTS
     figure = FIGURE.with_name("layouts-quick.png") if args.quick else FIGURE
     if args.plot_only:
         plot(json.loads(results.read_text()), figure)
+        return 0
+    if args.repredict:
+        report = repredict(json.loads(results.read_text()))
+        results.write_text(json.dumps(report, indent=1))
+        plot(report, figure)
         return 0
     steps, skip = (12, 4) if args.quick else (30, 6)
     work = Path(args.work) / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
@@ -265,14 +341,6 @@ def main(argv: list[str] | None = None) -> int:
     mem_bw = opt_bytes / max(t_small - work_small / flops, 1e-6)
     nets = {w: calibrate_network(w, work / f"net-{w}") for w in sorted({w for _, w, _ in LAYOUTS})}
 
-    def hw_for(world: int, call_cpu_s: float = 0.0) -> Hardware:
-        bw, hop = nets.get(world, nets[4])
-        share = min(1.0, cores / world)  # ranks share the cores
-        return Hardware(name=f"CPU {cores} cores, {world} ranks, gloo (calibrated)",
-                        flops=flops * share, intra_node_bw=bw, inter_node_bw=bw, overlap=0.0,
-                        mem_bw=mem_bw * share, hop_latency_s=hop,
-                        call_s=call_cpu_s / share)  # fmt: skip
-
     measured_runs = []
     for label, world, flags in LAYOUTS:
         if args.quick and label not in QUICK:
@@ -287,53 +355,26 @@ def main(argv: list[str] | None = None) -> int:
         measured_runs.append((label, world, flags, measured, median_step_s(records, skip), counted))
         print(f"{label:28} world {world}: measured", flush=True)
 
-    # The call cost from CALIBRATION: its measured step less the model without it, per call
-    # it waits on, in CPU time (x cores / ranks: a call costs its ranks' share of the cores).
-    label, world, flags, _, step_s, _ = next(r for r in measured_runs if r[0] == CALIBRATION)
-    without = predict(label, world, flags, hw_for)
-    call_cpu_s = max(0.0, step_s - without["time"]["total_s"]) / without["blocking_calls"]
-    call_cpu_s *= min(1.0, cores / world)
-
-    rows = []
-    for label, world, flags, measured, step_s, counted in measured_runs:
-        pred = predict(label, world, flags, lambda w: hw_for(w, call_cpu_s))
-        bare = predict(label, world, flags, hw_for)
-        row = {
-            "layout": label, "world": world, "flags": flags,
-            "measured_bytes": measured, "predicted_bytes": pred["resident"],
-            "memory_error": {k: measured[k] / pred["resident"][k] - 1 for k in measured},
-            "measured_step_s": step_s, "predicted": pred["time"],
-            "step_error": step_s / pred["time"]["total_s"] - 1,
-            "step_error_without_call_cost": step_s / bare["time"]["total_s"] - 1,
-            "calibration": label == CALIBRATION,
-            "collectives_measured": counted, "collectives_model": as_gloo_runs(pred["calls"]),
-            "blocking_calls": pred["blocking_calls"],
-        }  # fmt: skip
-        rows.append(row)
-        print(
-            f"{label:28} world {world}: state {sum(measured.values()) / 1e6:7.2f} MB measured, "
-            f"{sum(pred['resident'].values()) / 1e6:7.2f} predicted; step "
-            f"{step_s * 1e3:7.1f} ms measured, {pred['time']['total_s'] * 1e3:7.1f} predicted "
-            f"({row['step_error']:+.0%}; {row['step_error_without_call_cost']:+.0%} without "
-            f"the call cost); collectives {counted} measured, {as_gloo_runs(pred['calls'])} "
-            "model",
-            flush=True,
-        )
+    calibration = {
+        "one_rank_step_s": t1,
+        "one_rank_step_s_batch16": t_small,
+        "flops_per_rank_alone": flops,
+        "optimizer_mem_bw_alone": mem_bw,
+        "gloo": {str(w): {"bus_bw": bw, "hop_latency_s": hop} for w, (bw, hop) in nets.items()},
+    }
+    rows = [
+        {"layout": label, "world": world, "flags": flags, "measured_bytes": measured,
+         "measured_step_s": step_s, "collectives_measured": counted}
+        for label, world, flags, measured, step_s, counted in measured_runs
+    ]  # fmt: skip
+    calibration, rows = evaluate_rows(calibration, rows, cores)
     report = {
         "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"cores": cores, "platform": platform.platform()},
         "model_flags": MODEL,
         "steps": steps,
         "warmup_steps_skipped": skip,
-        "calibration": {
-            "one_rank_step_s": t1,
-            "one_rank_step_s_batch16": t_small,
-            "flops_per_rank_alone": flops,
-            "optimizer_mem_bw_alone": mem_bw,
-            "gloo": {str(w): {"bus_bw": bw, "hop_latency_s": hop} for w, (bw, hop) in nets.items()},
-            "call_cpu_s": call_cpu_s,
-            "call_calibrated_on": CALIBRATION,
-        },
+        "calibration": calibration,
         "rows": rows,
         "elapsed_s": round(time.monotonic() - started, 1),
     }
