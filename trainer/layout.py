@@ -259,7 +259,9 @@ def cpu_hardware(cores: int, ranks: int) -> Hardware:
     threads compete with compute for the same cores). The figures are bench/layouts.py's
     calibration on this project's 2-core CI machine (2026-12-04, one thread per rank): 58
     GFLOP/s per core on the reference GPT's fp32 matmuls, 1.2 GB/s through AdamW's state,
-    gloo all-reduce at 0.7 GB/s bus bandwidth and 1.3 ms per ring step."""
+    gloo all-reduce at 0.7 GB/s bus bandwidth and 1.3 ms per ring step, and 1.9 ms of CPU per
+    collective waited on inside forward/backward (FSDP2's and DTensor's work around gloo's),
+    which ranks sharing a core pay ranks / cores times."""
     share = min(1.0, cores / max(1, ranks))
     return Hardware(
         name=f"CPU ({cores} cores, {ranks} ranks), gloo",
@@ -269,6 +271,7 @@ def cpu_hardware(cores: int, ranks: int) -> Hardware:
         overlap=0.0,
         mem_bw=1.2e9 * share,
         hop_latency_s=1.3e-3,
+        call_s=1.9e-3 / share,
     )
 
 
