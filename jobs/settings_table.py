@@ -109,6 +109,12 @@ TABLE: tuple[Setting, ...] = (
         "CPU seconds a rank must use (since its last counted activity) to count as activity",
     ),
     Setting("DUMP_WAIT_S", 5.0, "time given to ranks to dump their stacks before the kill"),
+    Setting(
+        "EXIT_GRACE_S",
+        60.0,
+        "once rank 0 has exited 0 (and no rank failed), the other ranks' time to exit; then the "
+        "attempt has succeeded and they are stopped (a hang at exit is not a failure)",
+    ),
     Setting("STRAGGLER_FACTOR", 1.5, "a rank this many times slower than the rest straggles"),
     Setting("STRAGGLER_MIN_EXCESS_S", 0.01, "and slower by at least this many seconds a step"),
     Setting("STRAGGLER_WINDOW_STEPS", 50, "steps the straggler medians are taken over"),

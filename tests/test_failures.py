@@ -105,6 +105,60 @@ def test_hang_is_detected_stacks_are_captured_then_the_job_restarts(setup, setti
 
 
 @pytest.mark.django_db
+def test_ranks_still_running_after_rank_0_finished_do_not_make_a_finished_job_hang(setup, settings):
+    """An unmodified script's ranks can hang at exit once rank 0 (which hosts torch's store)
+    is gone. EXIT_GRACE_S after rank 0 exited 0, with no rank failed, the attempt has
+    succeeded: it ends so, the agents stop the rest, and the job is not restarted."""
+    settings.LOCKSTEP = {
+        **settings.LOCKSTEP, "EXIT_GRACE_S": 60.0, "STARTUP_PROGRESS_TIMEOUT_S": 600.0,
+    }  # fmt: skip
+    job, attempt, a, b, _ = _run(setup)
+    t0 = timezone.now()
+    beat(a, attempt, {0: 0, 1: None}, now=t0)
+    beat(b, attempt, {2: 0, 3: None}, now=t0)
+    for second in (30, 59):
+        at = t0 + timedelta(seconds=second)
+        beat(a, attempt, {0: 0, 1: None}, now=at)
+        beat(b, attempt, {2: 0, 3: None}, now=at)
+        run_pass(now=at)
+        assert live_attempt(job) == attempt  # within the grace: still running
+    at = t0 + timedelta(seconds=61)
+    run_pass(now=at)
+    attempt.refresh_from_db()
+    assert attempt.state == "succeeded", attempt.end_reason
+    assert attempt.end_reason == (
+        "rank 0 exited 0; rank(s) 1, 3 still running 60s later were stopped (a hang at exit)"
+    )
+    assert Job.objects.get(pk=job.pk).state == "SUCCEEDED"
+    # The agents are no longer asked to run it: they stop the lingering ranks.
+    desired = beat(a, attempt, {0: 0, 1: None}, now=at)["desired"]
+    assert all(d["attempt_id"] != attempt.id or d["action"] != "run" for d in desired)
+
+
+@pytest.mark.django_db
+def test_only_rank_0_finishing_ends_an_attempt_early_and_a_failure_stays_a_failure(setup, settings):
+    settings.LOCKSTEP = {
+        **settings.LOCKSTEP, "EXIT_GRACE_S": 60.0, "STARTUP_PROGRESS_TIMEOUT_S": 600.0,
+    }  # fmt: skip
+    job, attempt, a, b, _ = _run(setup)
+    t0 = timezone.now()
+    # Ranks other than 0 may finish early (rank 0 evaluates on): nothing ends.
+    beat(a, attempt, {0: None, 1: None}, now=t0)
+    beat(b, attempt, {2: 0, 3: 0}, now=t0)
+    at = t0 + timedelta(seconds=120)
+    beat(a, attempt, {0: None, 1: None}, cpu={0: 50.0, 1: 50.0}, now=at)
+    beat(b, attempt, {2: 0, 3: 0}, now=at)
+    run_pass(now=at)
+    attempt.refresh_from_db()
+    assert attempt.ended_at is None, attempt.end_reason
+    # Rank 0 done, then rank 1 fails within the grace: a failure, as before.
+    beat(a, attempt, {0: 0, 1: None}, now=at + timedelta(seconds=1))
+    beat(a, attempt, {0: 0, 1: 1}, now=at + timedelta(seconds=30))
+    attempt.refresh_from_db()
+    assert attempt.state == "failed" and "rank 1" in attempt.end_reason, attempt.end_reason
+
+
+@pytest.mark.django_db
 def test_no_first_step_after_start_up_is_a_hang_too(setup, settings):
     settings.LOCKSTEP = {**settings.LOCKSTEP, "STARTUP_PROGRESS_TIMEOUT_S": 30.0}
     job, attempt, a, b, _ = _run(setup)

@@ -9,7 +9,12 @@ on the state changes so callers write `actions.do_x`; reads live in jobs.queries
 
 from jobs.actions.attempts import do_end_attempt, do_mark_attempt_running
 from jobs.actions.claim import ClaimConflict, ClaimRejected, do_start_attempt, do_start_attempts
-from jobs.actions.failures import do_end_hung_attempt, do_flag_straggler, do_request_stack_dump
+from jobs.actions.failures import (
+    do_end_finished_attempt,
+    do_end_hung_attempt,
+    do_flag_straggler,
+    do_request_stack_dump,
+)
 from jobs.actions.heartbeat import do_heartbeat
 from jobs.actions.jobs import (
     do_cancel_job,
@@ -42,6 +47,7 @@ __all__ = [
     "do_cordon_node",
     "do_decide_preemption",
     "do_end_attempt",
+    "do_end_finished_attempt",
     "do_end_hung_attempt",
     "do_enforce_time_limit",
     "do_finish_model_export",

@@ -201,6 +201,28 @@ def record_exits(
         do_end_attempt(attempt, state=Attempt.State.SUCCEEDED, reason="all ranks exited 0", now=now)
 
 
+@transaction.atomic
+def do_end_finished_attempt(attempt: Attempt, *, lingering: list[int], now: datetime) -> Attempt:
+    """Rank 0 exited 0, no rank failed, and `lingering` ranks were still running EXIT_GRACE_S
+    later: the attempt has succeeded, and ending it stops them. An unmodified script's ranks
+    can hang at exit once rank 0 (which hosts torch's TCP store) is gone, in
+    destroy_process_group or the interpreter's teardown; judged a hang, a finished job would
+    be restarted. As Kubeflow's PyTorchJob, the run succeeds when its rank 0 does."""
+    attempt = Attempt.objects.select_for_update().get(pk=attempt.pk)
+    if attempt.ended_at is not None:
+        return attempt
+    grace = lockstep_setting("EXIT_GRACE_S")
+    ranks = ", ".join(map(str, lingering))
+    return do_end_attempt(
+        attempt,
+        state=Attempt.State.SUCCEEDED,
+        reason=f"rank 0 exited 0; rank(s) {ranks} still running {grace:.0f}s later were "
+        "stopped (a hang at exit)",
+        now=now,
+        data={"lingering_ranks": lingering},
+    )
+
+
 def agent_time(value, now: datetime) -> datetime:
     """An agent's wall-clock timestamp, trusted only if plausible (clocks drift)."""
     # Compared as numbers first: fromtimestamp() raises on values out of the platform's range.

@@ -1,4 +1,5 @@
-"""Failure detectors run by the scheduler loop: hung attempts and stragglers."""
+"""Failure detectors run by the scheduler loop: hung attempts (and ranks that hang at exit
+after rank 0 has finished) and stragglers."""
 
 from __future__ import annotations
 
@@ -61,6 +62,25 @@ def detect_hangs(now: datetime, *, heard_since: datetime) -> None:
         ended_at__isnull=True, dump_requested_at__lt=now - wait
     ).select_related("job"):
         actions.do_end_hung_attempt(attempt, now=now)
+
+
+def detect_exit_hangs(now: datetime) -> None:
+    """Running attempts whose rank 0 exited 0 over EXIT_GRACE_S ago while other ranks still
+    run, none failed: finished (`do_end_finished_attempt`), not hung. Before the hang
+    detector, which would otherwise fail and restart a job that is done."""
+    cutoff = now - timedelta(seconds=lockstep_setting("EXIT_GRACE_S"))
+    done = Allocation.objects.filter(rank=0, exit_code=0, exited_at__lt=cutoff)
+    for attempt in Attempt.objects.filter(
+        ended_at__isnull=True,
+        state=Attempt.State.RUNNING,
+        pk__in=done.values("attempt_id"),
+    ):
+        codes = dict(attempt.allocations.values_list("rank", "exit_code"))
+        if any(code not in (None, 0) for code in codes.values()):
+            continue  # a failure: record_exits ends it as one
+        lingering = sorted(rank for rank, code in codes.items() if code is None)
+        if lingering:
+            actions.do_end_finished_attempt(attempt, lingering=lingering, now=now)
 
 
 def detect_stragglers(now: datetime) -> None:

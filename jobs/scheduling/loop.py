@@ -19,7 +19,7 @@ from jobs import actions, metric_store, queries
 from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Job, Node, PreemptionRequest
 from jobs.scheduling.apply import ApplyResult, apply_plan
-from jobs.scheduling.detect import detect_hangs, detect_stragglers
+from jobs.scheduling.detect import detect_exit_hangs, detect_hangs, detect_stragglers
 from jobs.scheduling.estimate import estimate_starts, head_of_queue
 from jobs.scheduling.leader import LeaderLease
 from jobs.scheduling.policy import plan
@@ -89,6 +89,7 @@ def housekeeping(now) -> None:
         time_limit_s__isnull=False, first_started_at__isnull=False
     ).exclude(state__in=Job.TERMINAL):
         actions.do_enforce_time_limit(job, now=now)
+    detect_exit_hangs(now)
     if hearing:
         detect_hangs(now, heard_since=intake.resumed_at)
     actions.do_withdraw_stale_preemptions(now=now)
