@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from trainer.config import JobConfig, ParallelArgs
 from trainer.planner import (
     ClusterShape,
     GiB,
@@ -30,6 +30,11 @@ from trainer.planner import (
     recommendation_key,
 )
 from trainer.step_time import H100_NODE, Hardware, StepTime, step_time
+
+if TYPE_CHECKING:
+    # Annotations only: trainer.config imports the datasets (torch), and the portal and the
+    # CLI import this module for `timed_plan` without torch (tests/test_layers.py).
+    from trainer.config import JobConfig, ParallelArgs
 
 ZERO_MODES = {0: "ddp", 1: "zero1", 2: "fsdp-noreshard", 3: "fsdp"}
 MODE_ZERO = {mode: zero for zero, mode in ZERO_MODES.items()}
