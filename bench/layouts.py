@@ -41,7 +41,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from trainer.config import parse_args  # noqa: E402
-from trainer.layout import MODE_ZERO, _params, model_shape, resident_bytes  # noqa: E402
+from trainer.layout import (  # noqa: E402
+    MODE_ZERO,
+    _params,
+    cpu_hardware,
+    model_shape,
+    resident_bytes,
+)
 from trainer.planner import ClusterShape, evaluate  # noqa: E402
 from trainer.step_time import (  # noqa: E402
     Hardware,
@@ -228,19 +234,19 @@ def predict(label: str, world: int, flags: list[str], hw_for) -> dict:
             model_calls[kind] = model_calls.get(kind, 0) + n
     return {"resident": resident_bytes(layout), "time": t.to_dict(), "model": model,
             "cluster": cluster, "layout": layout, "calls": model_calls,
-            "blocking_calls": blocking_calls(model, layout, p.stages_per_rank)}  # fmt: skip
+            "blocking_calls": blocking_calls(model, layout)}  # fmt: skip
 
 
 def hardware(calibration: dict, world: int, cores: int, call_cpu_s: float = 0.0) -> Hardware:
     """The calibrated CPU as the model's hardware for `world` ranks on `cores` cores."""
     nets = calibration["gloo"]
     net = nets.get(str(world), nets["4"])
-    share = min(1.0, cores / world)  # ranks share the cores
-    return Hardware(name=f"CPU {cores} cores, {world} ranks, gloo (calibrated)",
-                    flops=calibration["flops_per_rank_alone"] * share,
-                    intra_node_bw=net["bus_bw"], inter_node_bw=net["bus_bw"], overlap=0.0,
-                    mem_bw=calibration["optimizer_mem_bw_alone"] * share,
-                    hop_latency_s=net["hop_latency_s"], call_s=call_cpu_s / share)  # fmt: skip
+    return cpu_hardware(
+        cores, world, flops_per_core=calibration["flops_per_rank_alone"],
+        mem_bw=calibration["optimizer_mem_bw_alone"], bus_bw=net["bus_bw"],
+        hop_latency_s=net["hop_latency_s"], call_cpu_s=call_cpu_s,
+        name=f"CPU {cores} cores, {world} ranks, gloo (calibrated)",
+    )  # fmt: skip
 
 
 def evaluate_rows(calibration: dict, runs: list[dict], cores: int) -> tuple[dict, list[dict]]:

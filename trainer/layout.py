@@ -258,25 +258,36 @@ def device_memory_bytes(device_type: str, local_world_size: int) -> int:
     return max(1, available // max(1, local_world_size))
 
 
-def cpu_hardware(cores: int, ranks: int) -> Hardware:
+def cpu_hardware(
+    cores: int,
+    ranks: int,
+    *,
+    flops_per_core: float = 58e9,
+    mem_bw: float = 1.2e9,
+    bus_bw: float = 0.7e9,
+    hop_latency_s: float = 1.3e-3,
+    call_cpu_s: float = 1.9e-3,
+    name: str = "",
+) -> Hardware:
     """A CPU node as the step-time model's hardware: ranks share the cores (each gets
-    cores / ranks of them when oversubscribed), gloo over loopback, no overlap (the collective
-    threads compete with compute for the same cores). The figures are bench/layouts.py's
-    calibration on this project's 2-core CI machine (2026-12-04, one thread per rank): 58
-    GFLOP/s per core on the reference GPT's fp32 matmuls, 1.2 GB/s through AdamW's state,
-    gloo all-reduce at 0.7 GB/s bus bandwidth and 1.3 ms per ring step, and 1.9 ms of CPU per
-    collective waited on inside forward/backward (FSDP2's and DTensor's work around gloo's),
-    which ranks sharing a core pay ranks / cores times."""
+    cores / ranks of them when oversubscribed, and pays ranks / cores times a call's CPU),
+    gloo over loopback, no overlap (the collective threads compete with compute for the same
+    cores). The defaults are bench/layouts.py's calibration on this project's 2-core CI
+    machine (2026-12-04, one thread per rank): 58 GFLOP/s per core on the reference GPT's
+    fp32 matmuls, 1.2 GB/s through AdamW's state, gloo all-reduce at 0.7 GB/s bus bandwidth
+    and 1.3 ms per ring step, and 1.9 ms of CPU per collective waited on inside
+    forward/backward (FSDP2's and DTensor's work around gloo's); the benchmark passes the
+    figures it calibrates in its own run."""
     share = min(1.0, cores / max(1, ranks))
     return Hardware(
-        name=f"CPU ({cores} cores, {ranks} ranks), gloo",
-        flops=58e9 * share,
-        intra_node_bw=0.7e9,
-        inter_node_bw=0.7e9,
+        name=name or f"CPU ({cores} cores, {ranks} ranks), gloo",
+        flops=flops_per_core * share,
+        intra_node_bw=bus_bw,
+        inter_node_bw=bus_bw,
         overlap=0.0,
-        mem_bw=1.2e9 * share,
-        hop_latency_s=1.3e-3,
-        call_s=1.9e-3 / share,
+        mem_bw=mem_bw * share,
+        hop_latency_s=hop_latency_s,
+        call_s=call_cpu_s / share,
     )
 
 

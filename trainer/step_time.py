@@ -202,13 +202,13 @@ def ring_hops(model: ModelShape, layout: Layout, stages_per_rank: int = 1) -> di
     return hops
 
 
-def blocking_calls(model: ModelShape, layout: Layout, stages_per_rank: int = 1) -> int:
+def blocking_calls(model: ModelShape, layout: Layout) -> int:
     """Collectives inside the forward and backward passes that the rank waits on: FSDP's
     gathers and reduce-scatters and tensor parallelism's all-reduces. Each costs the rank
     `Hardware.call_s` beyond its bytes and ring steps. Pipeline messages are not counted:
     they are posted ahead and their waits are the bubble (with them, bench/layouts.py
     predicted 4-stage 1F1B 42% slow; without, within 1%)."""
-    calls = collective_calls(model, layout, stages_per_rank)
+    calls = collective_calls(model, layout)
     inside = sum(calls["tp"].values())
     if layout.zero >= 2:
         inside += sum(calls["dp"].values())
@@ -239,7 +239,7 @@ def step_time(
     pp_s = comm["pp"] / pp_bw + hops["pp"] * hw.hop_latency_s
     window = compute * (1.0 if layout.zero >= 3 else 2 / 3)  # backward is 2/3 of the work
     exposed_dp = max(dp_s - window, dp_s * (1 - hw.overlap))
-    calls_s = blocking_calls(model, layout, stages_per_rank) * hw.call_s
+    calls_s = blocking_calls(model, layout) * hw.call_s
     return StepTime(
         compute_s=compute,
         exposed_comm_s=exposed_dp + tp_s + pp_s + calls_s,
