@@ -53,6 +53,11 @@ class Stats:
     # watcher -> (job, attempt, rank, step, name) -> times received
     received: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
     lags: list[float] = field(default_factory=list)
+    # (job, attempt, rank, step) -> when the heartbeat first carrying it was sent, and the lag
+    # from then to a watcher: what the portal adds, without the wait for the next heartbeat
+    sent_at: dict[tuple, float] = field(default_factory=dict)
+    portal_lags: list[float] = field(default_factory=list)
+    passes: dict[float, dict] = field(default_factory=dict)  # the scheduler's passes seen
 
     def beat(self, seconds: float) -> None:
         with self.lock:
@@ -203,6 +208,13 @@ class HollowNode(threading.Thread):
             ],
             "attempts": reports,
         }
+        sent_wall = time.time()
+        with self.stats.lock:
+            for state in self.attempts.values():
+                job, number = state["launch"]["job_id"], state["launch"]["attempt"]
+                for record in state["pending"][:2000]:
+                    key = (job, number, record["rank"], record["step"])
+                    self.stats.sent_at.setdefault(key, sent_wall)
         started = time.monotonic()
         try:
             response = self.http.post(
@@ -295,6 +307,9 @@ class Watcher(threading.Thread):
                             counts[key] += 1
                             if p["name"] == "loss":
                                 self.stats.lags.append(arrived - float(p["value"]))
+                                sent = self.stats.sent_at.get(key[:4])
+                                if sent is not None:
+                                    self.stats.portal_lags.append(arrived - sent)
         except Exception as exc:  # a refused or broken connection is a measured error
             self.stats.error(f"watcher: {type(exc).__name__}")
             self.connected.set()
@@ -302,7 +317,8 @@ class Watcher(threading.Thread):
 
 class ProcessSampler(threading.Thread):
     """CPU and memory of each process of the portal under load, by kind, from /proc: the
-    portal's own processes (`pids`: kind -> pid, with their children) and, found by name, the
+    portal's own processes (`pids`: name -> pid, with their children; "portal-2" counts as
+    "portal") and, found by name, the
     database server's (every `postgres` process, summed) and Redis's. Started at the steady
     state, stopped with the load; `result()` gives per kind the cores used (CPU seconds over
     wall seconds) and the largest resident memory seen (MB)."""
@@ -322,7 +338,8 @@ class ProcessSampler(threading.Thread):
         self.began = self.ended = 0.0
 
     def _kinds(self) -> dict[int, str]:
-        kinds = {pid: kind for kind, pid in self.pids.items()}
+        # "portal-2" is a portal: several processes of one kind are summed
+        kinds = {pid: name.split("-")[0] for name, pid in self.pids.items()}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -349,7 +366,10 @@ class ProcessSampler(threading.Thread):
                 resident = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-            cpu[kind] += (int(fields[11]) + int(fields[12])) / ticks
+            # utime and stime, plus the children's it reaped (cutime, cstime): PostgreSQL
+            # forks a backend per connection, and without a pool each lives one request,
+            # too short for a sample to see it alive.
+            cpu[kind] += sum(int(f) for f in fields[11:15]) / ticks
             rss[kind] += resident * page
         return cpu, rss
 
@@ -371,6 +391,29 @@ class ProcessSampler(threading.Thread):
             }
             for kind in sorted(self.last)
         }
+
+
+class PassSampler(threading.Thread):
+    """Every scheduler pass the leader records (its duration and queue length, left in the
+    shared cache for /metrics: jobs.scheduling.loop.record_pass), read twice a second."""
+
+    def __init__(self, stats: Stats):
+        super().__init__(daemon=True)
+        self.stats, self.halt = stats, threading.Event()
+
+    def run(self) -> None:
+        from django.core.cache import cache
+
+        from jobs.scheduling.loop import LAST_PASS_KEY
+
+        while not self.halt.wait(0.5):
+            try:
+                last = cache.get(LAST_PASS_KEY)
+            except Exception:  # noqa: BLE001 (a missed sample is a missed sample)
+                continue
+            if last:
+                with self.stats.lock:
+                    self.stats.passes[last["at"]] = last
 
 
 def database_bytes(url: str, sqlite_path: Path | None) -> int:
@@ -404,6 +447,8 @@ def summary(stats: Stats, seconds: float) -> dict[str, Any]:
     with stats.lock:
         beats = list(stats.beats)
         lags = list(stats.lags)
+        portal_lags = list(stats.portal_lags)
+        passes = list(stats.passes.values())
         return {
             "seconds": round(seconds, 1),
             "heartbeats": len(beats),
@@ -415,12 +460,33 @@ def summary(stats: Stats, seconds: float) -> dict[str, Any]:
             "points_acked": sum(stats.acked.values()),
             "lag_p50_s": percentile(lags, 0.50),
             "lag_p99_s": percentile(lags, 0.99),
+            "portal_lag_p50_s": percentile(portal_lags, 0.50),
+            "portal_lag_p99_s": percentile(portal_lags, 0.99),
             "watcher_points": sum(sum(c.values()) for c in stats.received.values()),
+            "scheduler_passes": len(passes),
+            "scheduler_pass_p50_s": percentile([p["seconds"] for p in passes], 0.50),
+            "scheduler_pass_max_s": max((p["seconds"] for p in passes), default=None),
+            "scheduler_queued_max": max((p["queued"] for p in passes), default=None),
         }
 
 
+GOALS = {  # issue 20's goals, all in one run
+    "heartbeat_p99_s": 1.0,
+    "lag_p99_s": 2.0,
+    "scheduler_pass_max_s": 1.0,
+}
+
+
+def goals(result: dict[str, Any]) -> dict[str, bool]:
+    """Which of the goals the run met (no failed heartbeat; the latencies under their caps)."""
+    met = {"no_errors": not result["errors"]}
+    for name, cap in GOALS.items():
+        met[name] = result.get(name) is not None and result[name] <= cap
+    return met
+
+
 def run_load(
-    url: str,
+    url: str | list[str],
     cluster_token: str,
     user_token: str,
     *,
@@ -433,16 +499,20 @@ def run_load(
     step_s: float,
     settle_s: float = 5.0,
     measure: Callable[[str], None] | None = None,
+    watch_passes: bool = False,
 ) -> tuple[Stats, float, list[int]]:
     """Register `nodes` hollow nodes, then `submit()` the jobs (a job needs registered GPUs),
     open `watchers` websockets spread over them, and let the ranks step for `seconds` (then
-    `settle_s` more for the last records to reach the watchers). `measure("start")` and
-    `measure("stop")` are called as the steady state begins and ends. Returns the stats, the
-    measured seconds and the job ids."""
+    `settle_s` more for the last records to reach the watchers). `url` may be several
+    portals' addresses: nodes and watchers are spread over them in turn, as a proxy in front
+    of several daphne processes would. `measure("start")` and `measure("stop")` are called as
+    the steady state begins and ends. Returns the stats, the measured seconds and the job
+    ids."""
+    urls = [url] if isinstance(url, str) else list(url)
     stats, stop, go, quiet = Stats(), threading.Event(), threading.Event(), threading.Event()
     hollow = [
         HollowNode(
-            url,
+            urls[i % len(urls)],
             cluster_token,
             f"hollow-{i:04d}",
             gpus=gpus,
@@ -459,18 +529,27 @@ def run_load(
     for node in hollow:
         node.registered.wait(120)
     jobs = submit()
-    tabs = [Watcher(i, url, user_token, jobs[i % len(jobs)], stats, quiet) for i in range(watchers)]
+    tabs = [
+        Watcher(i, urls[i % len(urls)], user_token, jobs[i % len(jobs)], stats, quiet)
+        for i in range(watchers)
+    ]
     for tab in tabs:
         tab.start()
     for tab in tabs:
         tab.connected.wait(60)
     with stats.lock:
         stats.beats.clear()  # registration and placement are not the steady state measured
+        stats.passes.clear()
+    passes = PassSampler(stats) if watch_passes else None
     started = time.monotonic()
     if measure:
         measure("start")
+    if passes:
+        passes.start()
     go.set()
     time.sleep(seconds)
+    if passes:
+        passes.halt.set()
     if measure:
         measure("stop")
     stop.set()
@@ -484,10 +563,28 @@ def run_load(
     return stats, elapsed, jobs
 
 
-def submit_jobs(api: Any, count: int, cluster_gpus: int) -> list[int]:
-    """`count` jobs of the target mix (8, 16, 32 and 64 GPUs in turn)."""
+MIX = (8, 16, 32, 64)  # the target's gangs, in turn
+
+
+def job_sizes(count: int, cluster_gpus: int, flagship: int = 0) -> list[int]:
+    """GPUs of the jobs to run: a `flagship` first (if asked), then `count` gangs of the
+    mix, or with `count` 0 as many as fill the rest of the cluster (whole 8-GPU nodes)."""
+    sizes = [flagship] if flagship else []
+    free = cluster_gpus - flagship
+    i = 0
+    while (count and len(sizes) < count + bool(flagship)) or (not count and free >= MIX[0]):
+        gpus = min(MIX[i % len(MIX)], cluster_gpus)
+        i += 1
+        if not count and gpus > free:
+            continue  # a smaller one of the next turns fills what is left
+        sizes.append(gpus)
+        free -= gpus
+    return sizes
+
+
+def submit_jobs(api: Any, sizes: list[int]) -> list[int]:
     jobs = []
-    for i in range(count):
+    for i, gpus in enumerate(sizes):
         response = api.post(
             "/api/v1/jobs/",
             {
@@ -495,7 +592,7 @@ def submit_jobs(api: Any, count: int, cluster_gpus: int) -> list[int]:
                 "team": "load",
                 "image": "lockstep/trainer:latest",
                 "command": ["python", "-m", "trainer"],
-                "gpus": min((8, 16, 32, 64)[i % 4], cluster_gpus),
+                "gpus": gpus,
             },
         )
         response.raise_for_status()
@@ -503,11 +600,56 @@ def submit_jobs(api: Any, count: int, cluster_gpus: int) -> list[int]:
     return jobs
 
 
+def wait_placed(api: Any, jobs: list[int], timeout_s: float = 300) -> None:
+    waiting, deadline = set(jobs), time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        waiting = {j for j in waiting if api.get(f"/api/v1/jobs/{j}/").json()["state"] == "QUEUED"}
+        time.sleep(1 if waiting else 0)
+    if waiting:
+        raise SystemExit(f"{len(waiting)} jobs still queued after {timeout_s:.0f}s")
+
+
+BACKLOG = """
+from django.contrib.auth import get_user_model
+from django.db import transaction
+from django.utils import timezone
+from jobs import actions
+from teams.models import Team
+owner, team = get_user_model().objects.get(username="alice"), Team.objects.get(name="load")
+for start in range(0, {count}, 500):
+    with transaction.atomic():
+        for i in range(start, min({count}, start + 500)):
+            actions.do_submit_job(
+                owner=owner, team=team, now=timezone.now(), name=f"backlog-{{i}}",
+                image="lockstep/trainer:latest", command=["python", "-m", "trainer"],
+                gpus=(8, 16, 32, 64)[i % 4],
+            )
+"""
+
+
+def submit_backlog(live: Any, count: int) -> None:
+    """`count` more jobs of the mix that find the cluster full and queue, so that every pass
+    plans a queue of that length: through the submit action (what the API calls once a body
+    is valid), 500 to a transaction, because 10,000 API calls would take the run's minutes."""
+    if count:
+        live.manage("shell", "-c", BACKLOG.format(count=count))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=64)
     parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--jobs", type=int, default=40, help="jobs submitted, 8-64 GPUs")
+    parser.add_argument(
+        "--jobs", type=int, default=40, help="jobs run, 8-64 GPUs (0: as many as fill the cluster)"
+    )
+    parser.add_argument("--flagship", type=int, default=0, help="GPUs of one big job run first")
+    parser.add_argument(
+        "--queued", type=int, default=0, help="jobs more, queued behind a full cluster"
+    )
+    parser.add_argument("--portals", type=int, default=1, help="daphne processes")
+    parser.add_argument(
+        "--heartbeat-s", type=float, default=1.0, help="the portal's LOCKSTEP_HEARTBEAT_S"
+    )
     parser.add_argument("--watchers", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--steps", type=int, default=100000, help="steps a hollow attempt runs")
@@ -515,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--db-pool",
         type=int,
-        default=0,
+        default=4,
         help="LOCKSTEP_DB_POOL_MAX for the portal's processes (PostgreSQL only; 0: no pool)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "hollow.json"))
@@ -535,10 +677,13 @@ def main(argv: list[str] | None = None) -> int:
     from tests.live import Api, LiveCluster
 
     with tempfile.TemporaryDirectory() as work:
-        env = {"LOCKSTEP_HEARTBEAT_S": "1"}
-        if args.db_pool:
-            env["LOCKSTEP_DB_POOL_MAX"] = str(args.db_pool)
-        live = LiveCluster(Path(work), agents=0, env=env)
+        # Production's detectors, not the suite's: a node is lost after 30 s of silence.
+        env = {
+            "LOCKSTEP_HEARTBEAT_S": f"{args.heartbeat_s:g}",
+            "LOCKSTEP_HEARTBEAT_TIMEOUT_S": f"{max(30.0, 10 * args.heartbeat_s):g}",
+        }
+        env["LOCKSTEP_DB_POOL_MAX"] = str(args.db_pool)
+        live = LiveCluster(Path(work), agents=0, env=env, portals=args.portals)
         try:
             live.start()
             token = live.token("alice", "--team", "load", "--quota", str(args.nodes * args.gpus))
@@ -558,26 +703,39 @@ def main(argv: list[str] | None = None) -> int:
                     sampler.halt.set()
                     sampler.join(5)
 
+            def submit() -> list[int]:
+                sizes = job_sizes(args.jobs, args.nodes * args.gpus, args.flagship)
+                jobs = submit_jobs(api, sizes)
+                # The jobs that fit the cluster together (whole nodes, in submission order)
+                # start before the ranks step; any more queue.
+                fits = [sum(sizes[: i + 1]) <= args.nodes * args.gpus for i in range(len(sizes))]
+                wait_placed(api, [j for j, fit in zip(jobs, fits, strict=True) if fit])
+                submit_backlog(live, args.queued)
+                return jobs
+
             stats, elapsed, _jobs = run_load(
-                live.url,
+                live.urls,
                 live.agent_token,
                 token,
                 nodes=args.nodes,
                 gpus=args.gpus,
-                submit=lambda: submit_jobs(api, args.jobs, args.nodes * args.gpus),
+                submit=submit,
                 watchers=args.watchers,
                 seconds=args.seconds,
                 steps=args.steps,
                 step_s=args.step_s,
                 measure=measure,
+                watch_passes=True,
             )
             vendor = "postgresql" if live.database.url.startswith("postgres") else "sqlite"
         finally:
             live.stop()
     grown = size.get("stop", 0) - size.get("start", 0)
+    measured = summary(stats, elapsed)
     result = {
         "args": vars(args),
-        **summary(stats, elapsed),
+        **measured,
+        "goals": goals(measured),
         "database": vendor,
         "database_growth_bytes": grown,
         "database_growth_per_hour_bytes": round(grown * 3600 / max(1.0, args.seconds)),

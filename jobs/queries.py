@@ -44,8 +44,10 @@ def world_size(attempt: Attempt) -> int:
 
 def launch_spec(attempt: Attempt, node: Node) -> dict:
     job = attempt.job
-    allocations = [a for a in attempt.allocations.all() if a.node_id == node.id]
-    group_ranks = {a.group_rank for a in attempt.allocations.all()}
+    # This node's allocations, and the gang's node count, without loading the whole gang's
+    # rows: a whole-cluster attempt has 4,096, and each of its 512 nodes gets a launch.
+    allocations = list(attempt.allocations.filter(node=node).select_related("gpu"))
+    group_world_size = attempt.allocations.values("group_rank").distinct().count()
     # One directory per attempt: a zombie worker of an earlier attempt (on a node declared lost
     # but still running) can never write into, or mix files with, the live attempt's saves.
     checkpoint_dir = attempt_dir(lockstep_setting("CHECKPOINT_ROOT"), job.id, attempt.number)
@@ -72,7 +74,7 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
         "job_gpus": job.gpus,
         "local_world_size": len(allocations),
         "group_rank": allocations[0].group_rank if allocations else 0,
-        "group_world_size": len(group_ranks),
+        "group_world_size": group_world_size,
         "master_addr": attempt.master_addr,
         "master_port": attempt.master_port,
         "run_id": f"job{job.id}-attempt{attempt.number}",
@@ -110,13 +112,16 @@ def launch_spec(attempt: Attempt, node: Node) -> dict:
     return spec
 
 
-def desired_for_node(node: Node, now: datetime) -> list[dict]:
+def desired_for_node(node: Node, now: datetime, known: frozenset[int] = frozenset()) -> list[dict]:
+    """What should run on `node`. A `run` carries the attempt's launch spec only when the
+    agent did not report the attempt in this heartbeat (`known`): an agent that reports it
+    already runs it and ignores the spec, and rebuilding it every beat cost every node of a
+    gang a read of the whole gang's allocations, every second (bench/hollow.py, issue 20)."""
     desired = []
     attempts = (
         Attempt.objects.filter(ended_at__isnull=True, allocations__node=node)
         .distinct()
-        .select_related("job", "resumed_from")
-        .prefetch_related("allocations__gpu", "job__team__registry_credentials")
+        .select_related("job__team", "resumed_from")
     )
     for attempt in attempts:
         if attempt.dump_requested_at is not None and attempt.state != Attempt.State.STOPPING:
@@ -124,6 +129,8 @@ def desired_for_node(node: Node, now: datetime) -> list[dict]:
         elif attempt.state == Attempt.State.STOPPING:
             remaining = max((attempt.stop_deadline - now).total_seconds(), 0.0)
             desired.append({"attempt_id": attempt.id, "action": "stop", "deadline_s": remaining})
+        elif attempt.id in known:
+            desired.append({"attempt_id": attempt.id, "action": "run"})
         else:
             desired.append(
                 {"attempt_id": attempt.id, "action": "run", "launch": launch_spec(attempt, node)}

@@ -463,6 +463,11 @@ class Agent(Leaving):
                     "attempt %s already ran here and ended; not starting it again", attempt_id
                 )
                 continue
+            if launch is None:
+                # The portal sends the spec only for attempts this agent did not report; the
+                # next beat, which will not report it, brings the spec.
+                self.log.warning("attempt %s: wanted here but no launch spec yet", attempt_id)
+                continue
             self._launch(attempt_id, launch)
 
         acked = set()

@@ -35,12 +35,14 @@ def database_from_url(url: str) -> dict:
     parsed = urlparse(url)
     if parsed.scheme in {"postgres", "postgresql", "pgsql"}:
         options: dict = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
-        # psycopg's connection pool (Django 5.1+), one per process, when asked for: a request
-        # borrows a connection and gives it back when it ends, instead of opening a new one
-        # (with CONN_MAX_AGE 0 every request and every heartbeat connects anew: a backend
-        # process forked on the server each time). Safe under ASGI, where a request's thread
-        # is not the next one's: the connection goes back to the pool, not to a thread.
-        pool_max = int(os.environ.get("LOCKSTEP_DB_POOL_MAX", "0") or 0)
+        # psycopg's connection pool (Django 5.1+), one per process: a request borrows a
+        # connection and gives it back when it ends, instead of opening a new one (with
+        # CONN_MAX_AGE 0 every request and every heartbeat connects anew: a backend process
+        # forked on the server each time, which the hollow-node harness measured at as much
+        # CPU as the portal itself; docs/production.md). Safe under ASGI, where a request's
+        # thread is not the next one's: the connection goes back to the pool, not to a
+        # thread. 0 turns it off.
+        pool_max = int(os.environ.get("LOCKSTEP_DB_POOL_MAX", "4") or 0)
         if pool_max > 0:
             options["pool"] = {"min_size": 1, "max_size": pool_max, "timeout": 30}
         return {
@@ -227,7 +229,9 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 CACHES = {
     "default": {
-        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        # Django's Redis cache, with its connections kept per process instead of per request
+        # under ASGI (portal/cache.py says why).
+        "BACKEND": "portal.cache.PooledRedisCache",
         "LOCATION": redis_url_with_db(REDIS_URL, 1),
     }
 }

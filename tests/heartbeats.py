@@ -52,6 +52,15 @@ def beat(node, attempt, ranks, *, records=(), now=None, telemetry=None, cpu=None
     return actions.do_heartbeat(node, body, now=now or timezone.now())
 
 
+def launch_of(node, attempt, *, now=None):
+    """The launch spec the portal gives `node` for `attempt` on a heartbeat that does not yet
+    report it, as an agent's first beat after the placement."""
+    body = {"boot_id": node.boot_id, "telemetry": [], "attempts": []}
+    response = actions.do_heartbeat(node, body, now=now or timezone.now())
+    (item,) = [d for d in response["desired"] if d["attempt_id"] == attempt.id]
+    return item["launch"]
+
+
 def commit_checkpoint(root, job, step):
     path = root / f"job-{job.id}" / f"step-{step:06d}"
     path.mkdir(parents=True)

@@ -89,15 +89,20 @@ class LiveCluster:
         agent_heartbeat_s: float = 0.5,
         runtime: str = "process",
         agent_args: dict[str, list[str]] | None = None,
+        portals: int = 1,
     ):
         """`env` is applied over the test settings below (e.g. production defaults for a
         benchmark); `agent_heartbeat_s` is the agents' --heartbeat-s (the portal's
-        LOCKSTEP_HEARTBEAT_S replaces it once they register)."""
+        LOCKSTEP_HEARTBEAT_S replaces it once they register); `portals` daphne processes
+        serve the same database and channel layer on ports of their own, as several behind a
+        proxy do in production (`urls`; `url` is the first)."""
         self.work = work
         self.agent_heartbeat_s = agent_heartbeat_s
         self.agent_args = agent_args or {}  # extra command-line arguments, by agent name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.ports = [free_port() for _ in range(portals)]
+        self.port = self.ports[0]
+        self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
+        self.url = self.urls[0]
         self.agent_token = "test-agent-token"
         # In a file only its owner reads, as an operator would keep it (nodeagent --token-file).
         work.mkdir(parents=True, exist_ok=True)
@@ -184,19 +189,11 @@ class LiveCluster:
     def start(self) -> LiveCluster:
         py = sys.executable
         self.manage("migrate", "--noinput", "-v", "0")
-        self._start(
-            "portal",
-            [
-                py,
-                "-m",
-                "daphne",
-                "-b",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "portal.asgi:application",
-            ],
-        )
+        for i, port in enumerate(self.ports):
+            self._start(
+                "portal" if i == 0 else f"portal-{i + 1}",
+                [py, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "portal.asgi:application"],
+            )
         self._start("scheduler", [py, "manage.py", "run_scheduler"])
         self._start("rqworker", [py, "manage.py", "rqworker", "default"])
         wait_for(self._portal_up, 60, "the portal to answer")
@@ -245,7 +242,9 @@ class LiveCluster:
     def _portal_up(self) -> bool:
         self.check_alive()
         try:
-            return requests.get(self.url + "/login/", timeout=5).status_code == 200
+            return all(
+                requests.get(url + "/login/", timeout=5).status_code == 200 for url in self.urls
+            )
         except requests.RequestException:  # refused, or too slow to answer yet: keep waiting
             return False
 

@@ -15,7 +15,7 @@ from jobs import actions
 from jobs.models import Event, Job
 from jobs.scheduling.loop import run_pass
 from jobs.scheduling.vocab import Placement, Slot
-from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
+from tests.heartbeats import beat, commit_checkpoint, launch_of, live_attempt, submit
 
 
 @pytest.mark.django_db
@@ -40,7 +40,8 @@ def test_a_lost_node_restarts_an_elastic_job_on_the_nodes_left(setup):
     assert "resuming step 40 resharded" in shrunk.message
     job.refresh_from_db()
     assert "on 2 of its 4 GPUs (elastic)" in job.reason
-    launch = beat(a, second, {0: None, 1: None})["desired"][0]["launch"]
+    launch = launch_of(a, second)
+    beat(a, second, {0: None, 1: None})
     assert (launch["world_size"], launch["job_gpus"], launch["local_world_size"]) == (2, 4, 2)
     assert launch["resume_from"].endswith("step-000040")
     job.refresh_from_db()

@@ -29,7 +29,9 @@ def cluster(tmp_path_factory):
     # two dozen nodes can wait seconds, and a node declared lost restarts its jobs, which is
     # failure handling (tested elsewhere), not the accounting checked here.
     env = {"LOCKSTEP_HEARTBEAT_S": "1", "LOCKSTEP_HEARTBEAT_TIMEOUT_S": "30"}
-    live = LiveCluster(tmp_path_factory.mktemp("hollow"), agents=0, env=env)
+    # Two daphne processes, as production runs several: a node heartbeats into one and the
+    # watchers of its jobs sit on both, so points cross processes through the channel layer.
+    live = LiveCluster(tmp_path_factory.mktemp("hollow"), agents=0, env=env, portals=2)
     try:
         live.start()
         yield live
@@ -65,7 +67,7 @@ def test_hollow_nodes_load_the_real_portal_and_every_point_is_accounted_for(clus
         return jobs
 
     stats, elapsed, jobs = run_load(
-        cluster.url,
+        cluster.urls,
         cluster.agent_token,
         token,
         nodes=NODES,

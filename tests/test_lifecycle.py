@@ -12,7 +12,7 @@ from jobs.actions import strikes
 from jobs.actions.strikes import node_strikes
 from jobs.models import Allocation, Event, Job
 from jobs.scheduling.loop import run_pass
-from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
+from tests.heartbeats import beat, commit_checkpoint, launch_of, live_attempt, submit
 
 
 @pytest.mark.django_db
@@ -21,11 +21,15 @@ def test_a_failed_rank_restarts_the_job_from_its_latest_checkpoint(setup):
     job = submit(team, user, max_restarts=2)
     run_pass()
     attempt = live_attempt(job)
-    response = beat(a, attempt, {0: None, 1: None})
-    (desired,) = response["desired"]
-    launch = desired["launch"]
+    launch = launch_of(a, attempt)
     assert (launch["world_size"], launch["local_world_size"], launch["group_rank"]) == (4, 2, 0)
+    assert launch["group_world_size"] == 2
     assert launch["resume_from"] == "" and [r["rank"] for r in launch["ranks"]] == [0, 1]
+    # Once the agent reports the attempt it runs it: the spec is not sent again.
+    assert beat(a, attempt, {0: None, 1: None})["desired"] == [
+        {"attempt_id": attempt.id, "action": "run"}
+    ]
+    assert [r["rank"] for r in launch_of(b, attempt)["ranks"]] == [2, 3]
     beat(b, attempt, {2: None, 3: None})
     assert Job.objects.get(pk=job.pk).state == "RUNNING"
 

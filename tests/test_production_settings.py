@@ -72,9 +72,10 @@ def test_the_embedded_setup_still_runs_without_any_secret(tmp_path):
     assert (tmp_path / "var" / "secret_key").exists()
 
 
-def test_a_postgresql_connection_pool_is_used_when_asked_for(tmp_path):
-    """LOCKSTEP_DB_POOL_MAX: the portal's processes borrow connections from psycopg's pool
-    (a dependency: `psycopg[pool]`), against this machine's PostgreSQL."""
+def test_a_postgresql_connection_pool_is_used_unless_turned_off(tmp_path):
+    """LOCKSTEP_DB_POOL_MAX (default 4): the portal's processes borrow connections from
+    psycopg's pool (a dependency: `psycopg[pool]`), against this machine's PostgreSQL; 0
+    turns it off."""
     script = (
         "from django.db import connection\n"
         "with connection.cursor() as c:\n"
@@ -82,12 +83,16 @@ def test_a_postgresql_connection_pool_is_used_when_asked_for(tmp_path):
         "    print(c.fetchone()[0], type(connection.pool).__name__, connection.pool.max_size)\n"
     )
     env = {"DATABASE_URL": "postgres://postgres@127.0.0.1:5432/test"}
-    pooled = manage(["shell", "-c", script], {**env, "LOCKSTEP_DB_POOL_MAX": "4"}, tmp_path)
+    pooled = manage(["shell", "-c", script], env, tmp_path)
     assert pooled.returncode == 0, pooled.stderr[-2000:]
     # The last line: Django 5.2's shell first says what it imported by itself.
     assert pooled.stdout.strip().splitlines()[-1].split() == ["42", "ConnectionPool", "4"]
+    wider = manage(["shell", "-c", script], {**env, "LOCKSTEP_DB_POOL_MAX": "8"}, tmp_path)
+    assert wider.stdout.strip().splitlines()[-1].split() == ["42", "ConnectionPool", "8"]
     plain = manage(
-        ["shell", "-c", "from django.db import connection; print(connection.pool)"], env, tmp_path
+        ["shell", "-c", "from django.db import connection; print(connection.pool)"],
+        {**env, "LOCKSTEP_DB_POOL_MAX": "0"},
+        tmp_path,
     )
     assert plain.returncode == 0, plain.stderr[-2000:]
     assert plain.stdout.strip().splitlines()[-1] == "None"

@@ -40,6 +40,16 @@ def _report_order(report) -> int:
     return attempt_id if isinstance(attempt_id, int) else -1
 
 
+def reported_attempts(body: dict) -> frozenset[int]:
+    """The attempts the agent reported in this heartbeat: it holds them, so their launch
+    specs need not be sent again."""
+    return frozenset(
+        r["attempt_id"]
+        for r in body.get("attempts") or []
+        if isinstance(r, dict) and isinstance(r.get("attempt_id"), int)
+    )
+
+
 def scalar_ranks(records: list) -> set[int]:
     """Ranks that logged a scalar in this report. Records come from files a job writes:
     anything not a small integer is skipped here, as ingest skips the record itself."""
@@ -165,7 +175,7 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
         _sample_gpus(node, now)
     return {
         "heartbeat_s": lockstep_setting("HEARTBEAT_S"),
-        "desired": desired_for_node(node, now),
+        "desired": desired_for_node(node, now, known=reported_attempts(body)),
         "acked": acked,
         **({"rejoined": True} if rejoined else {}),
         **({"health_check": True} if wants_check(node, now) else {}),
