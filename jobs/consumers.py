@@ -4,7 +4,7 @@ A user who may not see the job (or a job that does not exist) gets the same answ
 socket is accepted and closed at once with code 4404, so nothing is revealed.
 """
 
-from channels.db import database_sync_to_async
+from channels.db import DatabaseSyncToAsync
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from jobs.notify import job_group
@@ -19,7 +19,8 @@ class JobConsumer(AsyncJsonWebsocketConsumer):
         job_id = self.scope["url_route"]["kwargs"]["job_id"]
         user = self.scope.get("user")
         await self.accept()
-        state = await self._visible_state(user, job_id)
+        # On a worker thread, not behind the process's sync requests (portal/ws_auth.py).
+        state = await DatabaseSyncToAsync(_visible_state, thread_sensitive=False)(user, job_id)
         if state is None:
             await self.close(code=NOT_FOUND)
             return
@@ -34,9 +35,8 @@ class JobConsumer(AsyncJsonWebsocketConsumer):
     async def job_message(self, event):
         await self.send_json(event["message"])
 
-    @database_sync_to_async
-    def _visible_state(self, user, job_id: int):
-        if user is None or not user.is_authenticated:
-            return None
-        job = visible_jobs(user).filter(pk=job_id).values("state", "reason").first()
-        return job
+
+def _visible_state(user, job_id: int):
+    if user is None or not user.is_authenticated:
+        return None
+    return visible_jobs(user).filter(pk=job_id).values("state", "reason").first()

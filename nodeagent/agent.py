@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import signal
 import socket
 import threading
@@ -43,6 +44,17 @@ DEFAULT_STOP_DEADLINE_S = 30.0
 # How long a stopping agent (first SIGTERM/SIGINT) waits for its workers to checkpoint and exit
 # and for the portal to hear of it, before it kills what is left and exits.
 DEFAULT_LEAVE_TIMEOUT_S = 30.0
+# Each wait between beats is drawn from the interval times [1 - JITTER, 1 + JITTER]: agents
+# that registered together (a portal restart, a rack powered on) otherwise beat in step,
+# every node's heartbeat at the same instant and none between. The hollow-node harness
+# measured 512 nodes in step at a 16 s interval: heartbeat p50 5.8 s where their average
+# rate needed well under one.
+JITTER = 0.2
+
+
+def jittered(interval_s: float, rng: random.Random | None = None) -> float:
+    """A wait of `interval_s` on average, spread so that agents drift out of step."""
+    return interval_s * (rng or random).uniform(1.0 - JITTER, 1.0 + JITTER)
 
 
 def pick_engine(runtime: str) -> Engine | None:
@@ -335,7 +347,7 @@ class Agent(Leaving):
             if self.health.due(idle=not self.supervisor.attempt_ids(), asked=self._health_asked):
                 self._health_asked = False
                 self.health.start_full(self._own_pids())
-            return now + self.heartbeat_s
+            return now + jittered(self.heartbeat_s)
         if self.register():
             self._backoff = 1.0
             return now  # heartbeat straight away: the portal is waiting to hear from us
@@ -344,7 +356,8 @@ class Agent(Leaving):
             self._last_register_error,
             self._backoff,
         )
-        retry_at = now + self._backoff
+        # Jittered too: agents that lost the portal together must not all come back at once.
+        retry_at = now + jittered(self._backoff)
         self._backoff = min(MAX_REGISTER_BACKOFF_S, self._backoff * 2)
         return retry_at
 

@@ -1,11 +1,33 @@
-"""Websocket authentication: a browser's session, or an API client's bearer token."""
+"""Websocket authentication: a browser's session, or an API client's bearer token.
 
-from channels.auth import AuthMiddlewareStack
-from channels.db import database_sync_to_async
+Every database read of a websocket's opening runs on a worker thread of its own, not on the
+process's one thread for sync work: Django runs every sync view of a daphne process on that
+single thread, so under load an opening queued behind seconds of agent heartbeats, and daphne
+drops a websocket not accepted within 5 s (its --websocket_connect_timeout). The hollow-node
+harness (bench/hollow.py) lost all 200 of its watchers that way on a full 512-node run. Each
+call closes its connection (or gives it back to the pool) when it ends.
+"""
+
+from channels.auth import AuthMiddleware, get_user
+from channels.db import DatabaseSyncToAsync
 from channels.middleware import BaseMiddleware
+from channels.sessions import CookieMiddleware, SessionMiddleware
 
 from teams.auth import user_for_token
 from teams.throttle import record_failure, retry_after
+
+
+def beside_requests(func):
+    """`func` run from async code on a thread pool's worker (database_sync_to_async, not
+    thread-sensitive): it does not wait for the sync requests of this process."""
+    return DatabaseSyncToAsync(func, thread_sensitive=False)
+
+
+class SessionAuthMiddleware(AuthMiddleware):
+    """Channels' session authentication, its user read beside the requests."""
+
+    async def resolve_scope(self, scope):
+        scope["user"]._wrapped = await beside_requests(get_user.func)(scope)
 
 
 class BearerTokenMiddleware(BaseMiddleware):
@@ -15,15 +37,15 @@ class BearerTokenMiddleware(BaseMiddleware):
         if len(header) == 2 and header[0] == "Bearer":
             address = (scope.get("client") or ["unknown"])[0]
             # A blocked address, or a bad token, connects as nobody (the consumer refuses it).
-            if await database_sync_to_async(retry_after)(address) is None:
-                user = await database_sync_to_async(user_for_token)(header[1])
+            if await beside_requests(retry_after)(address) is None:
+                user = await beside_requests(user_for_token)(header[1])
                 if user is not None:
                     scope = dict(scope, user=user)
                 else:
-                    await database_sync_to_async(record_failure)(address)
+                    await beside_requests(record_failure)(address)
         return await super().__call__(scope, receive, send)
 
 
 def WebsocketAuthStack(inner):  # noqa: N802 (named like Channels' own stacks)
     # Session auth first; a valid bearer token then takes precedence.
-    return AuthMiddlewareStack(BearerTokenMiddleware(inner))
+    return CookieMiddleware(SessionMiddleware(SessionAuthMiddleware(BearerTokenMiddleware(inner))))

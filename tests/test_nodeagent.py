@@ -1146,3 +1146,22 @@ def test_nvml_bindings_are_installed_and_a_node_without_the_driver_says_so(caplo
     assert [r["util"] for r in telemetry.read()] == [0.0, 0.0]
     assert any("no NVML telemetry" in m and "NVML" in m for m in caplog.messages)
     assert [r["kind"] for r in Telemetry(2, "cpu").read()] == ["cpu", "cpu"]
+
+
+def test_agents_that_start_in_step_drift_apart_instead_of_beating_together():
+    """512 agents registered at the same instant (a portal restart) with a 16 s interval: after
+    ten beats, no one-second window holds more than a fifth of their heartbeats, where
+    without jitter all 512 fell in the same one (bench/hollow.py measured that herd)."""
+    import random
+
+    from nodeagent.agent import JITTER, jittered
+
+    rng = random.Random(20)
+    interval, agents, beats = 16.0, 512, 10
+    waits = [[jittered(interval, rng) for _ in range(beats)] for _ in range(agents)]
+    assert all((1 - JITTER) * interval <= w <= (1 + JITTER) * interval for ws in waits for w in ws)
+    mean = sum(map(sum, waits)) / (agents * beats)
+    assert abs(mean - interval) < 0.05 * interval  # the interval the portal set, on average
+    tenth_beat = sorted(sum(ws) for ws in waits)
+    busiest = max(sum(1 for t in tenth_beat if start <= t < start + 1.0) for start in tenth_beat)
+    assert busiest < agents / 5, busiest
