@@ -16,7 +16,7 @@ from django.utils import timezone
 from jobs import actions
 from jobs.actions import claim
 from jobs.models import GPU, Allocation, Attempt, Event, Job, Node
-from jobs.scheduling.apply import apply_plan
+from jobs.scheduling.apply import ReasonMemo, apply_plan
 from jobs.scheduling.vocab import Placement, Plan
 from tests.claims import check_claim_invariants, placement_on
 from tests.heartbeats import submit
@@ -347,6 +347,47 @@ def test_reasons_are_written_only_when_changed_and_never_onto_a_job_that_left_qu
     assert result.reasons_written == 0  # c was sent but had left QUEUED; b was not sent
     assert Job.objects.get(pk=b.pk).reason == "cancelled by ru"
     assert Job.objects.get(pk=c.pk).reason == "attempt 1 starting"
+
+
+def _job_reads(queries) -> list[str]:
+    return [q["sql"] for q in queries if q["sql"].startswith('SELECT "jobs_job"."id"')]
+
+
+@pytest.mark.django_db
+def test_the_leaders_memo_spares_reading_back_unchanged_reasons_and_is_verified_in_time(
+    make_team, make_user
+):
+    team = make_team("m", quota=8)
+    user = make_user("mu2", team=team)
+    a, b = (submit(team, user, gpus=1) for _ in range(2))
+    plan = Plan(placements=(), reasons={a.id: "waits for 1 GPU", b.id: "cap"})
+    memo = ReasonMemo()
+
+    result, queries = _apply_counting(plan, memo=memo)
+    assert result.reasons_written == 2 and len(_job_reads(queries)) == 1
+    # The same reasons again: nothing read, nothing written (without the memo: one read).
+    result, queries = _apply_counting(plan, memo=memo)
+    assert result.reasons_written == 0 and _job_reads(queries) == []
+    assert len(_job_reads(_apply_counting(plan)[1])) == 1
+    # One job's reason changes: only that job is read and written.
+    result, queries = _apply_counting(
+        Plan(placements=(), reasons={a.id: "waits for 1 GPU", b.id: "cap 2"}), memo=memo
+    )
+    assert result.reasons_written == 1 and len(_job_reads(queries)) == 1
+    assert Job.objects.get(pk=b.pk).reason == "cap 2"
+
+    # Another writer changes a queued job's reason behind the memo's back: trusted until the
+    # memo's age passes verify_s, then every row is read again and the reason put right.
+    Job.objects.filter(pk=a.pk).update(reason="requeued after a failure")
+    again = Plan(placements=(), reasons={a.id: "waits for 1 GPU", b.id: "cap 2"})
+    assert apply_plan(again, now=timezone.now(), memo=memo).reasons_written == 0
+    memo.since -= memo.verify_s
+    assert apply_plan(again, now=timezone.now(), memo=memo).reasons_written == 1
+    assert Job.objects.get(pk=a.pk).reason == "waits for 1 GPU"
+
+    # A job no longer waiting is forgotten.
+    apply_plan(Plan(placements=(), reasons={b.id: "cap 2"}), now=timezone.now(), memo=memo)
+    assert set(memo.rows) == {b.id}
 
 
 @pytest.mark.django_db

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -19,6 +20,29 @@ log = logging.getLogger(__name__)
 # about 16 queries for the whole pass, whatever its size.
 CHUNK = 1000
 REASON_READ_BATCH = 5000
+REASON_VERIFY_S = 60.0
+
+
+@dataclass
+class ReasonMemo:
+    """What the leader last read or wrote as each queued job's wait reason, start estimate and
+    wait data, so that a row it already holds is not read back every pass: with 10,000 jobs
+    queued that read was a seventh of the pass (bench/hollow.py, issue 20). Another writer may
+    change a queued job's reason meanwhile (a requeue, a cancel that loses to the pass): the
+    memo is trusted for at most `verify_s`, then every row is read again. One per leadership
+    term (jobs/scheduling/loop.py); a pass without one reads every row."""
+
+    verify_s: float = REASON_VERIFY_S
+    rows: dict[int, tuple] = field(default_factory=dict)
+    since: float = field(default_factory=time.monotonic)
+
+    def unchanged(self, wanted: dict[int, tuple]) -> set[int]:
+        """The jobs whose wanted row is the one the memo holds; forgets jobs no longer
+        waiting, and everything once the memo is older than `verify_s`."""
+        if time.monotonic() - self.since >= self.verify_s:
+            self.rows, self.since = {}, time.monotonic()
+        self.rows = {job_id: row for job_id, row in self.rows.items() if job_id in wanted}
+        return {job_id for job_id, row in wanted.items() if self.rows.get(job_id) == row}
 
 
 @dataclass
@@ -31,7 +55,12 @@ class ApplyResult:
 
 
 def apply_plan(
-    plan: Plan, *, now: datetime, estimates: dict | None = None, chunk: int = CHUNK
+    plan: Plan,
+    *,
+    now: datetime,
+    estimates: dict | None = None,
+    chunk: int = CHUNK,
+    memo: ReasonMemo | None = None,
 ) -> ApplyResult:
     """Apply a plan in one transaction; the placements in batches, each in a savepoint.
 
@@ -46,10 +75,15 @@ def apply_plan(
     """
     result = ApplyResult()
     placements = list(plan.placements)
-    with transaction.atomic():
-        for start in range(0, len(placements), max(chunk, 1)):
-            _apply_batch(placements[start : start + max(chunk, 1)], now, result)
-        result.reasons_written = _write_reasons(plan, result, estimates or {})
+    try:
+        with transaction.atomic():
+            for start in range(0, len(placements), max(chunk, 1)):
+                _apply_batch(placements[start : start + max(chunk, 1)], now, result)
+            result.reasons_written = _write_reasons(plan, result, estimates or {}, memo)
+    except BaseException:
+        if memo is not None:
+            memo.rows.clear()  # it may hold rows of the rolled-back write
+        raise
     # Outside the placement transaction: each proposal is its own small transaction, so a
     # victim that just ended is simply skipped.
     for preemption in plan.preemptions:
@@ -101,11 +135,14 @@ def _apply_batch(placements: list[Placement], now: datetime, result: ApplyResult
     result.rejected.update(rejected)
 
 
-def _write_reasons(plan: Plan, result: ApplyResult, estimates: dict) -> int:
+def _write_reasons(
+    plan: Plan, result: ApplyResult, estimates: dict, memo: ReasonMemo | None = None
+) -> int:
     """Each queued job's wait reason (its text, and as data in Job.wait) and start estimate;
     only those that changed are written, in bulk, and only onto jobs still QUEUED (the
     condition is in the UPDATE itself, so a job that moved on meanwhile keeps its own reason).
-    Returns how many rows were written."""
+    With a `memo`, rows it holds unchanged are not read back. Returns how many rows were
+    written."""
     reasons = dict(plan.reasons)
     waits = {job_id: wait.to_json() for job_id, wait in plan.waits.items()}
     for job_id, why in result.rejected.items():
@@ -119,7 +156,8 @@ def _write_reasons(plan: Plan, result: ApplyResult, estimates: dict) -> int:
         if start is not None:
             why = f"{why}; est. start {start:%Y-%m-%d %H:%M} UTC"
         wanted[job_id] = (why[:500], start, waits.get(job_id, {}))
-    ids = list(wanted)
+    held = memo.unchanged(wanted) if memo is not None else set()
+    ids = [job_id for job_id in wanted if job_id not in held]
     changed = []
     for offset in range(0, len(ids), REASON_READ_BATCH):
         rows = Job.objects.filter(
@@ -133,6 +171,10 @@ def _write_reasons(plan: Plan, result: ApplyResult, estimates: dict) -> int:
             row = (*wanted[job_id], keep)
             if row != (reason, start, wait, promised):
                 changed.append((job_id, *row))
+            if memo is not None:
+                # Read as it is, or about to be written so (a job that leaves QUEUED before
+                # the write is not waiting at the next pass, and is forgotten then).
+                memo.rows[job_id] = wanted[job_id]
     return bulk_set(
         Job,
         ["reason", "estimated_start_at", "wait", "promised_start_at"],

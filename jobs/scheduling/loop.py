@@ -18,7 +18,7 @@ from django.utils import timezone
 from jobs import actions, metric_store, queries
 from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Job, Node, PreemptionRequest
-from jobs.scheduling.apply import ApplyResult, apply_plan
+from jobs.scheduling.apply import ApplyResult, ReasonMemo, apply_plan
 from jobs.scheduling.detect import detect_exit_hangs, detect_hangs, detect_stragglers
 from jobs.scheduling.estimate import estimate_starts, head_of_queue
 from jobs.scheduling.leader import LeaderLease
@@ -127,7 +127,9 @@ def housekeeping(now) -> None:
         )
 
 
-def run_pass(now=None) -> tuple[PassReport, ApplyResult]:
+def run_pass(now=None, memo: ReasonMemo | None = None) -> tuple[PassReport, ApplyResult]:
+    """One scheduling pass: housekeeping, snapshot, plan, estimates, apply. The loop passes
+    its leadership term's `memo` of written wait reasons (apply.ReasonMemo)."""
     started = time.monotonic()
     now = now or timezone.now()
     housekeeping(now)
@@ -142,7 +144,7 @@ def run_pass(now=None) -> tuple[PassReport, ApplyResult]:
         if decided.reasons
         else {}
     )
-    result = apply_plan(decided, now=now, estimates=estimates)
+    result = apply_plan(decided, now=now, estimates=estimates, memo=memo)
     report = PassReport(
         len(result.applied), len(result.rejected), len(snapshot.queued), time.monotonic() - started
     )
@@ -189,15 +191,17 @@ def _exit_on_sigterm(signum, frame):
 
 
 def _loop(lease, tick_s: float, once: bool, pubsub) -> None:
+    memo = ReasonMemo()
     while True:
         close_old_connections()
         if not lease.acquire_or_renew():
             if once:
                 raise SystemExit(f"another scheduler leads ({lease.holder()}); no pass run")
+            memo = ReasonMemo()  # another leader writes meanwhile: a new term reads afresh
             pubsub = _wait_for_wake(pubsub, tick_s)
             continue
         try:
-            report, _ = run_pass()
+            report, _ = run_pass(memo=memo)
             if report.applied or report.rejected:
                 log.info(
                     "pass: %d placed, %d rejected, %d queued, %.3fs",
