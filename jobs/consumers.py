@@ -12,6 +12,21 @@ from teams.access import visible_jobs
 
 NOT_FOUND = 4404
 
+# A websocket's database reads run on a worker thread of their own, not on the daphne process's
+# one thread for sync work: Django runs every sync view of the process on that thread, so under
+# load an opening queued behind seconds of agent heartbeats, and daphne drops a websocket not
+# accepted within 5 s (its --websocket_connect_timeout). The hollow-node harness
+# (bench/hollow.py) lost all 200 of its watchers that way on a 512-node run. Each call closes
+# its connection (or gives it back to the pool) when it ends. Tests that drive a consumer
+# inside their own open transaction turn this off, so its reads see their rows.
+ON_WORKER_THREAD = True
+
+
+def beside_requests(func):
+    """`func` awaitable from a websocket's code: database_sync_to_async, on a worker thread
+    (not thread-sensitive) unless ON_WORKER_THREAD is off."""
+    return DatabaseSyncToAsync(func, thread_sensitive=not ON_WORKER_THREAD)
+
 
 class JobConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self):
@@ -19,8 +34,7 @@ class JobConsumer(AsyncJsonWebsocketConsumer):
         job_id = self.scope["url_route"]["kwargs"]["job_id"]
         user = self.scope.get("user")
         await self.accept()
-        # On a worker thread, not behind the process's sync requests (portal/ws_auth.py).
-        state = await DatabaseSyncToAsync(_visible_state, thread_sensitive=False)(user, job_id)
+        state = await beside_requests(_visible_state)(user, job_id)
         if state is None:
             await self.close(code=NOT_FOUND)
             return

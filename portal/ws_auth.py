@@ -1,26 +1,15 @@
-"""Websocket authentication: a browser's session, or an API client's bearer token.
-
-Every database read of a websocket's opening runs on a worker thread of its own, not on the
-process's one thread for sync work: Django runs every sync view of a daphne process on that
-single thread, so under load an opening queued behind seconds of agent heartbeats, and daphne
-drops a websocket not accepted within 5 s (its --websocket_connect_timeout). The hollow-node
-harness (bench/hollow.py) lost all 200 of its watchers that way on a full 512-node run. Each
-call closes its connection (or gives it back to the pool) when it ends.
+"""Websocket authentication: a browser's session, or an API client's bearer token. Every
+database read here runs beside the process's sync requests, not behind them
+(jobs/consumers.py `beside_requests` says why).
 """
 
 from channels.auth import AuthMiddleware, get_user
-from channels.db import DatabaseSyncToAsync
 from channels.middleware import BaseMiddleware
 from channels.sessions import CookieMiddleware, SessionMiddleware
 
+from jobs.consumers import beside_requests
 from teams.auth import user_for_token
 from teams.throttle import record_failure, retry_after
-
-
-def beside_requests(func):
-    """`func` run from async code on a thread pool's worker (database_sync_to_async, not
-    thread-sensitive): it does not wait for the sync requests of this process."""
-    return DatabaseSyncToAsync(func, thread_sensitive=False)
 
 
 class SessionAuthMiddleware(AuthMiddleware):

@@ -685,6 +685,11 @@ def ws_env(settings, monkeypatch):
     import channels.db
 
     monkeypatch.setattr(channels.db, "close_old_connections", lambda: None)
+    # ... and they must run on this thread, where the test's rows are (a worker thread's own
+    # connection would not see them): production runs them on a worker thread.
+    import jobs.consumers
+
+    monkeypatch.setattr(jobs.consumers, "ON_WORKER_THREAD", False)
 
 
 @pytest.mark.django_db
