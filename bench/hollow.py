@@ -16,8 +16,10 @@ metric point they receive, by (rank, step, name), so the harness can check that 
 reached each watcher exactly once.
 
     .venv/bin/python bench/hollow.py --nodes 64 --gpus 8 --jobs 40 --watchers 50 --seconds 60
-    # starts its own portal (tests/live.LiveCluster, no real agents) unless --url is given;
-    # writes bench/results/hollow.json
+    # starts its own portal (tests/live.LiveCluster, no real agents; --portals daphne
+    # processes) and writes bench/results/hollow.json. The full-size run of docs/production.md:
+    .venv/bin/python bench/hollow.py --nodes 512 --jobs 0 --queued 10000 --watchers 200 \
+        --heartbeat-s 16 --step-s 16 --seconds 160 --portals 2
 """
 
 from __future__ import annotations
