@@ -672,7 +672,6 @@ def main(argv: list[str] | None = None) -> int:
     # SQLite) and the embedded Redis unless REDIS_URL is set.
     import tempfile
 
-    sys.path.insert(0, str(ROOT))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
     import django
 
