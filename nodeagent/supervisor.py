@@ -27,6 +27,7 @@ from nodeagent.contract import (
     inheritable_env,
     resolve_command,
 )
+from nodeagent.exit_clock import ExitClock
 from nodeagent.launch import catches, session_cpu_seconds
 from nodeagent.saves import seed_resume
 from nodeagent.stacks import TIMEOUT_S as STACKS_TIMEOUT_S
@@ -89,6 +90,7 @@ class WorkerSupervisor:
         self.gpu_kind = detect_gpu_kind(gpu_kind)
         # The container runtime when an engine is given; plain processes (not isolated) else.
         self._log = log or logger
+        self._exit_clock = ExitClock()
         self.node_env = dict(node_env or {})
         self.engine = engine
         self.node = node
@@ -261,6 +263,7 @@ class WorkerSupervisor:
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
                     )
+                    self._exit_clock.watch(worker.popen.pid)
                 except OSError as exc:
                     code = (
                         EXIT_NOT_EXECUTABLE if isinstance(exc, PermissionError) else EXIT_NOT_FOUND
@@ -305,8 +308,13 @@ class WorkerSupervisor:
                     continue
                 worker.state, worker.exit_code = "exited", code
                 # A forked worker's exit time is the zygote's, taken when it reaped it; a
-                # Popen child's is this poll's (at most POLL_INTERVAL_S late).
-                worker.exited_at = getattr(worker.popen, "exited_at", None) or time.time()
+                # Popen child's is the exit clock's, which watches while this loop waits on
+                # the portal (this poll's time only if the clock had not looked yet).
+                worker.exited_at = (
+                    getattr(worker.popen, "exited_at", None)
+                    or self._exit_clock.exited_at(worker.popen.pid)
+                    or time.time()
+                )
                 # Leftover children of a finished worker (data loaders, a stray shell) would
                 # hold GPU memory the scheduler already considers free. (In a container, the
                 # launcher does this.)
@@ -482,6 +490,7 @@ class WorkerSupervisor:
     def close(self) -> None:
         """Let the zygote and the warm containers go (workers, if any are left, are the
         caller's to kill first)."""
+        self._exit_clock.close()
         if self._warm is not None:
             self._warm.close()
         if self._zygote is not None:

@@ -185,12 +185,19 @@ def _logs(api: Api, job: int, ranks=(0,)) -> str:
 
 
 def _finish(api: Api, job: int, cluster, timeout=240) -> dict:
+    last = {}
+
     def ended():
         cluster.check_alive()
-        detail = _job(api, job)
+        detail = last["detail"] = _job(api, job)
         return detail if detail["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") else None
 
-    return wait_for(ended, timeout, f"job {job} to end")
+    try:
+        return wait_for(ended, timeout, f"job {job} to end")
+    except AssertionError as exc:
+        # Say where it stuck (queued behind what, which attempt, which ranks) and what the
+        # agents saw: a timeout alone leaves nothing to go on.
+        raise AssertionError(f"{exc}\nlast detail: {last.get('detail')}\n{cluster.logs()}")
 
 
 def _saving(api: Api, job: int, cluster, timeout: float, what: str) -> dict:
@@ -483,7 +490,11 @@ def test_an_unmodified_plain_ddp_script_baked_into_an_image_runs_as_a_two_node_j
         job = _submit(
             cluster.alice, "ops", ["python", "/app/train.py"], gpus=4, image=THIRD_PARTY_IMAGE
         )
-        done = _finish(cluster.alice, job, cluster)
+        # Longer than the others: a rank forked from the warm container sometimes does not
+        # exit after this script ends (seen 2026-12-05, about one run in three; cause not yet
+        # found, see the closing note), and the platform's hang-at-exit rule ends the attempt
+        # 60 s after rank 0 exits; under CI's load the whole run once passed 240 s.
+        done = _finish(cluster.alice, job, cluster, timeout=420)
         assert done["state"] == "SUCCEEDED", (done, cluster.logs())
         assert sorted(done["attempts"][0]["nodes"]) == ["e2e-a", "e2e-b"]
         logs = _logs(cluster.alice, job, ranks=range(4))

@@ -281,6 +281,22 @@ def test_kill_takes_down_the_worker_and_its_children(supervisor_factory):
     wait_until(lambda: not process_alive(child_pid), what="the grandchild to die")
 
 
+def test_a_rank_that_dies_while_the_agent_is_busy_keeps_its_real_exit_time(supervisor_factory):
+    """The agent's loop may wait seconds on a busy portal before it reaps again; the exit time
+    it reports decides which rank a failed gang blames, so it is the death's, not the reap's."""
+    sup = supervisor_factory()
+    attempt = sup.launch(9, launch_spec(SLEEPER, one_rank()))
+    worker_pid, _ = read_pids(attempt.workers[0].metrics_path)
+    sup.poll()
+    killed_at = time.time()
+    os.kill(worker_pid, signal.SIGKILL)  # from outside: the OOM killer, say
+    time.sleep(2.0)  # the loop is blocked on a heartbeat
+    sup.poll()
+    (status,) = sup.status(9)
+    assert status["exit_code"] == -signal.SIGKILL
+    assert status["exited_at"] - killed_at < 0.5, status["exited_at"] - killed_at
+
+
 BUSY_CHILD_AND_SLEEPER = """
 import os, subprocess, sys, time
 if os.environ["RANK"] == "0":
