@@ -197,7 +197,7 @@ def _finish(api: Api, job: int, cluster, timeout=240) -> dict:
     except AssertionError as exc:
         # Say where it stuck (queued behind what, which attempt, which ranks) and what the
         # agents saw: a timeout alone leaves nothing to go on.
-        raise AssertionError(f"{exc}\nlast detail: {last.get('detail')}\n{cluster.logs()}")
+        raise AssertionError(f"{exc}\nlast detail: {last.get('detail')}\n{cluster.logs()}") from exc
 
 
 def _saving(api: Api, job: int, cluster, timeout: float, what: str) -> dict:
