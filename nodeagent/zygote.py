@@ -183,21 +183,32 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str) -> int:
         if argv[1] == "-m":
             sys.argv = [argv[2], *argv[3:]]  # runpy puts the module's path in argv[0]
             sys.path[0] = os.getcwd()
-            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+            _KEPT.append(runpy.run_module(argv[2], run_name="__main__", alter_sys=True))
         else:
             sys.argv = argv[1:]
             sys.path[0] = str(Path(argv[1]).resolve().parent)
-            runpy.run_path(argv[1], run_name="__main__")
+            _KEPT.append(runpy.run_path(argv[1], run_name="__main__"))
         code = 0
     except SystemExit as exc:
+        _KEPT.append(exc)  # its traceback holds the script's frames, and so its globals
         code = _exit_status(exc.code)
-    except BaseException:  # noqa: BLE001 - report like the interpreter would
+    except BaseException as exc:  # noqa: BLE001 - report like the interpreter would
         import traceback
 
+        _KEPT.append(exc)
         traceback.print_exc()
         code = 1
     _finalize()
     return code
+
+
+# What the worker's script left behind (its globals, or the exception that ended it), held
+# until os._exit. A real interpreter frees these only during finalization, when a thread
+# that asks for the GIL is ended instead of waiting; freed here, with the GIL held, a native
+# destructor that joins such a thread never returns. torch's gloo process group is one:
+# dropping a DDP model's Reducer joins gloo's runLoop thread, which may still be dropping a
+# tensor (it needs the GIL), and the rank hung after its last line (2026-12-05).
+_KEPT: list[object] = []
 
 
 def _finalize() -> None:

@@ -270,3 +270,47 @@ def test_a_forked_worker_exits_like_an_interpreter_threads_joined_and_atexit_run
         for worker in attempt.workers:
             assert worker.exit_code == 0
             assert worker.metrics_path.read_text() == "thread\natexit\n"
+
+
+# A native object whose destructor joins a native thread while holding the GIL, the way torch's
+# gloo process group does (a DDP model's Reducer joins gloo's runLoop, which may still need the
+# GIL to drop a tensor). Defined in a module of its own, as torch's classes are, so that the
+# script's globals hold no function and are freed by reference count alone.
+JOINS_WITH_THE_GIL_HELD = """
+import ctypes, time
+libc = ctypes.CDLL(None)
+gil_held = ctypes.PyDLL(None)  # a PyDLL call keeps the GIL, as a C++ destructor does
+START = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+
+@START
+def work(_):
+    time.sleep(0.5)  # gives the GIL up, and needs it back to return
+    return None
+
+class Group:
+    def __init__(self):
+        self.thread = ctypes.c_ulong()
+        libc.pthread_create(ctypes.byref(self.thread), None, work, None)
+
+    def __del__(self):
+        gil_held.pthread_join(self.thread, None)
+"""
+
+
+def test_a_forked_worker_exits_when_its_objects_would_join_a_thread_holding_the_gil(
+    supervisors, tmp_path
+):
+    """Seen with an unmodified DDP script in a warm container: a rank printed its last line
+    and never exited. A fresh interpreter frees the script's objects only while finalizing,
+    when a thread that wants the GIL is ended rather than left waiting; the worker must not
+    free them earlier."""
+    (tmp_path / "gilgroup.py").write_text(JOINS_WITH_THE_GIL_HELD)
+    script = tmp_path / "ddp_like.py"
+    script.write_text("from gilgroup import Group\ngroup = Group()\nprint('last line')\n")
+    for warm in (False, True):
+        sup = supervisors(warm, "warm" if warm else "cold")
+        attempt = sup.launch(1, launch_spec("", TWO_RANKS, command=["python", str(script)]))
+        assert sup.wait(1, 30), [w.log_path.read_text() for w in attempt.workers]
+        assert all(isinstance(w.popen, ForkedWorker) == warm for w in attempt.workers)
+        assert [w.exit_code for w in attempt.workers] == [0, 0]
+        assert all("last line" in w.log_path.read_text() for w in attempt.workers)
