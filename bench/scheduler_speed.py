@@ -6,6 +6,7 @@ database, sustained over consecutive passes (goal >= 200/s on PostgreSQL).
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/test REDIS_URL=redis://127.0.0.1:6379/0 \\
         .venv/bin/python bench/scheduler_speed.py --apply    # + apply_plan on that server
         [--apply-only] [--no-baseline] [--compare-ref HEAD~1]
+    .venv/bin/python bench/scheduler_speed.py --plan-ref HEAD   # plan(): this tree vs HEAD
 
 The apply benchmark runs on a fresh test database (LOCKSTEP_TEST_DB_NAME names it). Each pass
 queues a batch of jobs (1-16 GPUs) on an idle cluster, takes the snapshot and plans (not timed),
@@ -22,6 +23,7 @@ the bulk write, on the same rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -112,6 +114,7 @@ def time_plan(snapshot: Snapshot, repeats: int) -> dict:
         result = plan(snapshot)
         times.append(time.perf_counter() - started)
     return {
+        "times_s": [round(t, 4) for t in times],
         "median_s": round(statistics.median(times), 4),
         "max_s": round(max(times), 4),
         "placed": len(result.placements),
@@ -138,6 +141,9 @@ def main() -> int:
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the per-gang mode")
     parser.add_argument("--compare-ref", help="also run the apply benchmark on this git ref")
+    parser.add_argument("--plan-ref", help="also time plan() at this git ref, rounds alternating")
+    parser.add_argument("--plan-rounds", type=int, default=4)
+    parser.add_argument("--busy-only", action="store_true", help="plan() on the busy cluster only")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "scheduler-speed.json"))
     args = parser.parse_args()
     results = {
@@ -148,10 +154,17 @@ def main() -> int:
         "python": sys.version.split()[0],
     }
     out = Path(args.out)
+    if args.plan_ref:
+        # The plan figures again, beside the ref's; the apply figures stay from their own run.
+        results = {**(json.loads(out.read_text()) if out.exists() else {}), **results}
+        results["plan_vs_ref"] = bench_plan_ref(args)
+        print(f"plan() this tree / {args.plan_ref}: {results['plan_vs_ref']['median_s']}")
     if args.apply_only:
         results = json.loads(out.read_text()) if out.exists() else results
     else:
-        for label, busy in (("cluster_90pct_busy", 0.9), ("cluster_empty", 0.0)):
+        cases = (("cluster_90pct_busy", 0.9),) if args.busy_only else (
+            ("cluster_90pct_busy", 0.9), ("cluster_empty", 0.0))  # fmt: skip
+        for label, busy in cases:
             snap = build(args.nodes, args.gpus_per_node, args.queued, args.teams, busy, seed=1)
             results[label] = time_plan(snap, args.repeats)
             print(f"plan() {label}: {results[label]}")
@@ -395,8 +408,10 @@ def bench_reasons(count: int, team, user) -> dict:
     return out
 
 
-def bench_ref(args) -> dict:
-    """This benchmark (apply part) run on the code at git `args.compare_ref`."""
+@contextlib.contextmanager
+def _checkout(ref: str):
+    """(sha, directory) of the code at git `ref`, with this benchmark copied in, extracted to
+    a temporary directory for the duration."""
     import io
     import shutil
     import subprocess
@@ -404,10 +419,7 @@ def bench_ref(args) -> dict:
     import tempfile
 
     sha = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", args.compare_ref],
-        capture_output=True,
-        text=True,
-        check=True,
+        ["git", "-C", str(ROOT), "rev-parse", ref], capture_output=True, text=True, check=True
     ).stdout.strip()
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", sha], capture_output=True, check=True
@@ -417,6 +429,53 @@ def bench_ref(args) -> dict:
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(tmp, filter="data")
         shutil.copy(Path(__file__), tmp / "bench" / "scheduler_speed.py")
+        yield sha, tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bench_plan_ref(args) -> dict:
+    """plan() on the 90 %-busy snapshot, this tree against git `args.plan_ref`, in alternating
+    rounds (each in a process of its own, the same seeded snapshot), so that the machine's
+    noise falls on both alike."""
+    import subprocess
+
+    times: dict[str, list[float]] = {"this": [], "ref": []}
+    with _checkout(args.plan_ref) as (sha, tmp):
+        for _ in range(args.plan_rounds):
+            for label, root in (("ref", tmp), ("this", ROOT)):
+                out = tmp / f"{label}.json"
+                subprocess.run(
+                    [
+                        sys.executable,
+                        str(root / "bench" / "scheduler_speed.py"),
+                        f"--nodes={args.nodes}",
+                        f"--queued={args.queued}",
+                        f"--teams={args.teams}",
+                        f"--repeats={args.repeats}",
+                        "--busy-only",
+                        f"--out={out}",
+                    ],
+                    cwd=root,
+                    check=True,
+                    capture_output=True,
+                )
+                times[label].extend(json.loads(out.read_text())["cluster_90pct_busy"]["times_s"])
+    this, ref = statistics.median(times["this"]), statistics.median(times["ref"])
+    return {
+        "ref": f"{args.plan_ref} ({sha[:10]})",
+        "rounds": args.plan_rounds,
+        "median_s": {"this": round(this, 4), "ref": round(ref, 4)},
+        "ratio": round(this / ref, 3),
+        "times_s": times,
+    }
+
+
+def bench_ref(args) -> dict:
+    """This benchmark (apply part) run on the code at git `args.compare_ref`."""
+    import subprocess
+
+    with _checkout(args.compare_ref) as (sha, tmp):
         out = tmp / "ref.json"
         env = {
             **os.environ,
@@ -442,8 +501,6 @@ def bench_ref(args) -> dict:
         result = json.loads(out.read_text())["apply"]
         result["ref"] = f"{args.compare_ref} ({sha[:10]})"
         return result
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -57,12 +57,76 @@ def _cost(victims: list[RunningView], order) -> tuple:
     )
 
 
-def _on_nodes(candidates: list[RunningView]) -> dict[int, list[RunningView]]:
+def _on_nodes(
+    candidates: list[RunningView], nodes_of: Callable[[RunningView], tuple[int, ...]]
+) -> dict[int, list[RunningView]]:
     by_node: dict[int, list[RunningView]] = defaultdict(list)
     for victim in candidates:
-        for node_id in dict.fromkeys(node_id for node_id, _ in victim.slots):
+        for node_id in nodes_of(victim):
             by_node[node_id].append(victim)
     return by_node
+
+
+class Chosen(list):
+    """Victims chosen so far in one search, with the GPUs they take from each team: the
+    may-take rules ask that after every candidate, and summing the list each time made a
+    search quadratic in its length."""
+
+    def __init__(self, victims=()) -> None:
+        super().__init__()
+        self._team_gpus: dict[int, int] = defaultdict(int)
+        for victim in victims:
+            self.append(victim)
+
+    def append(self, victim: RunningView) -> None:
+        super().append(victim)
+        self._team_gpus[victim.team_id] += victim.gpus
+
+    def truncate(self, length: int) -> None:
+        """Back to its first `length` victims."""
+        while len(self) > length:
+            victim = self.pop()
+            self._team_gpus[victim.team_id] -= victim.gpus
+
+
+def team_gpus(chosen: list[RunningView], team_id: int) -> int:
+    """GPUs of `team_id` among the chosen victims."""
+    if isinstance(chosen, Chosen):
+        return chosen._team_gpus.get(team_id, 0)
+    return sum(v.gpus for v in chosen if v.team_id == team_id)
+
+
+class _Fits:
+    """Whether `place(job, trial, nodes)` would find room, kept as victims are released into
+    `trial` (a release only adds free GPUs), so that a search calls place() only when it will
+    succeed: place() looks at every node, and a search of a 10,000-job pass released victims
+    one by one across 512 nodes (placement.place's own two rules, mirrored)."""
+
+    def __init__(self, gpus: int, trial: dict[int, list[int]], nodes: list[NodeView]) -> None:
+        self.gpus = gpus
+        self.trial = trial
+        self.total = {n.id: n.total for n in nodes}
+        self.one_node = gpus <= max(self.total.values(), default=0)
+        self.idle = {i for i, t in self.total.items() if t > 0 and len(trial[i]) == t}
+        self.ok = (
+            any(len(trial[i]) >= gpus for i in self.total)
+            if self.one_node
+            else sum(self.total[i] for i in self.idle) >= gpus
+        )
+
+    def released(self, node_ids: tuple[int, ...]) -> bool:
+        if not self.ok:
+            for node_id in node_ids:
+                total = self.total.get(node_id)
+                if total is None:
+                    continue
+                have = len(self.trial[node_id])
+                if self.one_node:
+                    self.ok = self.ok or have >= self.gpus
+                elif have == total and node_id not in self.idle:
+                    self.idle.add(node_id)
+                    self.ok = sum(self.total[i] for i in self.idle) >= self.gpus
+        return self.ok
 
 
 @dataclass
@@ -93,6 +157,17 @@ class Victims:
             (r for r in self.running if not at_safety_stop(r, self.max_preemptions)),
             key=self.order,
         )
+        # Per pass as well: the nodes each running job is on, and protection rule 5, which
+        # every claim asked again of every running job.
+        self._nodes: dict[int, tuple[int, ...]] = {}
+        self._exempt: dict[int, bool] = {}
+
+    def nodes_of(self, run: RunningView) -> tuple[int, ...]:
+        """The nodes the running job is on, in slot order (once per job and pass)."""
+        found = self._nodes.get(run.id)
+        if found is None:
+            found = self._nodes[run.id] = tuple(dict.fromkeys(n for n, _ in run.slots))
+        return found
 
     def protected(self, run: RunningView) -> bool:
         return is_protected(run, self.now, self.exempt_s)
@@ -125,12 +200,15 @@ class Victims:
             if found is not None:
                 return found
         trial = {n: list(v) for n, v in self.free.items()}
-        chosen = []
+        fits = _Fits(job.gpus, trial, nodes)
+        chosen = Chosen()
         for victim in candidates:
             if not may_take(victim, chosen):
                 continue
             chosen.append(victim)
             release(trial, victim)
+            if not fits.released(self.nodes_of(victim)):
+                continue  # place() would find no room yet
             choice = place(job, trial, nodes)
             if choice is not None and (enough is None or enough(chosen)):
                 return chosen, choice
@@ -139,13 +217,13 @@ class Victims:
     def _one_node(self, job, candidates, nodes, may_take):
         """The node where the cheapest in-order prefix of its victims makes room."""
         free = self.free
-        by_node = _on_nodes(candidates)
+        by_node = _on_nodes(candidates, self.nodes_of)
         best = None
         for node in nodes:
             if node.total < job.gpus or node.id not in by_node:
                 continue
             have = set(free[node.id])
-            chosen = []
+            chosen = Chosen()
             for victim in by_node[node.id]:
                 if len(have) >= job.gpus:
                     break
@@ -167,7 +245,7 @@ class Victims:
         """Whole nodes, the cheapest to clear first (idle ones cost nothing); None if the nodes
         that can be cleared do not add up."""
         free = self.free
-        by_node = _on_nodes(candidates)
+        by_node = _on_nodes(candidates, self.nodes_of)
         options = []
         for node in nodes:
             if node.total == 0:
@@ -179,20 +257,23 @@ class Victims:
             if len(cleared) == node.total:
                 options.append(((_cost(on, self.order), node.name), node, on))
         options.sort(key=lambda option: option[0])
-        chosen: list[RunningView] = []
+        chosen = Chosen()
+        chosen_ids: set[int] = set()
         trial = {n: list(v) for n, v in free.items()}
         need = job.gpus
         for _, node, on in options:
             if need <= 0:
                 break
-            extra = [v for v in on if v not in chosen]
-            taken_here = []
+            extra = [v for v in on if v.id not in chosen_ids]
+            mark = len(chosen)
             for victim in extra:
-                if not may_take(victim, chosen + taken_here):
+                if not may_take(victim, chosen):
+                    chosen.truncate(mark)  # this node cannot be cleared: none of it taken
                     break
-                taken_here.append(victim)
+                chosen.append(victim)
             else:
-                chosen.extend(taken_here)
+                taken_here = chosen[mark:]
+                chosen_ids.update(v.id for v in taken_here)
                 for victim in taken_here:
                     release(trial, victim)
                 need -= node.total
@@ -203,9 +284,13 @@ class Victims:
 
     def _drained_for(self, run: RunningView) -> bool:
         """Protection rule 5: a young gang beyond its team's quota, which no reclaim takes."""
-        owner = self.teams.get(run.team_id)
-        quota = owner.quota if owner is not None else 0
-        return reclaim_exempt(run, quota, self.largest, self.now, self.gang_exempt_s)
+        exempt = self._exempt.get(run.id)
+        if exempt is None:
+            owner = self.teams.get(run.team_id)
+            quota = owner.quota if owner is not None else 0
+            exempt = reclaim_exempt(run, quota, self.largest, self.now, self.gang_exempt_s)
+            self._exempt[run.id] = exempt
+        return exempt
 
     def _lend(self, victims: list[RunningView]) -> None:
         for victim in victims:
@@ -234,7 +319,7 @@ class Victims:
             if owner is None or victim.team_id == team.id:
                 return None
             # Its GPUs already stopping or reclaimed, these chosen victims included.
-            gone = lent.get(owner.id, 0) + sum(v.gpus for v in chosen if v.team_id == owner.id)
+            gone = lent.get(owner.id, 0) + team_gpus(chosen, owner.id)
             return used[owner.id] - gone - owner.quota
 
         if guaranteed:
@@ -261,7 +346,7 @@ class Victims:
                 r
                 for r in self.running
                 if r.id not in taken
-                and any(node_id in usable for node_id, _ in r.slots)
+                and not usable.isdisjoint(self.nodes_of(r))
                 and not self._drained_for(r)
             ]
             found = self.find(job, candidates, nodes, wholly_borrowed) or self.find(
@@ -315,14 +400,14 @@ class Victims:
                 and run.priority <= job.priority
                 and not self.protected(run)
                 and (end is None or run.expected_end is None or run.expected_end.timestamp() > end)
-                and any(node_id in usable for node_id, _ in run.slots)
+                and not usable.isdisjoint(self.nodes_of(run))
             )
 
         def may_take(victim: RunningView, chosen: list[RunningView]) -> bool:
             owner = teams.get(victim.team_id)
             if owner is None or (owner.id != team.id and fair_share(owner) < share):
                 return False
-            gone = lent.get(owner.id, 0) + sum(v.gpus for v in chosen if v.team_id == owner.id)
+            gone = lent.get(owner.id, 0) + team_gpus(chosen, owner.id)
             return used[owner.id] - gone - victim.gpus >= owner.quota
 
         found = self.find(job, [r for r in self.running if candidate(r)], nodes, may_take)
