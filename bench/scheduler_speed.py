@@ -7,6 +7,7 @@ database, sustained over consecutive passes (goal >= 200/s on PostgreSQL).
         .venv/bin/python bench/scheduler_speed.py --apply    # + apply_plan on that server
         [--apply-only] [--no-baseline] [--compare-ref HEAD~1]
     .venv/bin/python bench/scheduler_speed.py --plan-ref HEAD   # plan(): this tree vs HEAD
+    .venv/bin/python bench/scheduler_speed.py --pass-estimates  # plan + start estimates per pass
 
 The apply benchmark runs on a fresh test database (LOCKSTEP_TEST_DB_NAME names it). Each pass
 queues a batch of jobs (1-16 GPUs) on an idle cluster, takes the snapshot and plans (not timed),
@@ -123,6 +124,82 @@ def time_plan(snapshot: Snapshot, repeats: int) -> dict:
     }
 
 
+def gangs(snapshot: Snapshot, seed: int) -> Snapshot:
+    """The snapshot's nodes refilled with the target's mix: 8-64-GPU gangs of whole nodes (a
+    few of 256), 480 of the 512 nodes busy; the same queue."""
+    from dataclasses import replace
+
+    rng = random.Random(seed)
+    nodes, running, used, job_id, n = list(snapshot.nodes), [], {}, 5 * 10**6, 0
+    busy = len(nodes) * 15 // 16
+    while n < busy:
+        width = min(rng.choice([1, 1, 1, 2, 2, 4, 8, 8, 32]), busy - n)
+        team = rng.randrange(len(snapshot.teams)) + 1
+        running.append(
+            RunningView(
+                id=job_id,
+                team_id=team,
+                gpus=8 * width,
+                priority=rng.randrange(4),
+                slots=tuple((nodes[i].id, g) for i in range(n, n + width) for g in range(8)),
+                started_at=NOW - timedelta(hours=1),
+                expected_end=NOW + timedelta(seconds=rng.randrange(600, 86400)),
+            )
+        )
+        used[team] = used.get(team, 0) + 8 * width
+        job_id, n = job_id + 1, n + width
+    nodes = [replace(v, free=frozenset() if i < busy else v.free) for i, v in enumerate(nodes)]
+    teams = tuple(replace(t, used=used.get(t.id, 0)) for t in snapshot.teams)
+    return replace(snapshot, nodes=tuple(nodes), running=tuple(running), teams=teams)
+
+
+def bench_pass_estimates(args) -> dict:
+    """The pass's own computing, plan() and then the start estimates: worked out in the pass
+    (as every pass did before jobs/scheduling/estimator.py) against the leader's Estimator
+    (beside the pass once they are slow, every ESTIMATE_EVERY_S), `--passes` passes in a row,
+    each ~1 s apart as a busy leader's; on the small-jobs snapshot and on the gang mix."""
+    from jobs.scheduling.estimate import estimate_starts, head_of_queue
+    from jobs.scheduling.estimator import Estimator
+    from jobs.settings_table import DEFAULTS
+
+    busy = build(args.nodes, args.gpus_per_node, args.queued, args.teams, 0.9, seed=1)
+    shapes = {"small jobs (1-8 GPUs)": busy, "gangs (8-256 GPUs)": gangs(busy, seed=3)}
+    out = {}
+    for name, snap in shapes.items():
+        row = {"running": len(snap.running)}
+        for mode in ("in the pass", "estimator"):
+            estimator = Estimator(
+                inline_s=DEFAULTS["ESTIMATE_INLINE_S"], every_s=DEFAULTS["ESTIMATE_EVERY_S"]
+            )
+            times, estimate_times = [], []
+            try:
+                for _ in range(args.passes):
+                    started = time.perf_counter()
+                    plan(snap)
+                    planned = time.perf_counter()
+                    if mode == "in the pass":
+                        estimate_starts(head_of_queue(snap), stop_grace_s=60, approval_delay_s=0)
+                    else:
+                        estimator.estimates(snap, stop_grace_s=60, approval_delay_s=0)
+                    done = time.perf_counter()
+                    times.append(done - started)
+                    estimate_times.append(done - planned)
+                    time.sleep(max(0.0, 1.0 - (done - started)))
+                row[mode] = {
+                    "pass_p50_s": round(statistics.median(times), 3),
+                    "pass_max_s": round(max(times), 3),
+                    "estimate_in_pass_p50_s": round(statistics.median(estimate_times), 3),
+                }
+                if mode == "estimator":
+                    row[mode]["background_estimates"] = estimator.background
+                    row[mode]["estimate_cost_s"] = round(estimator.cost_s, 3)
+            finally:
+                estimator.close()
+            print(f"{name}, {mode}: {row[mode]}")
+        out[name] = row
+    return {"passes": args.passes, "shapes": out}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=512)
@@ -144,6 +221,10 @@ def main() -> int:
     parser.add_argument("--plan-ref", help="also time plan() at this git ref, rounds alternating")
     parser.add_argument("--plan-rounds", type=int, default=4)
     parser.add_argument("--busy-only", action="store_true", help="plan() on the busy cluster only")
+    parser.add_argument(
+        "--pass-estimates", action="store_true", help="plan + estimates per pass: inline vs beside"
+    )
+    parser.add_argument("--passes", type=int, default=30)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "scheduler-speed.json"))
     args = parser.parse_args()
     results = {
@@ -154,6 +235,12 @@ def main() -> int:
         "python": sys.version.split()[0],
     }
     out = Path(args.out)
+    if args.pass_estimates:
+        results = {**(json.loads(out.read_text()) if out.exists() else {}), **results}
+        results["pass_estimates"] = bench_pass_estimates(args)
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0
     if args.plan_ref:
         # The plan figures again, beside the ref's; the apply figures stay from their own run.
         results = {**(json.loads(out.read_text()) if out.exists() else {}), **results}

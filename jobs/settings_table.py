@@ -55,6 +55,18 @@ TABLE: tuple[Setting, ...] = (
     ),
     Setting("SCHEDULER_TICK_S", 5.0, "the scheduler's pass interval when nothing wakes it"),
     Setting(
+        "ESTIMATE_INLINE_S",
+        0.2,
+        "start estimates that take longer than this move out of the scheduler's pass, into a "
+        "process beside it",
+    ),
+    Setting(
+        "ESTIMATE_EVERY_S",
+        15.0,
+        "how often start estimates are refreshed once they run beside the pass (Slurm's "
+        "backfill cycle: 30 s)",
+    ),
+    Setting(
         "SCHEDULER_LEASE_S", 15.0, "a standby scheduler takes over this long after the leader dies"
     ),
     Setting("RESTART_BACKOFF_S", 2.0, "first restart delay; it doubles per restart"),

@@ -21,10 +21,11 @@ from jobs.models import Attempt, Job, Node, PreemptionRequest
 from jobs.scheduling.apply import ApplyResult, ReasonMemo, apply_plan
 from jobs.scheduling.detect import detect_exit_hangs, detect_hangs, detect_stragglers
 from jobs.scheduling.estimate import estimate_starts, head_of_queue
+from jobs.scheduling.estimator import Estimator
 from jobs.scheduling.leader import LeaderLease
 from jobs.scheduling.policy import plan
 from jobs.scheduling.reader import take_snapshot
-from jobs.scheduling.wake import subscriber
+from jobs.scheduling.wake import subscriber, wake_scheduler
 
 log = logging.getLogger("lockstep.scheduler")
 
@@ -127,23 +128,28 @@ def housekeeping(now) -> None:
         )
 
 
-def run_pass(now=None, memo: ReasonMemo | None = None) -> tuple[PassReport, ApplyResult]:
+def run_pass(
+    now=None, memo: ReasonMemo | None = None, estimator: Estimator | None = None
+) -> tuple[PassReport, ApplyResult]:
     """One scheduling pass: housekeeping, snapshot, plan, estimates, apply. The loop passes
-    its leadership term's `memo` of written wait reasons (apply.ReasonMemo)."""
+    its leadership term's `memo` of written wait reasons (apply.ReasonMemo) and its
+    `estimator` (jobs/scheduling/estimator.py: estimates beside the pass once they are slow);
+    without one the pass works them out itself."""
     started = time.monotonic()
     now = now or timezone.now()
     housekeeping(now)
     snapshot = take_snapshot(now)
     decided = plan(snapshot)
-    estimates = (
-        estimate_starts(
-            head_of_queue(snapshot),
-            stop_grace_s=lockstep_setting("STOP_GRACE_S"),
-            approval_delay_s=lockstep_setting("PREEMPTION_APPROVAL_DELAY_S"),
+    grace = lockstep_setting("STOP_GRACE_S")
+    delay = lockstep_setting("PREEMPTION_APPROVAL_DELAY_S")
+    if not decided.reasons:
+        estimates = {}
+    elif estimator is not None:
+        estimates = estimator.estimates(snapshot, stop_grace_s=grace, approval_delay_s=delay)
+    else:
+        estimates = estimate_starts(
+            head_of_queue(snapshot), stop_grace_s=grace, approval_delay_s=delay
         )
-        if decided.reasons
-        else {}
-    )
     result = apply_plan(decided, now=now, estimates=estimates, memo=memo)
     report = PassReport(
         len(result.applied), len(result.rejected), len(snapshot.queued), time.monotonic() - started
@@ -190,8 +196,23 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(0)
 
 
+def _estimator() -> Estimator:
+    return Estimator(
+        inline_s=lockstep_setting("ESTIMATE_INLINE_S"),
+        every_s=lockstep_setting("ESTIMATE_EVERY_S"),
+        on_ready=lambda: wake_scheduler("start estimates ready"),
+    )
+
+
 def _loop(lease, tick_s: float, once: bool, pubsub) -> None:
-    memo = ReasonMemo()
+    memo, estimator = ReasonMemo(), _estimator()
+    try:
+        _lead(lease, tick_s, once, pubsub, memo, estimator)
+    finally:
+        estimator.close()
+
+
+def _lead(lease, tick_s: float, once: bool, pubsub, memo, estimator) -> None:
     while True:
         close_old_connections()
         if not lease.acquire_or_renew():
@@ -201,7 +222,7 @@ def _loop(lease, tick_s: float, once: bool, pubsub) -> None:
             pubsub = _wait_for_wake(pubsub, tick_s)
             continue
         try:
-            report, _ = run_pass(memo=memo)
+            report, _ = run_pass(memo=memo, estimator=None if once else estimator)
             if report.applied or report.rejected:
                 log.info(
                     "pass: %d placed, %d rejected, %d queued, %.3fs",

@@ -1,0 +1,125 @@
+"""The leader's start estimates (jobs/scheduling/estimator.py): in the pass while they are
+cheap; once one took longer than the budget, in a process beside the leader, at most once per
+interval, each pass writing the latest finished ones for the jobs still queued. Real worker
+processes (spawned), the real estimate."""
+
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+
+from jobs.models import Job
+from jobs.scheduling.estimate import estimate_starts, head_of_queue
+from jobs.scheduling.estimator import Estimator
+from jobs.scheduling.loop import run_pass
+from tests.builders import T0, job, node, running, snapshot, team
+from tests.heartbeats import submit
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _busy_cluster(queued: int = 6):
+    """Two full nodes whose jobs end at known times, and `queued` jobs behind them."""
+    t = team("a", quota=16, used=16)
+    nodes = [node("n1"), node("n2")]
+    runs = [
+        running(900 + i, n, range(8), team_id=t.id, ends_in=600.0 * (i + 1))
+        for i, n in enumerate(nodes)
+    ]
+    nodes = [replace(n, free=frozenset()) for n in nodes]
+    jobs = [job(i + 1, 8, team_id=t.id, submitted=i, estimate=1800.0) for i in range(queued)]
+    return snapshot(nodes, jobs, [t], runs)
+
+
+def _expected(snap):
+    return estimate_starts(head_of_queue(snap), stop_grace_s=60.0, approval_delay_s=0.0)
+
+
+def _ask(estimator, snap):
+    return estimator.estimates(snap, stop_grace_s=60.0, approval_delay_s=0.0)
+
+
+def test_cheap_estimates_are_worked_out_in_the_pass_every_time():
+    estimator = Estimator(inline_s=60.0, every_s=3600.0)
+    try:
+        snap = _busy_cluster()
+        first = _ask(estimator, snap)
+        assert first == _expected(snap) and len(first) == 6
+        later = replace(snap, now=T0 + timedelta(seconds=30))
+        assert _ask(estimator, later) == _expected(later)  # fresh, not the interval's
+        assert estimator.background == 0 and estimator._pool is None
+    finally:
+        estimator.close()
+
+
+def test_slow_estimates_move_beside_the_pass_and_refresh_at_most_every_interval():
+    ready = []
+    # Any real estimate takes longer than 0 s: the first runs in the pass and is measured,
+    # every later one runs in the worker process.
+    estimator = Estimator(inline_s=0.0, every_s=0.0, on_ready=lambda: ready.append(1))
+    try:
+        snap = _busy_cluster()
+        first = _ask(estimator, snap)
+        assert first == _expected(snap) and estimator.background == 0
+        # One job started meanwhile and the clock moved: the pass gets the last estimates,
+        # for the jobs still queued, and a background estimate of its own snapshot starts.
+        later = replace(snap, now=T0 + timedelta(seconds=30), queued=snap.queued[1:])
+        stale = _ask(estimator, later)
+        assert stale == {k: v for k, v in first.items() if k != 1}
+        assert estimator.background == 1
+        assert estimator.wait(90) and ready == [1]
+        # Within the interval no second one starts; the finished ones are used and reused.
+        estimator.every_s = 3600.0
+        fresh = _ask(estimator, later)
+        assert fresh == _expected(later) and fresh != stale  # made at the later clock
+        assert _ask(estimator, later) == fresh and estimator.background == 1
+        # Past it, the next one does.
+        estimator.every_s = 0.0
+        _ask(estimator, later)
+        assert estimator.background == 2 and estimator.wait(90)
+    finally:
+        estimator.close()
+
+
+def test_an_estimate_that_fails_beside_the_pass_keeps_the_last_ones(caplog):
+    estimator = Estimator(inline_s=0.0, every_s=0.0)
+    try:
+        snap = _busy_cluster()
+        first = _ask(estimator, snap)
+        # Cannot be sent to the worker (a node's rack the head's order never reads).
+        unsendable = replace(snap.nodes[0], rack=lambda: "r1")
+        broken = replace(snap, nodes=(unsendable, *snap.nodes[1:]))
+        assert _ask(estimator, broken) == first
+        assert estimator.wait(90)
+        assert _ask(estimator, snap) == first  # the last ones kept
+        assert "start estimate failed" in caplog.text
+    finally:
+        estimator.close()
+
+
+@pytest.mark.django_db
+def test_the_loops_estimator_writes_background_estimates_at_the_next_pass(
+    make_team, make_user, make_nodes
+):
+    team_ = make_team("lab", quota=8)
+    user = make_user("ann", team=team_)
+    make_nodes(1, 4)
+    submit(team_, user, gpus=4, time_limit_s=3600)
+    run_pass()
+    waiting = submit(team_, user, gpus=4)
+    estimator = Estimator(inline_s=-1.0, every_s=0.0)  # always beside the pass
+    try:
+        run_pass(estimator=estimator)
+        waiting.refresh_from_db()
+        assert waiting.reason and waiting.estimated_start_at is None  # not in yet
+        assert estimator.background == 1 and estimator.wait(90)
+        run_pass(estimator=estimator)
+        waiting.refresh_from_db()
+        assert waiting.estimated_start_at is not None
+        assert waiting.promised_start_at == waiting.estimated_start_at
+        inline = Job.objects.get(pk=waiting.pk)
+        run_pass()  # the pass's own estimate of the same state agrees
+        inline.refresh_from_db()
+        assert inline.estimated_start_at == waiting.estimated_start_at
+    finally:
+        estimator.close()
