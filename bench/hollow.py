@@ -472,6 +472,13 @@ def summary(stats: Stats, seconds: float) -> dict[str, Any]:
             "scheduler_pass_p50_s": percentile([p["seconds"] for p in passes], 0.50),
             "scheduler_pass_max_s": max((p["seconds"] for p in passes), default=None),
             "scheduler_queued_max": max((p["queued"] for p in passes), default=None),
+            # Where the passes went (jobs/scheduling/loop.py's phases): p50 of each, and the
+            # phases of the slowest pass.
+            "scheduler_phase_p50_s": {
+                name: percentile([p["phases"][name] for p in passes if "phases" in p], 0.50)
+                for name in (passes[-1].get("phases") or {} if passes else {})
+            },
+            "scheduler_slowest_pass": max(passes, key=lambda p: p["seconds"], default=None),
         }
 
 

@@ -109,7 +109,10 @@ def test_the_loops_estimator_writes_background_estimates_at_the_next_pass(
     waiting = submit(team_, user, gpus=4)
     estimator = Estimator(inline_s=-1.0, every_s=0.0)  # always beside the pass
     try:
-        run_pass(estimator=estimator)
+        report, _ = run_pass(estimator=estimator)
+        # The pass says where its time went, phase by phase.
+        assert list(report.phases) == ["housekeeping", "snapshot", "plan", "estimates", "apply"]
+        assert 0 < sum(report.phases.values()) <= report.seconds + 0.01
         waiting.refresh_from_db()
         assert waiting.reason and waiting.estimated_start_at is None  # not in yet
         assert estimator.background == 1 and estimator.wait(90)

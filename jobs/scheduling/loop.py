@@ -6,7 +6,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import redis
@@ -36,6 +36,9 @@ class PassReport:
     rejected: int
     queued: int
     seconds: float
+    # Seconds per phase (housekeeping, snapshot, plan, estimates, apply): where a slow pass
+    # went (bench/hollow.py reads them back from the cache).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class HeartbeatIntake:
@@ -136,10 +139,19 @@ def run_pass(
     `estimator` (jobs/scheduling/estimator.py: estimates beside the pass once they are slow);
     without one the pass works them out itself."""
     started = time.monotonic()
+    phases, mark = {}, started
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        phases[name], mark = round(time.monotonic() - mark, 4), time.monotonic()
+
     now = now or timezone.now()
     housekeeping(now)
+    phase("housekeeping")
     snapshot = take_snapshot(now)
+    phase("snapshot")
     decided = plan(snapshot)
+    phase("plan")
     grace = lockstep_setting("STOP_GRACE_S")
     delay = lockstep_setting("PREEMPTION_APPROVAL_DELAY_S")
     if not decided.reasons:
@@ -150,9 +162,15 @@ def run_pass(
         estimates = estimate_starts(
             head_of_queue(snapshot), stop_grace_s=grace, approval_delay_s=delay
         )
+    phase("estimates")
     result = apply_plan(decided, now=now, estimates=estimates, memo=memo)
+    phase("apply")
     report = PassReport(
-        len(result.applied), len(result.rejected), len(snapshot.queued), time.monotonic() - started
+        len(result.applied),
+        len(result.rejected),
+        len(snapshot.queued),
+        time.monotonic() - started,
+        phases,
     )
     record_pass(report, now)
     return report, result
@@ -167,7 +185,12 @@ def record_pass(report: PassReport, now: datetime) -> None:
     try:
         cache.set(
             LAST_PASS_KEY,
-            {"seconds": report.seconds, "at": now.timestamp(), "queued": report.queued},
+            {
+                "seconds": report.seconds,
+                "at": now.timestamp(),
+                "queued": report.queued,
+                "phases": report.phases,
+            },
             timeout=None,
         )
     except Exception as exc:  # metrics are best effort; a cache outage must not stop a pass

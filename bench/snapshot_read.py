@@ -1,0 +1,167 @@
+"""The scheduler's snapshot read (jobs/scheduling/reader.py) at the target's size: 512 nodes x 8
+GPUs filled by the real plan/apply with gangs of the mix, and 10,000 jobs queued behind them.
+bench/hollow.py found it the largest phase of the live pass (0.57 s p50 of 1.03 s, 2026-12-05).
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/test REDIS_URL=redis://127.0.0.1:6379/0 \\
+        .venv/bin/python bench/snapshot_read.py [--ref HEAD] [--rounds 8]
+
+Times take_snapshot() of this tree and, with --ref, of the reader at that git ref (its
+reader.py loaded beside this one; the rest of the code is this tree's), alternating round by
+round on the same database, and checks that both read the same snapshot. A fresh test database
+(LOCKSTEP_TEST_DB_NAME names it); results in bench/results/snapshot-read.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib.util
+import io
+import json
+import os
+import pstats
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MIX = [8, 8, 8, 16, 16, 32, 64]  # GPUs: mostly 8-64-GPU gangs, as the target runs
+
+
+def _ref_reader(ref: str):
+    """jobs/scheduling/reader.py as it was at git `ref`, as a module of its own."""
+    source = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{ref}:jobs/scheduling/reader.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp(prefix="lockstep-reader-")) / "reader_ref.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("reader_ref", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fill(args) -> dict:
+    """512 nodes, a full cluster of gangs, 10,000 queued: the database the passes read."""
+    from django.contrib.auth import get_user_model
+    from django.utils import timezone
+
+    from jobs import actions
+    from jobs.models import Job
+    from jobs.scheduling.apply import apply_plan
+    from jobs.scheduling.policy import plan
+    from jobs.scheduling.reader import take_snapshot
+    from teams.actions import do_create_team
+
+    rng = random.Random(5)
+    share = args.nodes * 8 // args.teams
+    teams = [do_create_team(f"team-{t}", quota=share) for t in range(args.teams)]
+    user = get_user_model().objects.create(username="bench")
+    for n in range(args.nodes):
+        actions.do_register_node(
+            name=f"node-{n:03d}",
+            gpus=8,
+            address=f"10.0.{n // 250}.{n % 250}",
+            rack=f"rack-{n // 32}",
+            boot_id="b",
+            now=timezone.now(),
+        )
+
+    def queue(count: int) -> None:
+        Job.objects.bulk_create(
+            [
+                Job(
+                    name=f"j{i}",
+                    team=rng.choice(teams),
+                    owner=user,
+                    image="x",
+                    command=["true"],
+                    gpus=rng.choice(MIX),
+                    priority=rng.choice(["low", "normal", "normal", "high"]),
+                    time_limit_s=rng.choice([None, 3600, 7200, 86400]),
+                    submitted_at=timezone.now(),
+                    state=Job.State.QUEUED,
+                    reason="queued; waiting for the scheduler's next pass",
+                )
+                for i in range(count)
+            ],
+            batch_size=1000,
+        )
+
+    queue(args.nodes * 8 // 16)  # enough to fill the cluster
+    applied = apply_plan(plan(take_snapshot(timezone.now())), now=timezone.now())
+    queue(args.queued)
+    return {"running_jobs": len(applied.applied), "queued": args.queued}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=512)
+    parser.add_argument("--queued", type=int, default=10_000)
+    parser.add_argument("--teams", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--ref", help="also time the reader at this git ref, alternating")
+    parser.add_argument("--profile", action="store_true", help="print a profile of one read")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "snapshot-read.json"))
+    args = parser.parse_args()
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+    import django
+
+    django.setup()
+    from django.db import connection
+    from django.utils import timezone
+
+    from jobs.scheduling import reader
+
+    readers = {"this tree": reader.take_snapshot}
+    if args.ref:
+        readers[f"at {args.ref}"] = _ref_reader(args.ref).take_snapshot
+    test_db = connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
+    try:
+        filled = _fill(args)
+        print(f"filled: {filled}", flush=True)
+        now = timezone.now()
+        snaps = {name: read(now) for name, read in readers.items()}
+        same = len({repr(s) for s in snaps.values()}) == 1
+        times: dict[str, list[float]] = {name: [] for name in readers}
+        for _ in range(args.rounds):
+            for name, read in readers.items():
+                started = time.perf_counter()
+                read(timezone.now())
+                times[name].append(round(time.perf_counter() - started, 4))
+        if args.profile:
+            profile = cProfile.Profile()
+            profile.runcall(reader.take_snapshot, timezone.now())
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+            print(text.getvalue())
+        result = {
+            "database": connection.vendor,
+            "nodes": args.nodes,
+            **filled,
+            "rounds": args.rounds,
+            "same_snapshot": same,
+            "median_s": {name: statistics.median(t) for name, t in times.items()},
+            "times_s": times,
+            "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+    finally:
+        connection.creation.destroy_test_db(test_db, verbosity=0)
+    print(json.dumps({k: result[k] for k in ("same_snapshot", "median_s")}))
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
