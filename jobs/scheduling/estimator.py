@@ -120,7 +120,12 @@ class Estimator:
         return True
 
     def close(self) -> None:
+        """End the worker now (it only computes advice: nothing is lost) and wait for the pool
+        to wind down, so that a stopping leader neither waits out an estimate nor leaves the
+        pool's semaphores behind (Python 3.11 has no terminate_workers())."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            for process in list(getattr(self._pool, "_processes", {}).values()):
+                process.terminate()
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self._running = None
