@@ -126,3 +126,14 @@ def test_the_loops_estimator_writes_background_estimates_at_the_next_pass(
         assert inline.estimated_start_at == waiting.estimated_start_at
     finally:
         estimator.close()
+
+
+def test_closing_ends_the_worker_even_with_an_estimate_in_flight():
+    import multiprocessing
+
+    estimator = Estimator(inline_s=-1.0, every_s=0.0)  # always beside the pass
+    _ask(estimator, _busy_cluster(queued=40))
+    assert estimator.background == 1 and multiprocessing.active_children()
+    estimator.close()
+    assert not multiprocessing.active_children()
+    assert estimator._pool is None and estimator.wait(0)
