@@ -137,3 +137,21 @@ def test_closing_ends_the_worker_even_with_an_estimate_in_flight():
     estimator.close()
     assert not multiprocessing.active_children()
     assert estimator._pool is None and estimator.wait(0)
+
+
+def test_a_worker_that_dies_is_replaced_and_no_pass_fails(caplog):
+    estimator = Estimator(inline_s=-1.0, every_s=0.0)
+    try:
+        snap = _busy_cluster()
+        _ask(estimator, snap)
+        (worker,) = estimator._pool._processes.values()
+        worker.kill()  # as the kernel's OOM killer would
+        assert estimator.wait(90)
+        assert _ask(estimator, snap) == {}  # no estimate yet; the pass goes on
+        assert "start estimate failed" in caplog.text
+        # The next one runs in a new worker and arrives.
+        _ask(estimator, snap)
+        assert estimator.background == 2 and estimator.wait(90)
+        assert _ask(estimator, snap) == _expected(snap)
+    finally:
+        estimator.close()

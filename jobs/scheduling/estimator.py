@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from datetime import datetime
 
 from jobs.scheduling.estimate import estimate_starts, head_of_queue
@@ -75,9 +76,16 @@ class Estimator:
         due = self.started_at is None or time.monotonic() - self.started_at >= self.every_s
         if self._running is None and due:
             self.started_at = time.monotonic()
-            self._running = self._worker().submit(_timed, head, stop_grace_s, approval_delay_s)
-            self._running.add_done_callback(self._ready)
-            self.background += 1
+            try:
+                self._running = self._worker().submit(
+                    _timed, head, stop_grace_s, approval_delay_s
+                )
+            except (BrokenProcessPool, RuntimeError):  # never a failed pass over advice
+                log.warning("start estimate worker unavailable; a new one next time")
+                self.close()
+            else:
+                self._running.add_done_callback(self._ready)
+                self.background += 1
         queued = {job.id for job in snapshot.queued}
         return {job_id: at for job_id, at in self.latest.items() if job_id in queued}
 
@@ -88,8 +96,10 @@ class Estimator:
         self._running = None
         try:
             self.latest, self.cost_s = running.result()
-        except Exception:  # a failed estimate leaves the last ones; the next is tried as due
-            log.exception("start estimate failed")
+        except Exception as exc:  # a failed estimate leaves the last ones; the next as due
+            log.error("start estimate failed: %r", exc)
+            if isinstance(exc, BrokenProcessPool):  # the worker died (killed, out of memory)
+                self.close()  # the next estimate starts a new one
 
     def _ready(self, _future) -> None:
         if self.on_ready is not None:
