@@ -77,9 +77,7 @@ class Estimator:
         if self._running is None and due:
             self.started_at = time.monotonic()
             try:
-                self._running = self._worker().submit(
-                    _timed, head, stop_grace_s, approval_delay_s
-                )
+                self._running = self._worker().submit(_timed, head, stop_grace_s, approval_delay_s)
             except (BrokenProcessPool, RuntimeError):  # never a failed pass over advice
                 log.warning("start estimate worker unavailable; a new one next time")
                 self.close()
