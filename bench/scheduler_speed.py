@@ -273,6 +273,24 @@ def _setup_django():
     django.setup()
 
 
+def register_nodes(count: int, *, prefix: str, per_rack: int, first: int = 0) -> None:
+    """Nodes `first`..`count`-1 of 8 GPUs, registered as agents do (bench/snapshot_read.py
+    too)."""
+    from django.utils import timezone
+
+    from jobs import actions
+
+    for n in range(first, count):
+        actions.do_register_node(
+            name=f"{prefix}-{n:03d}",
+            gpus=8,
+            address=f"10.0.{n // 250}.{n % 250}",
+            rack=f"rack-{n // per_rack}",
+            boot_id="b",
+            now=timezone.now(),
+        )
+
+
 def _queue_jobs(team, user, sizes: list[int], now) -> None:
     """Queued jobs as a submit leaves them (bulk: submitting is not what is measured)."""
     from jobs.models import Job
@@ -306,7 +324,6 @@ def bench_apply(args) -> dict:
     from django.db import connection
     from django.utils import timezone
 
-    from jobs import actions
     from jobs.models import Allocation, Attempt, Job
     from jobs.scheduling import apply as applier
     from jobs.scheduling.reader import take_snapshot
@@ -327,15 +344,7 @@ def bench_apply(args) -> dict:
     try:
         team = do_create_team("bench", quota=1_000_000)
         user = get_user_model().objects.create(username="bench")
-        for n in range(args.apply_nodes):
-            actions.do_register_node(
-                name=f"bench-{n:03d}",
-                gpus=8,
-                address=f"10.0.{n // 250}.{n % 250}",
-                rack=f"rack-{n // 16}",
-                boot_id="b",
-                now=timezone.now(),
-            )
+        register_nodes(args.apply_nodes, prefix="bench", per_rack=16)
         passes = {mode: [] for mode in modes}
         for number in range(args.apply_passes):
             for mode, kwargs in modes.items():
@@ -402,22 +411,13 @@ def big_pass(args, modes: dict, team, user, count, queries) -> dict:
     from django.db import connection
     from django.utils import timezone
 
-    from jobs import actions
     from jobs.models import Allocation, Attempt, Job, Node
     from jobs.scheduling import apply as applier
     from jobs.scheduling.estimate import estimate_starts
     from jobs.scheduling.loop import head_of_queue
     from jobs.scheduling.reader import take_snapshot
 
-    for n in range(Node.objects.count(), 512):
-        actions.do_register_node(
-            name=f"bench-{n:03d}",
-            gpus=8,
-            address=f"10.0.{n // 250}.{n % 250}",
-            rack=f"rack-{n // 16}",
-            boot_id="b",
-            now=timezone.now(),
-        )
+    register_nodes(512, prefix="bench", per_rack=16, first=Node.objects.count())
     out = {"nodes": 512, "queued": args.big_pass}
     sizes_pool = [1] * 50 + [2] * 6 + [4] * 6 + [8] * 25 + [16] * 6 + [32] * 4 + [64] * 3
     for mode, kwargs in modes.items():

@@ -55,7 +55,7 @@ def _fill(args) -> dict:
     from django.contrib.auth import get_user_model
     from django.utils import timezone
 
-    from jobs import actions
+    from bench.scheduler_speed import register_nodes
     from jobs.models import Job
     from jobs.scheduling.apply import apply_plan
     from jobs.scheduling.policy import plan
@@ -66,15 +66,7 @@ def _fill(args) -> dict:
     share = args.nodes * 8 // args.teams
     teams = [do_create_team(f"team-{t}", quota=share) for t in range(args.teams)]
     user = get_user_model().objects.create(username="bench")
-    for n in range(args.nodes):
-        actions.do_register_node(
-            name=f"node-{n:03d}",
-            gpus=8,
-            address=f"10.0.{n // 250}.{n % 250}",
-            rack=f"rack-{n // 32}",
-            boot_id="b",
-            now=timezone.now(),
-        )
+    register_nodes(args.nodes, prefix="node", per_rack=32)
 
     def queue(count: int) -> None:
         Job.objects.bulk_create(

@@ -68,15 +68,18 @@ class Estimator:
     ) -> dict[int, datetime]:
         """Queued job id -> estimated start, for the pass that planned `snapshot`."""
         self._collect()
-        head = head_of_queue(snapshot)
         if self._running is None and self.cost_s <= self.inline_s:
             self.started_at = time.monotonic()
+            head = head_of_queue(snapshot)
             self.latest, self.cost_s = _timed(head, stop_grace_s, approval_delay_s)
             return self.latest
         due = self.started_at is None or time.monotonic() - self.started_at >= self.every_s
         if self._running is None and due:
             self.started_at = time.monotonic()
             try:
+                # The head is sorted only here: a pass that reuses the last estimates does not
+                # order 10,000 queued jobs for nothing.
+                head = head_of_queue(snapshot)
                 self._running = self._worker().submit(_timed, head, stop_grace_s, approval_delay_s)
             except (BrokenProcessPool, RuntimeError):  # never a failed pass over advice
                 log.warning("start estimate worker unavailable; a new one next time")

@@ -108,10 +108,11 @@ class _Fits:
         self.total = {n.id: n.total for n in nodes}
         self.one_node = gpus <= max(self.total.values(), default=0)
         self.idle = {i for i, t in self.total.items() if t > 0 and len(trial[i]) == t}
+        self.idle_gpus = sum(self.total[i] for i in self.idle)
         self.ok = (
             any(len(trial[i]) >= gpus for i in self.total)
             if self.one_node
-            else sum(self.total[i] for i in self.idle) >= gpus
+            else self.idle_gpus >= gpus
         )
 
     def released(self, node_ids: tuple[int, ...]) -> bool:
@@ -125,7 +126,8 @@ class _Fits:
                     self.ok = self.ok or have >= self.gpus
                 elif have == total and node_id not in self.idle:
                     self.idle.add(node_id)
-                    self.ok = sum(self.total[i] for i in self.idle) >= self.gpus
+                    self.idle_gpus += total
+                    self.ok = self.idle_gpus >= self.gpus
         return self.ok
 
 
