@@ -238,7 +238,14 @@ def read_settings(
         elif s.env and name in environ and isinstance(s.default, list):
             values[s.name] = [item.strip() for item in environ[name].split(",") if item.strip()]
         elif s.env and name in environ:
-            values[s.name] = type(s.default)(environ[name])
+            kind = type(s.default)
+            try:
+                values[s.name] = kind(environ[name])
+            except ValueError:
+                # Refused at start, by name: a traceback of float() names neither.
+                raise ValueError(
+                    f"{name}={environ[name]!r} is not a {kind.__name__} ({s.doc})"
+                ) from None
         else:
             values[s.name] = s.default
     return values

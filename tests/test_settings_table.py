@@ -3,6 +3,7 @@ the accessor's defaults and the documentation all follow it."""
 
 from pathlib import Path
 
+import pytest
 from django.conf import settings
 
 from jobs.conf import lockstep_setting
@@ -53,3 +54,12 @@ def test_the_settings_page_is_made_from_the_table():
     page = (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
     assert page == markdown(), "run: python -m jobs.settings_table > docs/settings.md"
     assert all(env_name(s) in page for s in TABLE if s.env)
+
+
+def test_a_value_of_the_wrong_type_is_refused_by_its_variables_name(tmp_path):
+    for variable, value in (
+        ("LOCKSTEP_ESTIMATE_EVERY_S", "abc"),
+        ("LOCKSTEP_STRIKES_TO_CORDON", "2.5"),
+    ):
+        with pytest.raises(ValueError, match=f"{variable}='{value}' is not a"):
+            read_settings({variable: value}, var_dir=tmp_path, secret=lambda name: None)
