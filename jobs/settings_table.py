@@ -61,6 +61,12 @@ TABLE: tuple[Setting, ...] = (
         "process beside it",
     ),
     Setting(
+        "REASON_WRITE_S",
+        0.2,
+        "a pass writes changed wait reasons for at most this long (the queue's head first); the "
+        "rest are written by the next passes",
+    ),
+    Setting(
         "ESTIMATE_EVERY_S",
         15.0,
         "how often start estimates are refreshed once they run beside the pass (Slurm's "

@@ -178,8 +178,9 @@ def test_a_gpu_taken_after_the_check_rolls_back_and_rejects_only_its_gang(
     assert "claim lost a race: IntegrityError" in loser.reason
     # Retried in halves, not gang by gang: about 2 log2(n) batches, not n.
     savepoints = [q for q in queries if q["sql"].startswith("SAVEPOINT")]
-    # (+1: the pass's own transaction is a savepoint inside the test's.)
-    assert len(savepoints) <= 2 * math.ceil(math.log2(len(jobs))) + 2, len(savepoints)
+    # (+2: the pass's own two transactions, the gangs' and the wait reasons', are savepoints
+    # inside the test's.)
+    assert len(savepoints) <= 2 * math.ceil(math.log2(len(jobs))) + 3, len(savepoints)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -491,3 +492,97 @@ def test_a_gang_of_an_isolated_only_team_on_a_process_node_is_rejected(
         "team strict runs on isolated nodes only; a node is process-runtime"
     )
     assert not Allocation.objects.filter(attempt__job=on_process).exists()
+
+
+@pytest.mark.django_db
+def test_a_backlogs_reasons_are_written_head_first_within_the_budget_over_several_passes(
+    make_team, make_user, make_nodes
+):
+    """With a write budget a pass writes whole batches of changed reasons in the queue's order
+    (a gang it could not claim first) until the budget is spent, at least one batch; the rest
+    are left to the next passes and not remembered as written."""
+    from jobs.bulk import BATCH
+
+    team = make_team("bk", quota=1000)
+    user = make_user("bku", team=team)
+    make_nodes(1, 8)
+    now = timezone.now()
+    Job.objects.bulk_create(
+        [
+            Job(
+                name=f"b{i}",
+                team=team,
+                owner=user,
+                image="x",
+                command=["true"],
+                gpus=1,
+                submitted_at=now,
+                reason="queued",
+            )
+            for i in range(2 * BATCH + 200)
+        ]
+    )
+    ids = list(Job.objects.order_by("-id").values_list("id", flat=True))  # the queue's order
+    reasons = {i: f"behind {n} others" for n, i in enumerate(ids)}
+    # The last job in the queue also holds a claim that fails (a GPU of another job's gang).
+    lost = submit(team, user, gpus=1)
+    held = submit(team, user, gpus=1)
+    gpu = GPU.objects.first()
+    assert held.id in apply_plan(Plan(placements=(placement_on(held, [gpu]),)), now=now).applied
+    plan = Plan(placements=(placement_on(lost, [gpu]),), reasons=reasons)
+    memo = ReasonMemo()
+
+    first = apply_plan(plan, now=timezone.now(), memo=memo, reason_budget_s=0)
+    assert (first.reasons_written, first.reasons_deferred) == (BATCH, BATCH + 201)
+    assert Job.objects.get(pk=lost.pk).wait["code"] == "rejected"  # written first
+    written = set(Job.objects.filter(reason__startswith="behind").values_list("id", flat=True))
+    assert written == set(ids[: BATCH - 1])
+    assert set(memo.rows) == written | {lost.id}
+
+    second = apply_plan(plan, now=timezone.now(), memo=memo, reason_budget_s=0)
+    assert (second.reasons_written, second.reasons_deferred) == (BATCH, 201)
+    third = apply_plan(plan, now=timezone.now(), memo=memo, reason_budget_s=0)
+    assert (third.reasons_written, third.reasons_deferred) == (201, 0)
+    # Every job now has its reason, the rejected one its own; nothing left to write.
+    assert Job.objects.filter(reason__startswith="behind").count() == len(ids)
+    assert Job.objects.get(pk=ids[-1]).reason == f"behind {len(ids) - 1} others"
+    last = apply_plan(plan, now=timezone.now(), memo=memo, reason_budget_s=0)
+    assert (last.reasons_written, last.reasons_deferred) == (0, 0)
+    # Without a budget one pass writes them all.
+    Job.objects.filter(id__in=ids).update(reason="queued")
+    whole = apply_plan(plan, now=timezone.now(), reason_budget_s=None)
+    assert (whole.reasons_written, whole.reasons_deferred) == (len(ids), 0)
+
+
+@pytest.mark.django_db
+def test_a_failed_reason_write_leaves_the_placements_committed(
+    make_team, make_user, make_nodes, monkeypatch
+):
+    """Wait reasons are written in their own transaction after the gangs are committed: a
+    database error there (a deadlock with a requeue) loses only this pass's reasons, and the
+    memo forgets what it held so that the next pass writes every reason again."""
+    from django.db import OperationalError
+
+    from jobs.scheduling import apply
+
+    team = make_team("rf", quota=100)
+    user = make_user("rfu", team=team)
+    make_nodes(1, 8)
+    jobs, placements = _gangs(team, user, 2)
+    waiting = submit(team, user, gpus=1)
+    memo = ReasonMemo(rows={12345: ("old", None, {})})
+
+    def failing_bulk_set(*args, **kwargs):
+        raise OperationalError("deadlock detected")
+
+    monkeypatch.setattr(apply, "bulk_set", failing_bulk_set)
+    plan = Plan(placements=tuple(placements), reasons={waiting.id: "waits for its turn"})
+    result = apply_plan(plan, now=timezone.now(), memo=memo)
+    assert set(result.applied) == {job.id for job in jobs}
+    assert Job.objects.filter(id__in=result.applied, state=Job.State.QUEUED).count() == 0
+    assert Attempt.objects.filter(job__in=jobs).count() == 2
+    assert result.reasons_written == 0 and memo.rows == {}
+    monkeypatch.undo()
+    again = apply_plan(Plan(placements=(), reasons=plan.reasons), now=timezone.now(), memo=memo)
+    assert again.reasons_written == 1
+    assert Job.objects.get(pk=waiting.pk).reason == "waits for its turn"

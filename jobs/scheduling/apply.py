@@ -10,7 +10,7 @@ from datetime import datetime
 from django.db import DatabaseError, transaction
 
 from jobs.actions import ClaimConflict, do_grow_job, do_propose_preemption, do_start_attempts
-from jobs.bulk import bulk_set
+from jobs.bulk import BATCH, bulk_set
 from jobs.models import Job
 from jobs.scheduling.vocab import Placement, Plan, WaitReason
 
@@ -52,6 +52,7 @@ class ApplyResult:
     preemptions: list[int] = field(default_factory=list)  # PreemptionRequest ids
     grown: list[int] = field(default_factory=list)  # job ids told to stop and grow back
     reasons_written: int = 0  # queued jobs whose reason or start estimate changed
+    reasons_deferred: int = 0  # changed ones left for the next pass (the write budget)
 
 
 def apply_plan(
@@ -61,6 +62,7 @@ def apply_plan(
     estimates: dict | None = None,
     chunk: int = CHUNK,
     memo: ReasonMemo | None = None,
+    reason_budget_s: float | None = None,
 ) -> ApplyResult:
     """Apply a plan in one transaction; the placements in batches, each in a savepoint.
 
@@ -72,18 +74,31 @@ def apply_plan(
     back and its halves are retried, down to one gang per savepoint: only the gang that lost
     the race is rejected. Rejected jobs stay queued and the next pass plans them again.
     Nothing here raises for a lost race. `chunk=1` applies gang by gang (the baseline).
+
+    The wait reasons follow in a transaction of their own, once the placements are committed:
+    they are advice, and 10,000 first reasons (a backlog arriving) took 2.5-3 s to write on a
+    loaded database, which held the placements' locks and the pass that long. With
+    `reason_budget_s` the write stops after that many seconds, the queue's head written first;
+    the rest are written by the next passes (`reasons_deferred`).
     """
     result = ApplyResult()
     placements = list(plan.placements)
+    with transaction.atomic():
+        for start in range(0, len(placements), max(chunk, 1)):
+            _apply_batch(placements[start : start + max(chunk, 1)], now, result)
     try:
         with transaction.atomic():
-            for start in range(0, len(placements), max(chunk, 1)):
-                _apply_batch(placements[start : start + max(chunk, 1)], now, result)
-            result.reasons_written = _write_reasons(plan, result, estimates or {}, memo)
-    except BaseException:
+            result.reasons_written, result.reasons_deferred = _write_reasons(
+                plan, result, estimates or {}, memo, budget_s=reason_budget_s
+            )
+    except BaseException as exc:
         if memo is not None:
             memo.rows.clear()  # it may hold rows of the rolled-back write
-        raise
+        if not isinstance(exc, DatabaseError):
+            raise
+        # A lost race over advice (a deadlock with a requeue): the placements stand, and the
+        # next pass, its memo cleared, reads and writes every reason again.
+        log.warning("wait reasons not written this pass: %s", exc)
     # Outside the placement transaction: each proposal is its own small transaction, so a
     # victim that just ended is simply skipped.
     for preemption in plan.preemptions:
@@ -136,20 +151,31 @@ def _apply_batch(placements: list[Placement], now: datetime, result: ApplyResult
 
 
 def _write_reasons(
-    plan: Plan, result: ApplyResult, estimates: dict, memo: ReasonMemo | None = None
-) -> int:
+    plan: Plan,
+    result: ApplyResult,
+    estimates: dict,
+    memo: ReasonMemo | None = None,
+    *,
+    budget_s: float | None = None,
+) -> tuple[int, int]:
     """Each queued job's wait reason (its text, and as data in Job.wait) and start estimate;
     only those that changed are written, in bulk, and only onto jobs still QUEUED (the
     condition is in the UPDATE itself, so a job that moved on meanwhile keeps its own reason).
-    With a `memo`, rows it holds unchanged are not read back. Returns how many rows were
-    written."""
-    reasons = dict(plan.reasons)
-    waits = {job_id: wait.to_json() for job_id, wait in plan.waits.items()}
+    With a `memo`, rows it holds unchanged are not read back. With `budget_s`, batches are
+    written in queue order (the rejected gangs first) until that many seconds have passed; a
+    row left over is not remembered, so the next pass reads and writes it. Returns how many
+    rows were written, and how many changed rows were left."""
+    started = time.monotonic()
+    reasons, waits = {}, {}
     for job_id, why in result.rejected.items():
         rejected = WaitReason("rejected", {"why": why})
         reasons[job_id], waits[job_id] = rejected.text(), rejected.to_json()
+    for job_id, why in plan.reasons.items():  # the policy's order: the queue's
+        if job_id not in reasons:
+            wait = plan.waits.get(job_id)
+            reasons[job_id], waits[job_id] = why, wait.to_json() if wait is not None else {}
     if not reasons:
-        return 0
+        return 0, 0
     wanted = {}
     for job_id, why in reasons.items():
         start = estimates.get(job_id)
@@ -158,7 +184,7 @@ def _write_reasons(
         wanted[job_id] = (why[:500], start, waits.get(job_id, {}))
     held = memo.unchanged(wanted) if memo is not None else set()
     ids = [job_id for job_id in wanted if job_id not in held]
-    changed = []
+    changed = {}
     for offset in range(0, len(ids), REASON_READ_BATCH):
         rows = Job.objects.filter(
             id__in=ids[offset : offset + REASON_READ_BATCH], state=Job.State.QUEUED
@@ -170,14 +196,20 @@ def _write_reasons(
             keep = promised if promised is not None or first_started else wanted[job_id][1]
             row = (*wanted[job_id], keep)
             if row != (reason, start, wait, promised):
-                changed.append((job_id, *row))
-            if memo is not None:
-                # Read as it is, or about to be written so (a job that leaves QUEUED before
-                # the write is not waiting at the next pass, and is forgotten then).
+                changed[job_id] = (job_id, *row)
+            elif memo is not None:
                 memo.rows[job_id] = wanted[job_id]
-    return bulk_set(
-        Job,
-        ["reason", "estimated_start_at", "wait", "promised_start_at"],
-        changed,
-        where={"state": Job.State.QUEUED},
-    )
+    ordered = [changed[job_id] for job_id in ids if job_id in changed]
+    written = done = 0
+    fields = ["reason", "estimated_start_at", "wait", "promised_start_at"]
+    for offset in range(0, len(ordered), BATCH):
+        if budget_s is not None and offset and time.monotonic() - started >= budget_s:
+            break
+        batch = ordered[offset : offset + BATCH]
+        written += bulk_set(Job, fields, batch, where={"state": Job.State.QUEUED})
+        done += len(batch)
+        if memo is not None:
+            # Written so (a job that left QUEUED meanwhile is not waiting at the next pass,
+            # and is forgotten then).
+            memo.rows.update((row[0], wanted[row[0]]) for row in batch)
+    return written, len(ordered) - done

@@ -39,6 +39,7 @@ class PassReport:
     # Seconds per phase (housekeeping, snapshot, plan, estimates, apply): where a slow pass
     # went (bench/hollow.py reads them back from the cache).
     phases: dict[str, float] = field(default_factory=dict)
+    reasons_deferred: int = 0  # changed wait reasons left for the next pass (its write budget)
 
 
 class HeartbeatIntake:
@@ -171,7 +172,13 @@ def run_pass(
             head_of_queue(snapshot), stop_grace_s=grace, approval_delay_s=delay
         )
     phase("estimates")
-    result = apply_plan(decided, now=now, estimates=estimates, memo=memo)
+    result = apply_plan(
+        decided,
+        now=now,
+        estimates=estimates,
+        memo=memo,
+        reason_budget_s=lockstep_setting("REASON_WRITE_S"),
+    )
     phase("apply")
     report = PassReport(
         len(result.applied),
@@ -179,12 +186,16 @@ def run_pass(
         len(snapshot.queued),
         time.monotonic() - started,
         phases,
+        result.reasons_deferred,
     )
     record_pass(report, now)
     return report, result
 
 
 LAST_PASS_KEY = "lockstep:scheduler:last_pass"
+# The next pass's wait while wait reasons are left over: soon, but not back to back, so the
+# portal and the agents get the database between passes.
+REASON_CATCH_UP_S = 1.0
 
 
 def record_pass(report: PassReport, now: datetime) -> None:
@@ -252,8 +263,11 @@ def _lead(lease, tick_s: float, once: bool, pubsub, memo, estimator) -> None:
             memo = ReasonMemo()  # another leader writes meanwhile: a new term reads afresh
             pubsub = _wait_for_wake(pubsub, tick_s)
             continue
+        wait_s = None
         try:
             report, _ = run_pass(memo=memo, estimator=None if once else estimator)
+            if report.reasons_deferred:
+                wait_s = REASON_CATCH_UP_S  # a backlog's reasons: written over the next passes
             if report.applied or report.rejected:
                 log.info(
                     "pass: %d placed, %d rejected, %d queued, %.3fs",
@@ -272,7 +286,7 @@ def _lead(lease, tick_s: float, once: bool, pubsub, memo, estimator) -> None:
             log.exception("metric storage maintenance failed")
         if once:
             return
-        pubsub = _wait_for_wake(pubsub, _next_wait(tick_s))
+        pubsub = _wait_for_wake(pubsub, _next_wait(min(tick_s, wait_s or tick_s)))
 
 
 def _next_wait(tick_s: float) -> float:
