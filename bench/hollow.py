@@ -478,6 +478,13 @@ def summary(stats: Stats, seconds: float) -> dict[str, Any]:
                 name: percentile([p["phases"][name] for p in passes if "phases" in p], 0.50)
                 for name in (passes[-1].get("phases") or {} if passes else {})
             },
+            # Housekeeping's own chores (detectors, deadlines), p50 of each.
+            "scheduler_housekeeping_p50_s": {
+                name: percentile(
+                    [p["housekeeping"][name] for p in passes if "housekeeping" in p], 0.50
+                )
+                for name in (passes[-1].get("housekeeping") or {} if passes else {})
+            },
             "scheduler_slowest_pass": max(passes, key=lambda p: p["seconds"], default=None),
         }
 

@@ -105,6 +105,33 @@ def test_hang_is_detected_stacks_are_captured_then_the_job_restarts(setup, setti
 
 
 @pytest.mark.django_db
+def test_the_hang_detector_reads_step_times_only_of_attempts_silent_past_the_minimum(
+    setup, settings
+):
+    """Every pass looks at every running attempt; the adaptive timeout (a query of its step
+    times each) is never under HANG_MIN_S, so it is read only for attempts silent longer."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from jobs.scheduling.detect import detect_hangs
+
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "HANG_MIN_S": 20.0}
+    job, attempt, a, b, _ = _run(setup)
+    t0 = timezone.now()
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 10), now=t0)
+
+    def step_time_reads(at) -> int:
+        with CaptureQueriesContext(connection) as ctx:
+            detect_hangs(at, heard_since=t0 - timedelta(hours=1))
+        return sum('"jobs_metricpoint"' in q["sql"] for q in ctx.captured_queries)
+
+    assert step_time_reads(t0 + timedelta(seconds=19)) == 0
+    assert live_attempt(job).dump_requested_at is None
+    assert step_time_reads(t0 + timedelta(seconds=21)) == 1
+    assert live_attempt(job).dump_requested_at == t0 + timedelta(seconds=21)
+
+
+@pytest.mark.django_db
 def test_ranks_still_running_after_rank_0_finished_do_not_make_a_finished_job_hang(setup, settings):
     """An unmodified script's ranks can hang at exit once rank 0 (which hosts torch's store)
     is gone. EXIT_GRACE_S after rank 0 exited 0, with no rank failed, the attempt has

@@ -48,8 +48,12 @@ def detect_hangs(now: datetime, *, heard_since: datetime) -> None:
                 )
                 actions.do_request_stack_dump(attempt, now=now, reason=reason)
             continue
-        timeout = attempt_progress_timeout(attempt)
         silent = (now - max(attempt.last_progress_at, heard_since)).total_seconds()
+        # The timeout is never under HANG_MIN_S: only an attempt silent longer than that
+        # needs its step times read (one query each; every running attempt, every pass).
+        if silent <= lockstep_setting("HANG_MIN_S"):
+            continue
+        timeout = attempt_progress_timeout(attempt)
         if silent > timeout:
             actions.do_request_stack_dump(
                 attempt,

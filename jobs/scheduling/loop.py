@@ -40,6 +40,7 @@ class PassReport:
     # went (bench/hollow.py reads them back from the cache).
     phases: dict[str, float] = field(default_factory=dict)
     reasons_deferred: int = 0  # changed wait reasons left for the next pass (its write budget)
+    housekeeping: dict[str, float] = field(default_factory=dict)  # seconds per chore
 
 
 class HeartbeatIntake:
@@ -85,11 +86,22 @@ def detect_lost_nodes(now: datetime) -> bool:
     return True
 
 
-def housekeeping(now) -> None:
-    """Time-driven transitions: lost nodes, restart backoffs, start and stop deadlines."""
+def housekeeping(now, parts: dict[str, float] | None = None) -> None:
+    """Time-driven transitions: lost nodes, restart backoffs, start and stop deadlines.
+    `parts`, if given, gets the seconds each step took (the pass report's `housekeeping`)."""
+    mark = time.monotonic()
+
+    def part(name: str) -> None:
+        nonlocal mark
+        if parts is not None:
+            parts[name] = round(time.monotonic() - mark, 4)
+        mark = time.monotonic()
+
     hearing = detect_lost_nodes(now)
+    part("lost_nodes")
     for job in Job.objects.filter(state=Job.State.RESTARTING, restart_after__lte=now):
         actions.do_requeue_job(job, now=now)
+    part("requeue")
     limited = list(
         Job.objects.filter(time_limit_s__isnull=False, first_started_at__isnull=False)
         .exclude(state__in=Job.TERMINAL)
@@ -102,9 +114,12 @@ def housekeeping(now) -> None:
     for job in limited:
         if ran.get(job.id, 0.0) >= job.time_limit_s:
             actions.do_enforce_time_limit(job, now=now)
+    part("time_limits")
     detect_exit_hangs(now)
+    part("exit_hangs")
     if hearing:
         detect_hangs(now, heard_since=intake.resumed_at)
+    part("hangs")
     actions.do_withdraw_stale_preemptions(now=now)
     # Reclaims have no approval deadline: one still proposed was left by a proposal that
     # committed before its approval failed (code before reclaims were proposed and approved
@@ -114,7 +129,9 @@ def housekeeping(now) -> None:
         state=PreemptionRequest.State.PROPOSED,
     ):
         actions.do_decide_preemption(request, approve=True, actor=None, now=now)
+    part("preemptions")
     detect_stragglers(now)
+    part("stragglers")
     start_cutoff = now - timedelta(seconds=lockstep_setting("START_TIMEOUT_S"))
     for attempt in Attempt.objects.filter(
         ended_at__isnull=True, state=Attempt.State.STARTING, created_at__lt=start_cutoff
@@ -138,6 +155,7 @@ def housekeeping(now) -> None:
             now=now,
             reason="stop deadline passed; workers killed",
         )
+    part("deadlines")
 
 
 def run_pass(
@@ -155,7 +173,8 @@ def run_pass(
         phases[name], mark = round(time.monotonic() - mark, 4), time.monotonic()
 
     now = now or timezone.now()
-    housekeeping(now)
+    chores: dict[str, float] = {}
+    housekeeping(now, chores)
     phase("housekeeping")
     snapshot = take_snapshot(now)
     phase("snapshot")
@@ -187,6 +206,7 @@ def run_pass(
         time.monotonic() - started,
         phases,
         result.reasons_deferred,
+        chores,
     )
     record_pass(report, now)
     return report, result
@@ -209,6 +229,7 @@ def record_pass(report: PassReport, now: datetime) -> None:
                 "at": now.timestamp(),
                 "queued": report.queued,
                 "phases": report.phases,
+                "housekeeping": report.housekeeping,
             },
             timeout=None,
         )
