@@ -9,6 +9,10 @@ Times take_snapshot() of this tree and, with --ref, of the reader at that git re
 reader.py loaded beside this one; the rest of the code is this tree's), alternating round by
 round on the same database, and checks that both read the same snapshot. A fresh test database
 (LOCKSTEP_TEST_DB_NAME names it); results in bench/results/snapshot-read.json.
+
+`--history-days D` first writes D days of finished work before now, as the full cluster runs
+it (every GPU busy, gangs of the mix, about 2 h each: ~49,000 allocations a day at 512 nodes),
+so the reads that grow with history show; a live cluster keeps all of it.
 """
 
 from __future__ import annotations
@@ -89,10 +93,98 @@ def _fill(args) -> dict:
             batch_size=1000,
         )
 
+    history = _history(args.history_days, teams, user, rng) if args.history_days else {}
     queue(args.nodes * 8 // 16)  # enough to fill the cluster
     applied = apply_plan(plan(take_snapshot(timezone.now())), now=timezone.now())
     queue(args.queued)
-    return {"running_jobs": len(applied.applied), "queued": args.queued}
+    return {"running_jobs": len(applied.applied), "queued": args.queued, **history}
+
+
+def _history(days: float, teams, user, rng: random.Random) -> dict:
+    """`days` of finished gangs before now on every GPU, back to back: one job, one succeeded
+    attempt and one allocation per rank each."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from jobs.models import GPU, Allocation, Attempt, Job
+
+    now = timezone.now()
+    gpus_by_node: dict[int, list[int]] = {}
+    for gpu_id, node_id in GPU.objects.order_by("node_id", "index").values_list("id", "node_id"):
+        gpus_by_node.setdefault(node_id, []).append(gpu_id)
+    slots = [(node, gpu) for node, ids in gpus_by_node.items() for gpu in ids]
+    runs = []  # (team, first slot, size, start, end)
+    first = 0
+    while first < len(slots):  # the cluster cut into gangs; each lane runs gangs back to back
+        size = min(rng.choice(MIX), len(slots) - first)
+        t = now - timedelta(days=days)
+        while True:
+            seconds = min(rng.lognormvariate(8.5, 0.8), 86400)  # median ~1.4 h, mean ~2 h
+            end = t + timedelta(seconds=seconds)
+            if end >= now - timedelta(minutes=5):
+                break
+            runs.append((rng.choice(teams), first, size, t, end))
+            t = end
+        first += size
+    jobs = Job.objects.bulk_create(
+        [
+            Job(
+                name=f"h{i}",
+                team=team,
+                owner=user,
+                image="x",
+                command=["true"],
+                gpus=size,
+                submitted_at=start,
+                first_started_at=start,
+                state=Job.State.SUCCEEDED,
+            )
+            for i, (team, _, size, start, _) in enumerate(runs)
+        ],
+        batch_size=2000,
+    )
+    attempts = Attempt.objects.bulk_create(
+        [
+            Attempt(
+                job=job,
+                number=1,
+                world_size=size,
+                state=Attempt.State.SUCCEEDED,
+                master_addr="x",
+                master_port=29500,
+                created_at=start,
+                running_at=start,
+                ended_at=end,
+            )
+            for job, (_, _, size, start, end) in zip(jobs, runs, strict=True)
+        ],
+        batch_size=2000,
+    )
+    rows = 0
+    batch = []
+    for attempt, (_, lo, size, start, end) in zip(attempts, runs, strict=True):
+        for rank, (node_id, gpu_id) in enumerate(slots[lo : lo + size]):
+            batch.append(
+                Allocation(
+                    attempt=attempt,
+                    gpu_id=gpu_id,
+                    node_id=node_id,
+                    rank=rank,
+                    local_rank=rank % 8,
+                    group_rank=rank // 8,
+                    claimed_at=start,
+                    started_at=start,
+                    exited_at=end,
+                    exit_code=0,
+                    released_at=end,
+                )
+            )
+        if len(batch) >= 5000:
+            rows += len(Allocation.objects.bulk_create(batch))
+            batch = []
+    rows += len(Allocation.objects.bulk_create(batch))
+    return {"history_days": days, "history_jobs": len(jobs), "history_allocations": rows}
 
 
 def main() -> int:
@@ -101,6 +193,7 @@ def main() -> int:
     parser.add_argument("--queued", type=int, default=10_000)
     parser.add_argument("--teams", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--history-days", type=float, default=0.0, help="finished work first")
     parser.add_argument("--ref", help="also time the reader at this git ref, alternating")
     parser.add_argument("--profile", action="store_true", help="print a profile of one read")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "snapshot-read.json"))

@@ -111,7 +111,14 @@ def test_the_loops_estimator_writes_background_estimates_at_the_next_pass(
     try:
         report, _ = run_pass(estimator=estimator)
         # The pass says where its time went, phase by phase.
-        assert list(report.phases) == ["housekeeping", "snapshot", "plan", "estimates", "apply"]
+        assert list(report.phases) == [
+            "housekeeping",
+            "snapshot",
+            "plan",
+            "estimates",
+            "apply",
+            "reasons",
+        ]
         assert 0 < sum(report.phases.values()) <= report.seconds + 0.01
         waiting.refresh_from_db()
         assert waiting.reason and waiting.estimated_start_at is None  # not in yet

@@ -53,6 +53,7 @@ class ApplyResult:
     grown: list[int] = field(default_factory=list)  # job ids told to stop and grow back
     reasons_written: int = 0  # queued jobs whose reason or start estimate changed
     reasons_deferred: int = 0  # changed ones left for the next pass (the write budget)
+    reasons_s: float = 0.0  # of which the wait reasons' read and write
 
 
 def apply_plan(
@@ -86,6 +87,7 @@ def apply_plan(
     with transaction.atomic():
         for start in range(0, len(placements), max(chunk, 1)):
             _apply_batch(placements[start : start + max(chunk, 1)], now, result)
+    reasons_started = time.monotonic()
     try:
         with transaction.atomic():
             result.reasons_written, result.reasons_deferred = _write_reasons(
@@ -99,6 +101,8 @@ def apply_plan(
         # A lost race over advice (a deadlock with a requeue): the placements stand, and the
         # next pass, its memo cleared, reads and writes every reason again.
         log.warning("wait reasons not written this pass: %s", exc)
+    finally:
+        result.reasons_s = time.monotonic() - reasons_started
     # Outside the placement transaction: each proposal is its own small transaction, so a
     # victim that just ended is simply skipped.
     for preemption in plan.preemptions:

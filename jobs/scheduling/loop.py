@@ -36,8 +36,8 @@ class PassReport:
     rejected: int
     queued: int
     seconds: float
-    # Seconds per phase (housekeeping, snapshot, plan, estimates, apply): where a slow pass
-    # went (bench/hollow.py reads them back from the cache).
+    # Seconds per phase (housekeeping, snapshot, plan, estimates, apply, reasons): where a slow
+    # pass went (bench/hollow.py reads them back from the cache).
     phases: dict[str, float] = field(default_factory=dict)
     reasons_deferred: int = 0  # changed wait reasons left for the next pass (its write budget)
     housekeeping: dict[str, float] = field(default_factory=dict)  # seconds per chore
@@ -199,6 +199,9 @@ def run_pass(
         reason_budget_s=lockstep_setting("REASON_WRITE_S"),
     )
     phase("apply")
+    # The wait reasons' share of apply, as a phase of its own (gangs placed, then advice).
+    phases["reasons"] = round(min(result.reasons_s, phases["apply"]), 4)
+    phases["apply"] = round(phases["apply"] - phases["reasons"], 4)
     report = PassReport(
         len(result.applied),
         len(result.rejected),
