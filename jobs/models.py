@@ -278,6 +278,9 @@ class Allocation(models.Model):
             ),
             models.UniqueConstraint(fields=["attempt", "rank"], name="rank_per_attempt"),
         ]
+        # Fair share reads the allocations released within its window every pass
+        # (scheduling/reader.py): without this index that is a scan of every allocation ever.
+        indexes = [models.Index(fields=["released_at"], name="allocation_released_at")]
 
     def __str__(self) -> str:
         return f"attempt {self.attempt_id} rank {self.rank} on GPU {self.gpu_id}"

@@ -24,7 +24,7 @@ from jobs.scheduling.estimate import estimate_starts, head_of_queue
 from jobs.scheduling.estimator import Estimator
 from jobs.scheduling.leader import LeaderLease
 from jobs.scheduling.policy import plan
-from jobs.scheduling.reader import take_snapshot
+from jobs.scheduling.reader import UsageMemo, take_snapshot
 from jobs.scheduling.wake import subscriber, wake_scheduler
 
 log = logging.getLogger("lockstep.scheduler")
@@ -159,12 +159,16 @@ def housekeeping(now, parts: dict[str, float] | None = None) -> None:
 
 
 def run_pass(
-    now=None, memo: ReasonMemo | None = None, estimator: Estimator | None = None
+    now=None,
+    memo: ReasonMemo | None = None,
+    estimator: Estimator | None = None,
+    usage: UsageMemo | None = None,
 ) -> tuple[PassReport, ApplyResult]:
     """One scheduling pass: housekeeping, snapshot, plan, estimates, apply. The loop passes
-    its leadership term's `memo` of written wait reasons (apply.ReasonMemo) and its
-    `estimator` (jobs/scheduling/estimator.py: estimates beside the pass once they are slow);
-    without one the pass works them out itself."""
+    its leadership term's `memo` of written wait reasons (apply.ReasonMemo), its `estimator`
+    (jobs/scheduling/estimator.py: estimates beside the pass once they are slow) and its
+    `usage` memo of fair-share history (reader.UsageMemo); without them the pass reads and
+    works everything out itself."""
     started = time.monotonic()
     phases, mark = {}, started
 
@@ -176,7 +180,7 @@ def run_pass(
     chores: dict[str, float] = {}
     housekeeping(now, chores)
     phase("housekeeping")
-    snapshot = take_snapshot(now)
+    snapshot = take_snapshot(now, usage)
     phase("snapshot")
     decided = plan(snapshot)
     phase("plan")
@@ -271,25 +275,26 @@ def _estimator() -> Estimator:
 
 
 def _loop(lease, tick_s: float, once: bool, pubsub) -> None:
-    memo, estimator = ReasonMemo(), _estimator()
+    memo, estimator, usage = ReasonMemo(), _estimator(), UsageMemo()
     try:
-        _lead(lease, tick_s, once, pubsub, memo, estimator)
+        _lead(lease, tick_s, once, pubsub, memo, estimator, usage)
     finally:
         estimator.close()
 
 
-def _lead(lease, tick_s: float, once: bool, pubsub, memo, estimator) -> None:
+def _lead(lease, tick_s: float, once: bool, pubsub, memo, estimator, usage) -> None:
     while True:
         close_old_connections()
         if not lease.acquire_or_renew():
             if once:
                 raise SystemExit(f"another scheduler leads ({lease.holder()}); no pass run")
-            memo = ReasonMemo()  # another leader writes meanwhile: a new term reads afresh
+            # Another leader writes meanwhile: a new term reads afresh.
+            memo, usage = ReasonMemo(), UsageMemo()
             pubsub = _wait_for_wake(pubsub, tick_s)
             continue
         wait_s = None
         try:
-            report, _ = run_pass(memo=memo, estimator=None if once else estimator)
+            report, _ = run_pass(memo=memo, estimator=None if once else estimator, usage=usage)
             if report.reasons_deferred:
                 wait_s = REASON_CATCH_UP_S  # a backlog's reasons: written over the next passes
             if report.applied or report.rejected:

@@ -3,6 +3,7 @@ one place where ORM rows become the policy's pure views."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.db.models import Count, Max, Q
@@ -21,8 +22,24 @@ from jobs.scheduling.protection import min_run_s
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 from teams.models import Team
 
+# How long the leader's fair-share history of released allocations is reused (UsageMemo).
+USAGE_REFRESH_S = 300.0
 
-def take_snapshot(now: datetime) -> Snapshot:
+
+@dataclass
+class UsageMemo:
+    """The leader's decayed usage per team of the allocations released before `at`, as of
+    `at`. Until `refresh_s` has passed it is decayed by the elapsed time instead of read
+    again (exact but for the window's far edge, where a second weighs 1/16), and each pass
+    reads only the allocations held or released since `at`. One per leadership term, like
+    apply.ReasonMemo; without one every pass reads the whole window."""
+
+    refresh_s: float = USAGE_REFRESH_S
+    at: datetime | None = None
+    closed: dict[int, float] = field(default_factory=dict)
+
+
+def take_snapshot(now: datetime, usage: UsageMemo | None = None) -> Snapshot:
     """Read the database into a Snapshot (a few queries, no per-row queries)."""
     live = list(
         Allocation.objects.filter(released_at__isnull=True).values_list(
@@ -144,7 +161,7 @@ def take_snapshot(now: datetime) -> Snapshot:
         now=now,
         nodes=tuple(nodes),
         queued=queued,
-        teams=_teams(now),
+        teams=_teams(now, usage),
         running=running,
         preempt_exempt_s=lockstep_setting("PREEMPT_EXEMPT_S"),
         max_preemptions=lockstep_setting("PREEMPT_MAX_PER_DAY"),
@@ -154,7 +171,7 @@ def take_snapshot(now: datetime) -> Snapshot:
     )
 
 
-def _teams(now: datetime) -> tuple[TeamView, ...]:
+def _teams(now: datetime, memo: UsageMemo | None = None) -> tuple[TeamView, ...]:
     """Every team with its GPUs in use, its decayed usage, and whether a reclaim within
     RECLAIM_BACKOFF_S paused its borrowing."""
     backoff = now - timedelta(seconds=lockstep_setting("RECLAIM_BACKOFF_S"))
@@ -163,25 +180,28 @@ def _teams(now: datetime) -> tuple[TeamView, ...]:
             kind=PreemptionRequest.Kind.RECLAIM, executed_at__gte=backoff
         ).values_list("victim__team_id", flat=True)
     )
-    history = _usage_history(now, lockstep_setting("USAGE_HALF_LIFE_S"))
+    history = _usage_history(now, lockstep_setting("USAGE_HALF_LIFE_S"), memo)
+    # GPUs held now, from the held allocations alone (the partial index of invariant 1), not
+    # a join of every team's jobs, attempts and allocations ever.
+    used = dict(
+        Allocation.objects.filter(released_at__isnull=True)
+        .values_list("attempt__job__team_id")
+        .annotate(gpus=Count("id"))
+        .order_by()
+    )
     return tuple(
         TeamView(
             id=t.id,
             name=t.name,
             quota=t.quota,
             borrow_limit=t.borrow_limit,
-            used=t.used,
+            used=used.get(t.id, 0),
             weight=t.weight,
             usage_history=history.get(t.id, 0.0),
             borrow_paused=t.id in paused,
             isolated_only=t.isolated_only,
         )
-        for t in Team.objects.annotate(
-            used=Count(
-                "jobs__attempts__allocations",
-                filter=Q(jobs__attempts__allocations__released_at__isnull=True),
-            )
-        )
+        for t in Team.objects.order_by("id")
     )
 
 
@@ -240,20 +260,50 @@ def _claims(now: datetime) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
     return {claimant: tuple(ids) for claimant, ids in nodes.items()}, stopped
 
 
-def _usage_history(now: datetime, half_life_s: float) -> dict[int, float]:
+def _usage_history(
+    now: datetime, half_life_s: float, memo: UsageMemo | None = None
+) -> dict[int, float]:
     """Per team, GPU-seconds held over the last four half-lives, each second weighted by
-    0.5 ** (age / half-life) (approximated at each allocation's midpoint)."""
+    0.5 ** (age / half-life) (approximated at each allocation's midpoint).
+
+    Read grouped: a gang's ranks share their claim and release times, so the database returns
+    one row per attempt with its GPU count, not one per GPU. At the target's churn (every GPU
+    busy, gangs of ~2 h) four days of a 4,096-GPU cluster are ~200,000 allocations, which
+    took 2-3 s to read one by one on every pass (bench/snapshot_read.py --history-days). With
+    a `memo` the released ones are read once per `refresh_s`."""
     since = now - timedelta(seconds=4 * half_life_s)
+    window = Allocation.objects.filter(claimed_at__lt=now)
+    if memo is None:
+        return _decayed(
+            window.filter(Q(released_at__isnull=True) | Q(released_at__gte=since)),
+            now,
+            since,
+            half_life_s,
+        )
+    if memo.at is None or not 0 <= (now - memo.at).total_seconds() < memo.refresh_s:
+        memo.at = now
+        memo.closed = _decayed(
+            window.filter(released_at__gte=since, released_at__lt=now), now, since, half_life_s
+        )
+    factor = 0.5 ** ((now - memo.at).total_seconds() / half_life_s)
+    usage = {team_id: value * factor for team_id, value in memo.closed.items()}
+    recent = window.filter(Q(released_at__isnull=True) | Q(released_at__gte=memo.at))
+    for team_id, value in _decayed(recent, now, since, half_life_s).items():
+        usage[team_id] = usage.get(team_id, 0.0) + value
+    return usage
+
+
+def _decayed(allocations, now: datetime, since: datetime, half_life_s: float) -> dict[int, float]:
     usage: dict[int, float] = {}
-    for team_id, claimed, released in (
-        Allocation.objects.filter(claimed_at__lt=now)
-        .exclude(released_at__lt=since)
-        .values_list("attempt__job__team_id", "claimed_at", "released_at")
+    for team_id, claimed, released, gpus in (
+        allocations.values_list("attempt__job__team_id", "claimed_at", "released_at")
+        .annotate(gpus=Count("id"))
+        .order_by()
     ):
         start, end = max(claimed, since), min(released or now, now)
         seconds = (end - start).total_seconds()
         if seconds <= 0:
             continue
         age = (now - (start + (end - start) / 2)).total_seconds()
-        usage[team_id] = usage.get(team_id, 0.0) + seconds * 0.5 ** (age / half_life_s)
+        usage[team_id] = usage.get(team_id, 0.0) + gpus * seconds * 0.5 ** (age / half_life_s)
     return usage
