@@ -236,6 +236,87 @@ def test_live_points_reach_the_chart_within_2_s_of_their_step(cluster, page):
     assert median < 2.0, latencies
 
 
+def test_lost_pushes_and_a_dropped_socket_are_refilled_from_the_server(cluster, page):
+    """The channel layer may lose a push (a watcher's queue full while its portal process
+    stalls), and a socket that reconnects misses what was pushed meanwhile. Between the
+    portal and this page the test withholds every metrics push until at least 20 of rank 0's
+    loss steps are gone, then closes the socket once: the page sees the pushes' numbers skip
+    (jobs/notify.py) and, later, its socket reopen, and each time fetches its charts again,
+    so the hole it would otherwise keep is filled."""
+    # A context of its own, logged in as alice (the fixture's cookies): the route below then
+    # leaves the shared page alone.
+    context = page.context.browser.new_context(viewport={"width": 1280, "height": 900})
+    context.add_cookies(page.context.cookies())
+    tab = context.new_page()
+    seen = {"metrics": 0, "sockets": [], "held": set(), "first_after": None, "shown": -1}
+
+    def route(ws):
+        server = ws.connect_to_server()
+        seen["sockets"].append(ws)
+        first = len(seen["sockets"]) == 1
+
+        def from_server(text):
+            if first and seen.get("closing"):
+                return  # this socket is being closed: nothing more reaches the page on it
+            message = json.loads(text)
+            if message.get("type") == "metrics":
+                seen["metrics"] += 1
+                steps = [p["step"] for p in message["points"] if p["name"] == "loss"]
+                if len(seen["sockets"]) > 1 and steps and seen["first_after"] is None:
+                    seen["first_after"] = min(steps)  # the first step after the reconnect
+                if seen["metrics"] >= 3 and len(seen["held"]) < 20:
+                    seen["held"].update(
+                        p["step"]
+                        for p in message["points"]
+                        if p["name"] == "loss" and p["rank"] == 0
+                    )
+                    return  # lost on the way
+                seen["shown"] = max([seen["shown"]] + steps)
+            ws.send(text)
+
+        server.on_message(from_server)
+
+    tab.route_web_socket(re.compile(r".*/ws/jobs/\d+/$"), route)
+    try:
+        tab.goto(f"{cluster.url}/jobs/{cluster.running}/")
+        tab.wait_for_function("() => window.lockstepJob && window.lockstepJob.ready")
+        _wait_in_page(tab, lambda: len(seen["held"]) >= 20, 120, "20 loss steps withheld")
+        held = sorted(seen["held"])
+        tab.wait_for_function("() => window.lockstepJob.refills >= 1", timeout=30_000)
+        gaps = tab.evaluate("() => window.lockstepJob.gaps")
+        assert gaps and gaps[0]["missing"] >= 1, gaps
+
+        def loss_steps_within(lo, hi):
+            return tab.evaluate(
+                "([lo, hi]) => { const d = document.getElementById('loss-chart').data[0];"
+                " return d.x.filter((x) => x >= lo && x <= hi); }",
+                [lo, hi],
+            )
+
+        # The page now holds points inside the withheld range: without the refill it had
+        # none, as later pushes only add steps after the last one it has.
+        _wait_in_page(
+            tab, lambda: loss_steps_within(held[0], held[-1]), 20, "the withheld steps refilled"
+        )
+
+        # The socket drops; the page reconnects 2 s later and fetches again what it missed.
+        refills = tab.evaluate("() => window.lockstepJob.refills")
+        seen["closing"] = True
+        last_before = seen["shown"]
+        seen["sockets"][-1].close()
+        tab.wait_for_function("() => window.lockstepJob.sockets >= 2", timeout=30_000)
+        tab.wait_for_function(f"() => window.lockstepJob.refills > {refills}", timeout=30_000)
+        _wait_in_page(tab, lambda: seen["first_after"] is not None, 30, "pushes again")
+        missed = (last_before + 1, seen["first_after"] - 1)
+        assert missed[1] >= missed[0], (last_before, seen["first_after"])
+        _wait_in_page(
+            tab, lambda: loss_steps_within(*missed), 20, f"steps {missed} pushed while away"
+        )
+        _shot(tab, "job-refilled")
+    finally:
+        context.close()
+
+
 def test_logs_follow_the_chosen_rank(cluster, page):
     page.goto(f"{cluster.url}/jobs/{cluster.running}/")
     page.wait_for_function("() => window.lockstepJob && window.lockstepJob.ready")

@@ -7,7 +7,8 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import transaction
 
-from jobs.notify import job_group, on_commit_send
+from jobs import notify
+from jobs.notify import job_group, on_commit_send, send_to_job
 
 
 async def _next(layer, channel, timeout: float = 2.0):
@@ -37,9 +38,44 @@ def test_a_rolled_back_push_is_dropped_and_later_pushes_still_go_out(settings):
         on_commit_send(7, {"n": 4})
 
     received = [async_to_sync(_next)(layer, channel)["message"] for _ in range(2)]
-    assert received == [{"n": 2}, {"n": 4}]
+    assert [m["n"] for m in received] == [2, 4]
     with pytest.raises(TimeoutError):
         async_to_sync(_next)(layer, channel, 0.3)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_pushes_are_numbered_per_job_so_that_a_page_can_see_one_lost(settings, monkeypatch):
+    """Each job's pushes from one process are numbered 1, 2, 3... in the order they go out,
+    committed or not; a send that fails uses its number (the page sees the gap); the least
+    recently pushed jobs' counts are forgotten past SEQUENCES_KEPT."""
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    monkeypatch.setattr(notify, "_sequences", type(notify._sequences)())
+    monkeypatch.setattr(notify, "SEQUENCES_KEPT", 3)
+    layer = get_channel_layer()
+    channel = async_to_sync(layer.new_channel)()
+    for job in (7, 8):
+        async_to_sync(layer.group_add)(job_group(job), channel)
+
+    send_to_job(7, {"n": 1})
+    with transaction.atomic():
+        on_commit_send(8, {"n": 2})
+        on_commit_send(7, {"n": 3})
+    real_group_send = layer.group_send
+
+    async def failing(group, message):
+        raise ConnectionError("redis went away")
+
+    layer.group_send = failing
+    send_to_job(7, {"n": 4})  # logged and lost, as any push may be
+    layer.group_send = real_group_send
+    send_to_job(7, {"n": 5})
+    received = [async_to_sync(_next)(layer, channel)["message"] for _ in range(4)]
+    assert [(m["n"], m["seq"]) for m in received] == [(1, 1), (2, 1), (3, 2), (5, 4)]
+    assert {m["src"] for m in received} == {notify.SOURCE}
+
+    for job in (9, 10):  # two more jobs: 8, the least recently pushed, is forgotten
+        send_to_job(job, {"n": 0})
+    assert 8 not in notify._sequences and notify._sequences[7] == 4
 
 
 @pytest.mark.django_db

@@ -85,7 +85,8 @@
     var s = SERIES[name];
     // full: per rank, the whole-run overview (downsampled, plus live points) that a zoom's
     // detail is spliced into, so panning out never shows a hole.
-    var chart = (state.charts[name] = {ranks: {}, last: {}, full: {}, zoom: null, seq: 0, points: 0});
+    // pending: live points that came before the chart was drawn, added once it is.
+    var chart = (state.charts[name] = {ranks: {}, last: {}, full: {}, zoom: null, seq: 0, points: 0, pending: []});
     return fetchSeries(name, null).then(function (data) {
       var traces = [];
       Object.keys(data.ranks).forEach(function (rank) {
@@ -103,6 +104,7 @@
     }).then(function () {
       chart.drawn = performance.now();
       document.getElementById(s.el).on("plotly_relayout", function (ev) { onZoom(name, ev); });
+      chart.pending.splice(0).forEach(function (p) { addPoints(name, p[0], p[1], p[2]); });
     });
   }
 
@@ -123,7 +125,7 @@
     var el = document.getElementById(SERIES[name].el);
     var seq = ++chart.seq;
     chart.zoom = range;
-    fetchSeries(name, range).then(function (data) {
+    return fetchSeries(name, range).then(function (data) {
       if (seq !== chart.seq) return; // a newer zoom won
       var xs = [], ys = [], idx = [];
       Object.keys(data.ranks).forEach(function (rank) {
@@ -192,7 +194,8 @@
   function addPoints(name, rank, steps, values) {
     var chart = state.charts[name];
     var s = SERIES[name];
-    if (!chart || !chart.drawn || !steps.length) return;
+    if (!chart || !steps.length) return;
+    if (!chart.drawn) { chart.pending.push([rank, steps, values]); return; }
     if (s.rank !== undefined && Number(rank) !== s.rank) return;
     var last = chart.last[rank] ?? -1;
     var xs = [], ys = [];
@@ -441,9 +444,47 @@
   }
 
   // ---- Websocket: metrics, state, logs, checkpoints ----------------------------------------
+  // The socket opens at once; points that come before a chart is drawn wait for it. Each push
+  // carries its sender process (src) and its number among that sender's pushes to this job
+  // (seq, jobs/notify.py). A number skipped means a push was lost on the way (a full channel
+  // queue, a stalled portal process), and a socket that had to reconnect missed whatever was
+  // pushed meanwhile: either way the page fetches again what it shows (refill), instead of
+  // keeping a hole in a chart for as long as it stays open.
   var live = 0;
+  var lastSeq = {}; // src -> the highest seq seen
+  var refillTimer = null;
+  state.gaps = [];
+  state.refills = 0;
+  state.sockets = 0;
+  function noteSeq(msg) {
+    if (msg.src === undefined || msg.seq === undefined) return;
+    var last = lastSeq[msg.src];
+    if (last !== undefined && msg.seq > last + 1) {
+      state.gaps.push({src: msg.src, after: last, missing: msg.seq - last - 1, at: Date.now()});
+      scheduleRefill();
+    }
+    // A count that starts again (the sender forgot this job, or restarted) is a new start.
+    if (last === undefined || msg.seq > last || msg.seq === 1) lastSeq[msg.src] = msg.seq;
+  }
+  function scheduleRefill() {
+    clearTimeout(refillTimer);
+    refillTimer = setTimeout(refill, 500); // one refill for a burst of gaps
+  }
+  function refill() {
+    state.refills += 1;
+    Object.keys(state.charts).forEach(function (name) {
+      var chart = state.charts[name];
+      if (!chart.drawn) return; // its first fetch is still to come, and covers it
+      var zoom = chart.zoom;
+      // The overview first, then the zoomed detail again on top of it.
+      refetch(name, null).then(function () { if (zoom) return refetch(name, zoom); });
+    });
+    loadLogs();
+    addCheckpointRows();
+  }
   function onMessage(ev) {
     var msg = JSON.parse(ev.data);
+    noteSeq(msg);
     if (msg.type === "metrics") {
       var grouped = {};
       var arrived = Date.now() / 1000;
@@ -475,11 +516,16 @@
   }
   function connect() {
     var proto = location.protocol === "https:" ? "wss" : "ws";
-    var ws = new WebSocket(proto + "://" + location.host + "/ws/jobs/" + jobId + "/");
+    var ws = (state.ws = new WebSocket(proto + "://" + location.host + "/ws/jobs/" + jobId + "/"));
     ws.onmessage = onMessage;
+    ws.onopen = function () {
+      state.sockets += 1;
+      if (state.sockets > 1) { lastSeq = {}; scheduleRefill(); } // missed while away
+    };
     ws.onclose = function (ev) { if (ev.code !== 4404) setTimeout(connect, 2000); };
   }
 
+  connect();
   loadLogs();
   watchGpus(page.state);
   var charts = Object.keys(SERIES).map(drawInitial).concat((page.scalars || []).map(addScalarSeries));
@@ -487,6 +533,6 @@
     state.ready = true;
     state.readyAt = performance.now();
     document.documentElement.dataset.chartsReady = "1";
-  }).then(connect, connect);
+  });
   drawTimeline();
 })();
