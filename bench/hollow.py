@@ -39,9 +39,12 @@ from typing import Any
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from jobs.settings_table import DEFAULTS  # noqa: E402
 from nodeagent.agent import jittered  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# What the portal pushes live (the portal runs with this environment too).
+LIVE_RANKS_MAX = int(os.environ.get("LOCKSTEP_LIVE_RANKS_MAX", DEFAULTS["LIVE_RANKS_MAX"]))
 REGISTER_PATH = "/api/v1/agent/register/"
 HEARTBEAT_PATH = "/api/v1/agent/heartbeat/"
 
@@ -63,6 +66,7 @@ class Stats:
     sent_at: dict[tuple, float] = field(default_factory=dict)
     portal_lags: list[float] = field(default_factory=list)
     passes: dict[float, dict] = field(default_factory=dict)  # the scheduler's passes seen
+    watching: dict[int, int] = field(default_factory=dict)  # watcher -> its job
 
     def beat(self, seconds: float) -> None:
         with self.lock:
@@ -448,6 +452,20 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def live_points(stats: Stats, job_id: int) -> set[tuple]:
+    """The accepted points a watcher of `job_id` should receive: every rank's, or rank 0's
+    alone for a job wider than LIVE_RANKS_MAX (jobs/actions/heartbeat.py). Call with the lock
+    held."""
+    keys = [key for key in stats.acked if key[0] == job_id]
+    if len({key[2] for key in keys}) > LIVE_RANKS_MAX:
+        keys = [key for key in keys if key[2] == 0]
+    return set(keys)
+
+
+def expected_watcher_points(stats: Stats) -> int:
+    return sum(len(live_points(stats, job)) for job in stats.watching.values())
+
+
 def summary(stats: Stats, seconds: float) -> dict[str, Any]:
     with stats.lock:
         beats = list(stats.beats)
@@ -468,6 +486,7 @@ def summary(stats: Stats, seconds: float) -> dict[str, Any]:
             "portal_lag_p50_s": percentile(portal_lags, 0.50),
             "portal_lag_p99_s": percentile(portal_lags, 0.99),
             "watcher_points": sum(sum(c.values()) for c in stats.received.values()),
+            "watcher_points_expected": expected_watcher_points(stats),
             "scheduler_passes": len(passes),
             "scheduler_pass_p50_s": percentile([p["seconds"] for p in passes], 0.50),
             "scheduler_pass_max_s": max((p["seconds"] for p in passes), default=None),
@@ -552,6 +571,7 @@ def run_load(
         Watcher(i, urls[i % len(urls)], user_token, jobs[i % len(jobs)], stats, quiet)
         for i in range(watchers)
     ]
+    stats.watching.update((tab.index, tab.job_id) for tab in tabs)
     for tab in tabs:
         tab.start()
     for tab in tabs:

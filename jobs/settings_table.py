@@ -43,6 +43,17 @@ TABLE: tuple[Setting, ...] = (
         "how often a node's GPU readings are kept per rank for the job page's history charts",
     ),
     Setting(
+        "LIVE_RANKS_MAX",
+        64,
+        "a job of more ranks pushes only rank 0's metrics and logs live; its page fetches the "
+        "other ranks' charts and logs from the server every LIVE_REFRESH_S",
+    ),
+    Setting(
+        "LIVE_REFRESH_S",
+        15.0,
+        "how often the page of a job wider than LIVE_RANKS_MAX fetches its per-rank charts again",
+    ),
+    Setting(
         "METRIC_RAW_RETENTION_S",
         21600.0,
         "every rank's raw metric points are kept this long (rank 0's and the per-rank rollups "

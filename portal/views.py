@@ -14,6 +14,7 @@ from django.views.decorators.http import require_POST
 from jobs import actions
 from jobs.actions.ingest import STEP_METRICS
 from jobs.checkpoint_policy import checkpoint_advice
+from jobs.conf import lockstep_setting
 from jobs.event_kinds import EventKind
 from jobs.metrics_query import metric_names
 from jobs.models import (
@@ -289,6 +290,9 @@ def job_page(request, job_id: int):
                 "name": job.name,
                 "state": job.state,
                 "ranks": world,
+                # Wider jobs push rank 0 live only; the page fetches the rest (job.js).
+                "live_all_ranks": world <= lockstep_setting("LIVE_RANKS_MAX"),
+                "live_refresh_s": lockstep_setting("LIVE_REFRESH_S"),
                 "timeline": timeline,
                 "max_points": CHART_POINTS,
                 # Charts of their own for what the script logs besides the steps' metrics.

@@ -106,3 +106,54 @@ def test_the_configured_layer_keeps_every_push_to_a_process_watching_many_jobs()
 
     received = async_to_sync(scenario)()
     assert all(ns == list(range(pushes)) for ns in received.values())
+
+
+def _step(rank: int, step: int) -> dict:
+    return {
+        "kind": "step",
+        "rank": rank,
+        "step": step,
+        "loss": 1.0,
+        "tokens_per_s": 1.0,
+        "step_time_s": 0.1,
+        "compute_s": 0.05,
+    }
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(("cap", "live_ranks"), [(4, {0, 1, 2, 3}), (3, {0})])
+def test_a_job_wider_than_the_live_cap_pushes_rank_0_only(setup, settings, cap, live_ranks):
+    """Every point and log line is stored either way; only what goes to the watchers changes.
+    A 4-rank job under a cap of 4 pushes every rank; under a cap of 3 only rank 0's points and
+    lines, and a node without rank 0 pushes nothing at all."""
+    from jobs.models import LogChunk, MetricPoint
+    from jobs.scheduling.loop import run_pass
+    from tests.heartbeats import beat, live_attempt, submit
+
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "LIVE_RANKS_MAX": cap}
+    team, user, (a, b), _ = setup
+    job = submit(team, user, gpus=4)
+    run_pass()
+    attempt = live_attempt(job)
+    layer = get_channel_layer()
+    channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(job_group(job.id), channel)
+    on = {a: {0: None, 1: None}, b: {2: None, 3: None}}
+    for node, ranks in on.items():
+        records = [_step(rank, step) for rank in ranks for step in (1, 2)]
+        beat(node, attempt, ranks, records=records, logs={r: f"line of {r}" for r in ranks})
+
+    pushed = []
+    while True:
+        try:
+            pushed.append(async_to_sync(_next)(layer, channel, 0.3)["message"])
+        except TimeoutError:
+            break
+    points = {(p["rank"], p["step"], p["name"]) for m in pushed if m["type"] == "metrics"
+              for p in m["points"]}  # fmt: skip
+    assert {rank for rank, _, _ in points} == live_ranks
+    assert len(points) == len(live_ranks) * 2 * 4
+    assert {m["rank"] for m in pushed if m["type"] == "log"} == live_ranks
+    assert MetricPoint.objects.filter(attempt=attempt).count() == 4 * 2 * 4
+    assert LogChunk.objects.filter(attempt=attempt).count() == 4

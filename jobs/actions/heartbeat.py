@@ -160,9 +160,17 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
             }
             if exits:
                 record_exits(attempt, node, exits, now=now)
+            live = chunks
+            if (attempt.world_size or attempt.job.gpus) > lockstep_setting("LIVE_RANKS_MAX"):
+                # A wide job's pages get rank 0 live and fetch the other ranks from the server
+                # (job.js): every rank's points to every watcher is a push per node and
+                # heartbeat, times the watchers, which a 4,096-rank job's page cannot draw and
+                # the portal cannot send (bench/hollow.py --flagship 4096).
+                pushed = [p for p in pushed if p["rank"] == 0]
+                live = [c for c in chunks if c.rank == 0]
             if pushed:
                 on_commit_send(attempt.job_id, {"type": "metrics", "points": pushed})
-            for chunk in chunks:
+            for chunk in live:
                 on_commit_send(
                     attempt.job_id,
                     {

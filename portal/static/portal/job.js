@@ -381,7 +381,8 @@
         if (seq !== logSeq) return;
         appendLog(d.lines.join("\n") + (d.lines.length ? "\n" : ""));
         document.getElementById("log-status").textContent =
-          d.attempt ? "attempt " + d.attempt + ", last " + d.lines.length + " lines, then live" : "no logs yet";
+          !d.attempt ? "no logs yet" : "attempt " + d.attempt + ", last " + d.lines.length + " lines, " +
+          (page.live_all_ranks === false && logRank !== 0 ? "fetched again every " + page.live_refresh_s + " s" : "then live");
       });
   }
   rankSelect.addEventListener("change", function () { logRank = Number(rankSelect.value); loadLogs(); });
@@ -523,6 +524,21 @@
       if (state.sockets > 1) { lastSeq = {}; scheduleRefill(); } // missed while away
     };
     ws.onclose = function (ev) { if (ev.code !== 4404) setTimeout(connect, 2000); };
+  }
+
+  // A job wider than LIVE_RANKS_MAX pushes rank 0 live only (jobs/actions/heartbeat.py): its
+  // per-rank charts, and the logs of another rank, are fetched again on a timer instead.
+  if (page.live_all_ranks === false) {
+    state.wideRefreshes = 0;
+    setInterval(function () {
+      if (LIVE_STATES.indexOf(document.getElementById("job-state").textContent) < 0) return;
+      state.wideRefreshes += 1;
+      Object.keys(state.charts).forEach(function (name) {
+        var chart = state.charts[name];
+        if (chart.drawn && SERIES[name].rank === undefined) refetch(name, chart.zoom);
+      });
+      if (logRank !== 0) loadLogs();
+    }, 1000 * (page.live_refresh_s || 15));
   }
 
   connect();
