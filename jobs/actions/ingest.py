@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from django.db import connection
-from django.db.models import Max
+from django.db.models import Max, Value
+from django.db.models.functions import Coalesce, Greatest
 from django.template.defaultfilters import filesizeformat
 
 from jobs import metric_store, queue, rollup
@@ -40,6 +41,10 @@ STEP_METRICS = ("loss", "tokens_per_s", "step_time_s", "compute_s")
 # Steps and ranks are PositiveIntegerFields: 32 bits on PostgreSQL. A report beyond them is
 # dropped as bad, rather than failing the whole heartbeat in the database.
 MAX_COUNTER = 2**31 - 1
+# An attempt's progress (last step, when) is written at most this often when no new step
+# came: every node of a wide gang reports the same steps, and each write locks the attempt's
+# row until its heartbeat commits (the hang detector's timeouts are a minute or more).
+PROGRESS_WRITE_S = 1.0
 
 
 FRAMEWORK_FORMATS = {
@@ -239,6 +244,7 @@ def layout_sentence(chosen: dict) -> str:
 
 def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[dict]:
     points, pushed = [], []
+    read_step = attempt.last_step  # as the row said when read
     step_keys = set()  # points that are steps (progress); the rest are a framework's scalars
     for record in records:
         if not isinstance(record, dict):
@@ -325,14 +331,30 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
         ]
     if points:
         _insert_points(attempt.job_id, attempt.id, points)
-        rollup.record(attempt.job_id, points, world=attempt.world_size)
     if any((p.rank, p.step, p.name) in step_keys for p in points):
-        # Progress is what the hang detector watches: the portal's clock, not the workers'.
-        attempt.last_progress_at = now
-        attempt.first_step_at = attempt.first_step_at or now
-        Attempt.objects.filter(pk=attempt.pk).update(
-            last_step=attempt.last_step,
-            last_progress_at=now,
-            first_step_at=attempt.first_step_at,
-        )
+        _note_progress(attempt, read_step, now)
+    if points:
+        # Last: the series' header rows are locked from here to the heartbeat's commit, and
+        # every node of the job takes them (the attempt's row, above, comes first in both
+        # this and the state-changing path, so they cannot deadlock).
+        rollup.record(attempt.job_id, points, world=attempt.world_size)
     return pushed
+
+
+def _note_progress(attempt: Attempt, read_step: int, now: datetime) -> None:
+    """Progress is what the hang detector watches: the portal's clock, not the workers'.
+    The attempt may be read unlocked (a steady heartbeat, jobs/actions/heartbeat.py), so the
+    write keeps the greatest step and the first first step whatever another node wrote
+    meanwhile; it is skipped when the row already says as much and is fresh."""
+    recent = attempt.last_progress_at is not None and (
+        (now - attempt.last_progress_at).total_seconds() < PROGRESS_WRITE_S
+    )
+    if recent and attempt.first_step_at is not None and attempt.last_step <= read_step:
+        return
+    attempt.last_progress_at = now
+    attempt.first_step_at = attempt.first_step_at or now
+    Attempt.objects.filter(pk=attempt.pk).update(
+        last_step=Greatest("last_step", Value(attempt.last_step)),
+        last_progress_at=now,
+        first_step_at=Coalesce("first_step_at", Value(now)),
+    )

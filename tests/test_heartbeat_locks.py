@@ -1,0 +1,84 @@
+"""What a heartbeat locks and writes on rows every node of a gang shares (the attempt's row):
+a steady report (a RUNNING attempt, ranks running, points and logs) reads the attempt without
+a lock and writes its progress only when it moved; a report that may change the attempt's
+state locks it. All 512 nodes of a whole-cluster job report for one attempt
+(bench/hollow.py --flagship 4096). Runs on SQLite and on PostgreSQL (DATABASE_URL)."""
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from jobs.models import Attempt
+from jobs.scheduling.loop import run_pass
+from tests.heartbeats import beat, live_attempt, submit
+
+
+def _steps(rank: int, steps) -> list[dict]:
+    return [
+        {
+            "kind": "step",
+            "rank": rank,
+            "step": s,
+            "loss": 1.0,
+            "tokens_per_s": 1.0,
+            "step_time_s": 0.1,
+            "compute_s": 0.05,
+        }
+        for s in steps
+    ]
+
+
+def _attempt_sql(queries) -> tuple[list[str], list[str]]:
+    """(reads of the attempt row that lock it, writes to it)."""
+    locking = [
+        q["sql"]
+        for q in queries
+        if q["sql"].startswith("SELECT")
+        and 'FROM "jobs_attempt"' in q["sql"]
+        and " FOR " in q["sql"]
+    ]
+    writes = [q["sql"] for q in queries if q["sql"].startswith('UPDATE "jobs_attempt"')]
+    return locking, writes
+
+
+@pytest.mark.django_db
+def test_a_steady_report_neither_locks_nor_rewrites_the_shared_attempt(setup):
+    team, user, (a, b), _ = setup
+    job = submit(team, user, gpus=4)
+    run_pass()
+    attempt = live_attempt(job)
+    t0 = timezone.now()
+    beat(a, attempt, {0: None, 1: None}, now=t0)
+    beat(b, attempt, {2: None, 3: None}, now=t0)
+    assert live_attempt(job).state == Attempt.State.RUNNING
+
+    def report(node, ranks, records, at):
+        with CaptureQueriesContext(connection) as ctx:
+            beat(node, attempt, ranks, records=records, now=at)
+        return _attempt_sql(ctx.captured_queries)
+
+    # Node a's steps 1-3 move the attempt on: one write, and no lock.
+    locking, writes = report(a, {0: None, 1: None}, _steps(0, (1, 2, 3)), t0)
+    assert locking == [] and len(writes) == 1
+    assert live_attempt(job).last_step == 3
+    # Node b reports the same steps for its ranks a moment later: nothing left to write.
+    locking, writes = report(b, {2: None, 3: None}, _steps(2, (1, 2, 3)), t0)
+    assert locking == [] and writes == []
+    # A later step, or the same steps after PROGRESS_WRITE_S, is written again.
+    locking, writes = report(b, {2: None, 3: None}, _steps(3, (1, 2, 3, 4)), t0)
+    assert len(writes) == 1 and live_attempt(job).last_step == 4
+    later = t0 + timedelta(seconds=2)
+    locking, writes = report(a, {0: None, 1: None}, _steps(1, (1, 2)), later)
+    assert len(writes) == 1
+    again = live_attempt(job)
+    assert again.last_step == 4 and again.last_progress_at == later  # the step never goes back
+
+    # A rank's exit may end the attempt: that report locks it (on PostgreSQL the lock is in
+    # the SQL; SQLite serializes writers and has no FOR UPDATE).
+    locking, _ = report(b, {2: None, 3: 1}, [], later)
+    if connection.vendor == "postgresql":
+        assert locking and "FOR NO KEY UPDATE" in locking[0]
+    assert Attempt.objects.get(pk=attempt.pk).state == Attempt.State.FAILED
