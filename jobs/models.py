@@ -267,6 +267,10 @@ class Allocation(models.Model):
     # CPU seconds the rank's session had used at its last counted activity (the baseline the
     # next heartbeat's reading is compared with).
     cpu_s = models.FloatField(null=True, blank=True)
+    # The highest step of this rank's step records stored (jobs/actions/ingest.py): a record
+    # sent again (delivery is at least once) is recognised by it, without reading the job's
+    # points of that step, of which a wide gang has one per rank.
+    recorded_step = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["attempt_id", "rank"]

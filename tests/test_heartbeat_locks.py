@@ -82,3 +82,35 @@ def test_a_steady_report_neither_locks_nor_rewrites_the_shared_attempt(setup):
     if connection.vendor == "postgresql":
         assert locking and "FOR NO KEY UPDATE" in locking[0]
     assert Attempt.objects.get(pk=attempt.pk).state == Attempt.State.FAILED
+
+
+@pytest.mark.django_db
+def test_step_records_sent_again_are_known_by_the_ranks_mark_not_by_reading_points(setup):
+    """Delivery is at least once. A rank's allocation keeps the highest step stored, so a
+    record sent again is dropped without reading the job's points of that step (a wide gang
+    has one per rank); the first batch of a rank, with no mark yet, is checked against the
+    points themselves."""
+    from jobs.models import Allocation, MetricPoint
+
+    team, user, (a, b), _ = setup
+    job = submit(team, user, gpus=4)
+    run_pass()
+    attempt = live_attempt(job)
+    beat(a, attempt, {0: None, 1: None})
+    beat(b, attempt, {2: None, 3: None})
+
+    def send(records):
+        with CaptureQueriesContext(connection) as ctx:
+            beat(a, attempt, {0: None, 1: None}, records=records)
+        return [q["sql"] for q in ctx.captured_queries if 'FROM "jobs_metricpoint"' in q["sql"]]
+
+    first = _steps(0, (1, 2, 3)) + _steps(1, (1, 2, 3))
+    assert len(send(first)) == 1  # no mark yet: the points are read once
+    marks = dict(Allocation.objects.filter(attempt=attempt).values_list("rank", "recorded_step"))
+    assert marks == {0: 3, 1: 3, 2: None, 3: None}
+    # The same records again (the answer was lost), with step 4: no read, step 4 stored once.
+    assert send(first + _steps(0, (4,)) + _steps(1, (4,))) == []
+    stored = MetricPoint.objects.filter(attempt=attempt)
+    assert stored.count() == 2 * 4 * 4  # ranks 0 and 1, steps 1-4, four metrics
+    assert sorted(stored.filter(rank=0, name="loss").values_list("step", flat=True)) == [1, 2, 3, 4]
+    assert Allocation.objects.get(attempt=attempt, rank=0).recorded_step == 4

@@ -22,10 +22,12 @@ from django.template.defaultfilters import filesizeformat
 
 from jobs import metric_store, queue, rollup
 from jobs.actions.base import record_event
+from jobs.bulk import bulk_set
 from jobs.bulk_sql import insert_rows
 from jobs.conf import lockstep_setting
 from jobs.event_kinds import EventKind
 from jobs.models import (
+    Allocation,
     Attempt,
     Checkpoint,
     MetricPoint,
@@ -296,29 +298,7 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
             # OverflowError, OSError: a timestamp out of the platform's range.
             log.warning("bad metric record from attempt %s: %s (%s)", attempt.id, record, exc)
     if points:
-        # Delivery is at least once: a heartbeat the portal committed but whose answer the
-        # agent never got (the portal restarted in between) is sent again. A step of one rank
-        # is stored once per attempt; the attempt's row lock keeps two heartbeats from racing.
-        # Within one batch too: a framework may log a tag twice at one step; the first stays.
-        stored = set(
-            MetricPoint.objects.filter(
-                job_id=attempt.job_id,
-                name__in={p.name for p in points},
-                step__in={p.step for p in points},
-                attempt=attempt,
-                # A point sent again carries the time it was first stored under (or, from a
-                # clock taken as the portal's, one a little earlier): on PostgreSQL this keeps
-                # the lookup to the newest time partitions (jobs/metric_store.py).
-                time__gte=min(p.time for p in points)
-                - timedelta(seconds=metric_store.CLOCK_SKEW_S),
-            ).values_list("rank", "step", "name")
-        )
-        fresh = []
-        for point in points:
-            if (point.rank, point.step, point.name) not in stored:
-                stored.add((point.rank, point.step, point.name))
-                fresh.append(point)
-        points = fresh
+        points = _fresh(attempt, points, step_keys)
         pushed = [
             {
                 "rank": p.rank,
@@ -339,6 +319,61 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
         # this and the state-changing path, so they cannot deadlock).
         rollup.record(attempt.job_id, points, world=attempt.world_size)
     return pushed
+
+
+def _fresh(attempt: Attempt, points: list[_Point], step_keys: set) -> list[_Point]:
+    """The points not stored yet. Delivery is at least once: a heartbeat the portal committed
+    but whose answer the agent never got (the portal restarted in between) is sent again. A
+    step of one rank is stored once per attempt; a rank's points come from its node alone,
+    whose row lock keeps two of its heartbeats from racing. Within one batch too: a
+    framework may log a tag twice at one step; the first stays.
+
+    Step records come in step order per rank, so each rank's allocation keeps the highest
+    step stored (`recorded_step`) and a record at or below it was sent before. The stored
+    points are read only for a framework's scalars and for ranks with no mark yet (an attempt
+    begun before the mark existed): reading them for every step record read a whole-cluster
+    job's 4,096 ranks' points of that step on every node's heartbeat."""
+    steps = [p for p in points if (p.rank, p.step, p.name) in step_keys]
+    rows = Allocation.objects.filter(attempt=attempt, rank__in={p.rank for p in steps})
+    ids, marks = {}, {}
+    for pk, rank, mark in rows.values_list("id", "rank", "recorded_step"):
+        ids[rank], marks[rank] = pk, mark
+    check = [
+        p for p in points if (p.rank, p.step, p.name) not in step_keys or marks.get(p.rank) is None
+    ]
+    stored = set()
+    if check:
+        stored = set(
+            MetricPoint.objects.filter(
+                job_id=attempt.job_id,
+                name__in={p.name for p in check},
+                step__in={p.step for p in check},
+                rank__in={p.rank for p in check},
+                attempt=attempt,
+                # A point sent again carries the time it was first stored under (or, from a
+                # clock taken as the portal's, one a little earlier): on PostgreSQL this keeps
+                # the lookup to the newest time partitions (jobs/metric_store.py).
+                time__gte=min(p.time for p in check) - timedelta(seconds=metric_store.CLOCK_SKEW_S),
+            ).values_list("rank", "step", "name")
+        )
+    fresh, highest = [], {}
+    for point in points:
+        key = (point.rank, point.step, point.name)
+        mark = marks.get(point.rank)
+        if key in step_keys and mark is not None and point.step <= mark:
+            continue
+        if key not in stored:
+            stored.add(key)
+            fresh.append(point)
+            if key in step_keys:
+                highest[point.rank] = max(highest.get(point.rank, point.step), point.step)
+    # Only this rank's node writes its mark, under that node's lock: the values only grow.
+    bulk_set(
+        Allocation,
+        ["recorded_step"],
+        [(ids[rank], step) for rank, step in highest.items() if rank in ids],
+    )
+    return fresh
 
 
 def _note_progress(attempt: Attempt, read_step: int, now: datetime) -> None:
