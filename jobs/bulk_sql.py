@@ -26,18 +26,34 @@ def insert_rows(
     *,
     conflict: Sequence[str] = (),
     update: Sequence[str] = (),
+    merge: dict[str, str] | None = None,
 ) -> None:
     """INSERT the rows (values in `columns` order, database-ready); with `conflict` (a unique
     key's columns) and `update`, an upsert that overwrites the `update` columns of a row
-    already there (`ON CONFLICT ... DO UPDATE`, which PostgreSQL and SQLite 3.24+ share)."""
+    already there (`ON CONFLICT ... DO UPDATE`, which PostgreSQL and SQLite 3.24+ share).
+    `merge` (column -> "min", "max" or "sum") instead combines the row there with the new
+    one, in the database: concurrent upserts of one row then add up, none is lost."""
     if not rows:
         return
     quote = connection.ops.quote_name
-    head = f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(map(quote, columns))}) "
+    table = quote(model._meta.db_table)
+    head = f"INSERT INTO {table} ({', '.join(map(quote, columns))}) "
     tail = ""
     if conflict:
+        pg = connection.vendor == "postgresql"
+        how = {
+            "min": "LEAST({old}, {new})" if pg else "MIN({old}, {new})",
+            "max": "GREATEST({old}, {new})" if pg else "MAX({old}, {new})",
+            "sum": "{old} + {new}",
+        }
+        sets = [
+            how[merge[c]].format(old=f"{table}.{quote(c)}", new=f"excluded.{quote(c)}")
+            if merge and c in merge
+            else f"excluded.{quote(c)}"
+            for c in update
+        ]
         tail = f" ON CONFLICT ({', '.join(map(quote, conflict))}) DO UPDATE SET " + ", ".join(
-            f"{quote(c)} = excluded.{quote(c)}" for c in update
+            f"{quote(c)} = {value}" for c, value in zip(update, sets, strict=True)
         )
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":

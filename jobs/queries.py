@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from django.db.models import Count, Max, Q
+from django.db.models import Count, Max, OuterRef, Subquery
+from django.db.models.functions import Coalesce
 
 from jobs.conf import lockstep_setting
 from jobs.models import GPU, Allocation, Attempt, Checkpoint, Job, Node, PreemptionRequest
@@ -144,13 +145,17 @@ def stopped_state(job: Job) -> str:
 
 
 def teams_with_usage(teams):
-    """The teams, each annotated with `used`: the GPUs its live allocations hold."""
-    return teams.annotate(
-        used=Count(
-            "jobs__attempts__allocations",
-            filter=Q(jobs__attempts__allocations__released_at__isnull=True),
-        )
+    """The teams, each annotated with `used`: the GPUs its live allocations hold. Counted
+    from the held allocations alone (the partial index of invariant 1), not by joining every
+    job, attempt and allocation the team ever had, which grows with the cluster's age."""
+    held = (
+        Allocation.objects.filter(released_at__isnull=True, attempt__job__team=OuterRef("pk"))
+        .order_by()
+        .values("attempt__job__team")
+        .annotate(gpus=Count("id"))
+        .values("gpus")
     )
+    return teams.annotate(used=Coalesce(Subquery(held), 0))
 
 
 # -- preemption protection (jobs.scheduling.protection's inputs) --------------------------------

@@ -12,9 +12,13 @@ point count: numbers that merge exactly (min of minima, sum of counts, ...), so
   asked, per rank, whatever the length of the run.
 
 A series' header row (width 0) holds its totals over every rank. Every change to a series'
-rollup first locks its header, so two heartbeats of one job (or a heartbeat and a read that
-repairs) take turns per series and never lose a count or deadlock: a transaction locks the
-headers of the names it touches in name order, and nothing else before them.
+rollup first takes its header, in name order: a heartbeat shares it (`FOR KEY SHARE` on
+PostgreSQL), merges its points into the buckets in the database (an upsert that adds counts
+and takes minima and maxima, so two transactions' points in one bucket both count), and adds
+its totals to the header last, so that heartbeats of one job wait for each other only from
+that update to their commit (all 512 nodes of a whole-cluster job report into the same
+headers; each used to hold them from its first read of the buckets). A read that repairs
+takes the header exclusively (`FOR UPDATE`), so it never rebuilds under a heartbeat's merge.
 
 Points written some other way (a bulk load, older data, tests) are noticed by count: a read
 compares the header's count with the raw rows' (one index-only count) and, when they differ,
@@ -25,9 +29,10 @@ builds the rollups of the series that existed before.
 
 from __future__ import annotations
 
-from django.db import transaction
-from django.db.models import Count, F, IntegerField, Max, Min, Q, Sum
+from django.db import connection, transaction
+from django.db.models import Case, Count, F, IntegerField, Max, Min, Q, Sum, Value, When
 from django.db.models.expressions import ExpressionWrapper
+from django.db.models.functions import Greatest, Least
 from django.utils import timezone
 
 from jobs import metric_store
@@ -81,26 +86,52 @@ def record(job_id: int, points, *, world: int = 0) -> None:
         return
     # No savepoint: inside a heartbeat's transaction a failure here fails the heartbeat.
     with transaction.atomic(savepoint=False):
-        locked = _lock_headers(job_id, sorted(headers))
-        existing = {}
-        key_fields = ("name", "width", "rank", "bucket")
-        for match in _chunks(job_id, buckets):
-            for row in Rollup.objects.filter(match).values_list(*key_fields, *FIELDS):
-                existing[row[:4]] = list(row[4:])
-        existing.update(((n, HEADER, 0, 0), _values(locked[n])) for n in headers)
-        buckets.update(((n, HEADER, 0, 0), totals) for n, totals in headers.items())
-        rows = []
-        for key in sorted(buckets):
-            merged = existing.get(key) or [0, 0, 0.0, 0.0, 0]
-            _merge(merged, *buckets[key])
-            rows.append((*key, *merged))
-        # Merged here, under the headers' locks: the upsert writes the merged values.
-        _upsert(job_id, rows)
+        _share_headers(job_id, sorted(headers), Rollup)
+        # In key order, so that two transactions' upserts lock shared buckets in one order.
+        _upsert(job_id, [(*key, *buckets[key]) for key in sorted(buckets)])
+        for name in sorted(headers):  # last, in name order: held from here to the commit
+            _add_to_header(Rollup, job_id, name, *headers[name])
+
+
+def _share_headers(job_id: int, names: list[str], Rollup) -> None:
+    """Create the series' header rows if missing and hold them shared, in name order: other
+    heartbeats may too; a repair (`_lock_headers`, FOR UPDATE) waits for them and they for it.
+    SQLite has one writer at a time: nothing to take."""
+    _create_headers(job_id, names, Rollup)
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT id FROM {Rollup._meta.db_table} WHERE job_id = %s AND width = %s "
+                "AND name = ANY(%s) ORDER BY name FOR KEY SHARE",
+                [job_id, HEADER, names],
+            )
+
+
+def _add_to_header(Rollup, job_id: int, name: str, first, last, low, high, n) -> None:
+    """Merge a batch's totals into the header in SQL (each SET sees the row as it was)."""
+    empty = Q(count=0)
+
+    def merged(field: str, value, pick):
+        kind = Rollup._meta.get_field(field)
+        new = Value(value, output_field=kind)
+        return Case(When(empty, then=new), default=pick(field, new), output_field=kind)
+
+    Rollup.objects.filter(job_id=job_id, name=name, width=HEADER, rank=0, bucket=0).update(
+        first_step=merged("first_step", first, Least),
+        last_step=merged("last_step", last, Greatest),
+        low=merged("low", low, Least),
+        high=merged("high", high, Greatest),
+        count=F("count") + n,
+    )
+
+
+# How a bucket's fields combine with the new points' (the upsert's merge, in the database).
+MERGE = {"first_step": "min", "last_step": "max", "low": "min", "high": "max", "count": "sum"}
 
 
 def _upsert(job_id: int, rows: list[tuple]) -> None:
-    """Write (name, width, rank, bucket, *FIELDS) rows of the job, merged values over any row
-    already there."""
+    """Merge (name, width, rank, bucket, *FIELDS) rows of the job into the rows already
+    there, in the database (the same buckets from two transactions add up)."""
     _, Rollup = _models()
     key = ("job_id", "name", "width", "rank", "bucket")
     insert_rows(
@@ -109,49 +140,24 @@ def _upsert(job_id: int, rows: list[tuple]) -> None:
         [(job_id, *row) for row in rows],
         conflict=key,
         update=FIELDS,
+        merge=MERGE,
     )
 
 
-def _chunks(job_id: int, keys, size: int = 100):
-    """Filters for the rollup rows of the (name, width, rank, bucket) keys, `size` terms to a
-    filter. A term is one run of adjacent buckets of one width, over the keys' names and ranks:
-    a heartbeat's steps are few and adjacent, so it is one term per width, each one range scan
-    of the unique index per (name, rank). It may match a few rows no key names; callers look
-    rows up by key."""
-    names = sorted({key[0] for key in keys})
-    ranks = sorted({key[2] for key in keys})
-    per_width: dict[int, set] = {}
-    for _, width, _, bucket in keys:
-        per_width.setdefault(width, set()).add(bucket)
-    terms = []
-    for width, numbers in sorted(per_width.items()):
-        numbers = sorted(numbers)
-        start = numbers[0]
-        for before, number in zip(numbers, numbers[1:] + [None], strict=True):
-            if number is None or number != before + 1:
-                terms.append((width, start, before))
-                start = number
-    for i in range(0, len(terms), size):
-        match = Q()
-        for width, low, high in terms[i : i + size]:
-            match |= Q(
-                job_id=job_id,
-                name__in=names,
-                width=width,
-                rank__in=ranks,
-                bucket__gte=low,
-                bucket__lte=high,
-            )
-        yield match
-
-
-def _values(row) -> list:
-    return [row.first_step, row.last_step, row.low, row.high, row.count]
-
-
 def _lock_headers(job_id: int, names: list[str], Rollup=None) -> dict:
-    """The series' header rows, created if missing and locked, in name order."""
+    """The series' header rows, created if missing and locked exclusively (FOR UPDATE: it
+    waits for the heartbeats that share them), in name order."""
     Rollup = Rollup or _models()[1]
+    _create_headers(job_id, names, Rollup)
+    rows = (
+        Rollup.objects.select_for_update()
+        .filter(job_id=job_id, width=HEADER, name__in=names)
+        .order_by("name")
+    )
+    return {row.name: row for row in rows}
+
+
+def _create_headers(job_id: int, names: list[str], Rollup) -> None:
     Rollup.objects.bulk_create(
         [
             Rollup(
@@ -170,12 +176,6 @@ def _lock_headers(job_id: int, names: list[str], Rollup=None) -> dict:
         ],
         ignore_conflicts=True,
     )
-    rows = (
-        Rollup.objects.select_for_update(no_key=True)
-        .filter(job_id=job_id, width=HEADER, name__in=names)
-        .order_by("name")
-    )
-    return {row.name: row for row in rows}
 
 
 def ensure_current(job_id: int, name: str) -> None:
