@@ -52,6 +52,22 @@ def beat(node, attempt, ranks, *, records=(), now=None, telemetry=None, cpu=None
     return actions.do_heartbeat(node, body, now=now or timezone.now())
 
 
+def step_records(rank: int, steps) -> list[dict]:
+    """A rank's step records, as the trainer writes them, for `steps`."""
+    return [
+        {
+            "kind": "step",
+            "rank": rank,
+            "step": s,
+            "loss": 1.0,
+            "tokens_per_s": 1.0,
+            "step_time_s": 0.1,
+            "compute_s": 0.05,
+        }
+        for s in steps
+    ]
+
+
 def launch_of(node, attempt, *, now=None):
     """The launch spec the portal gives `node` for `attempt` on a heartbeat that does not yet
     report it, as an agent's first beat after the placement."""

@@ -61,6 +61,24 @@ def test_a_pass_of_many_gangs_starts_each_whole_with_its_event_and_its_own_port(
     assert len(set(ports)) == len(ports) and 0 not in ports
 
 
+def _queue_many(team, user, count: int) -> None:
+    """`count` queued 1-GPU jobs, created in one statement."""
+    now = timezone.now()
+    Job.objects.bulk_create(
+        Job(
+            name=f"q{i}",
+            team=team,
+            owner=user,
+            image="x",
+            command=["true"],
+            gpus=1,
+            submitted_at=now,
+            reason="queued",
+        )
+        for i in range(count)
+    )
+
+
 def _apply_counting(plan: Plan, **kwargs):
     with CaptureQueriesContext(connection) as ctx:
         result = apply_plan(plan, now=timezone.now(), **kwargs)
@@ -395,22 +413,7 @@ def test_the_leaders_memo_spares_reading_back_unchanged_reasons_and_is_verified_
 def test_reasons_for_thousands_of_jobs_in_a_few_statements(make_team, make_user):
     team = make_team("many", quota=8)
     user = make_user("mu", team=team)
-    now = timezone.now()
-    Job.objects.bulk_create(
-        [
-            Job(
-                name=f"q{i}",
-                team=team,
-                owner=user,
-                image="x",
-                command=["true"],
-                gpus=1,
-                submitted_at=now,
-                reason="queued",
-            )
-            for i in range(2500)
-        ]
-    )
+    _queue_many(team, user, 2500)
     ids = list(Job.objects.values_list("id", flat=True))
     result, queries = _apply_counting(
         Plan(placements=(), reasons={i: f"position {n}" for n, i in enumerate(ids)})
@@ -507,21 +510,7 @@ def test_a_backlogs_reasons_are_written_head_first_within_the_budget_over_severa
     user = make_user("bku", team=team)
     make_nodes(1, 8)
     now = timezone.now()
-    Job.objects.bulk_create(
-        [
-            Job(
-                name=f"b{i}",
-                team=team,
-                owner=user,
-                image="x",
-                command=["true"],
-                gpus=1,
-                submitted_at=now,
-                reason="queued",
-            )
-            for i in range(2 * BATCH + 200)
-        ]
-    )
+    _queue_many(team, user, 2 * BATCH + 200)
     ids = list(Job.objects.order_by("-id").values_list("id", flat=True))  # the queue's order
     reasons = {i: f"behind {n} others" for n, i in enumerate(ids)}
     # The last job in the queue also holds a claim that fails (a GPU of another job's gang).

@@ -13,22 +13,7 @@ from django.utils import timezone
 
 from jobs.models import Attempt
 from jobs.scheduling.loop import run_pass
-from tests.heartbeats import beat, live_attempt, submit
-
-
-def _steps(rank: int, steps) -> list[dict]:
-    return [
-        {
-            "kind": "step",
-            "rank": rank,
-            "step": s,
-            "loss": 1.0,
-            "tokens_per_s": 1.0,
-            "step_time_s": 0.1,
-            "compute_s": 0.05,
-        }
-        for s in steps
-    ]
+from tests.heartbeats import beat, live_attempt, step_records, submit
 
 
 def _attempt_sql(queries) -> tuple[list[str], list[str]]:
@@ -61,17 +46,17 @@ def test_a_steady_report_neither_locks_nor_rewrites_the_shared_attempt(setup):
         return _attempt_sql(ctx.captured_queries)
 
     # Node a's steps 1-3 move the attempt on: one write, and no lock.
-    locking, writes = report(a, {0: None, 1: None}, _steps(0, (1, 2, 3)), t0)
+    locking, writes = report(a, {0: None, 1: None}, step_records(0, (1, 2, 3)), t0)
     assert locking == [] and len(writes) == 1
     assert live_attempt(job).last_step == 3
     # Node b reports the same steps for its ranks a moment later: nothing left to write.
-    locking, writes = report(b, {2: None, 3: None}, _steps(2, (1, 2, 3)), t0)
+    locking, writes = report(b, {2: None, 3: None}, step_records(2, (1, 2, 3)), t0)
     assert locking == [] and writes == []
     # A later step, or the same steps after PROGRESS_WRITE_S, is written again.
-    locking, writes = report(b, {2: None, 3: None}, _steps(3, (1, 2, 3, 4)), t0)
+    locking, writes = report(b, {2: None, 3: None}, step_records(3, (1, 2, 3, 4)), t0)
     assert len(writes) == 1 and live_attempt(job).last_step == 4
     later = t0 + timedelta(seconds=2)
-    locking, writes = report(a, {0: None, 1: None}, _steps(1, (1, 2)), later)
+    locking, writes = report(a, {0: None, 1: None}, step_records(1, (1, 2)), later)
     assert len(writes) == 1
     again = live_attempt(job)
     assert again.last_step == 4 and again.last_progress_at == later  # the step never goes back
@@ -104,12 +89,12 @@ def test_step_records_sent_again_are_known_by_the_ranks_mark_not_by_reading_poin
             beat(a, attempt, {0: None, 1: None}, records=records)
         return [q["sql"] for q in ctx.captured_queries if 'FROM "jobs_metricpoint"' in q["sql"]]
 
-    first = _steps(0, (1, 2, 3)) + _steps(1, (1, 2, 3))
+    first = step_records(0, (1, 2, 3)) + step_records(1, (1, 2, 3))
     assert len(send(first)) == 1  # no mark yet: the points are read once
     marks = dict(Allocation.objects.filter(attempt=attempt).values_list("rank", "recorded_step"))
     assert marks == {0: 3, 1: 3, 2: None, 3: None}
     # The same records again (the answer was lost), with step 4: no read, step 4 stored once.
-    assert send(first + _steps(0, (4,)) + _steps(1, (4,))) == []
+    assert send(first + step_records(0, (4,)) + step_records(1, (4,))) == []
     stored = MetricPoint.objects.filter(attempt=attempt)
     assert stored.count() == 2 * 4 * 4  # ranks 0 and 1, steps 1-4, four metrics
     assert sorted(stored.filter(rank=0, name="loss").values_list("step", flat=True)) == [1, 2, 3, 4]

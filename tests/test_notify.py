@@ -108,18 +108,6 @@ def test_the_configured_layer_keeps_every_push_to_a_process_watching_many_jobs()
     assert all(ns == list(range(pushes)) for ns in received.values())
 
 
-def _step(rank: int, step: int) -> dict:
-    return {
-        "kind": "step",
-        "rank": rank,
-        "step": step,
-        "loss": 1.0,
-        "tokens_per_s": 1.0,
-        "step_time_s": 0.1,
-        "compute_s": 0.05,
-    }
-
-
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(("cap", "live_ranks"), [(4, {0, 1, 2, 3}), (3, {0})])
 def test_a_job_wider_than_the_live_cap_pushes_rank_0_only(setup, settings, cap, live_ranks):
@@ -128,7 +116,7 @@ def test_a_job_wider_than_the_live_cap_pushes_rank_0_only(setup, settings, cap, 
     lines, and a node without rank 0 pushes nothing at all."""
     from jobs.models import LogChunk, MetricPoint
     from jobs.scheduling.loop import run_pass
-    from tests.heartbeats import beat, live_attempt, submit
+    from tests.heartbeats import beat, live_attempt, step_records, submit
 
     settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
     settings.LOCKSTEP = {**settings.LOCKSTEP, "LIVE_RANKS_MAX": cap}
@@ -141,7 +129,7 @@ def test_a_job_wider_than_the_live_cap_pushes_rank_0_only(setup, settings, cap, 
     async_to_sync(layer.group_add)(job_group(job.id), channel)
     on = {a: {0: None, 1: None}, b: {2: None, 3: None}}
     for node, ranks in on.items():
-        records = [_step(rank, step) for rank in ranks for step in (1, 2)]
+        records = [r for rank in ranks for r in step_records(rank, (1, 2))]
         beat(node, attempt, ranks, records=records, logs={r: f"line of {r}" for r in ranks})
 
     pushed = []
