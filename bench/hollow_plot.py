@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.hollow import GOALS  # noqa: E402
+from bench.hollow_report import GOALS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

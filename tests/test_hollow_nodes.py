@@ -16,7 +16,8 @@ import pytest
 from tests.live import Api, LiveCluster, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.hollow import STEP_NAMES, live_points, run_load, summary  # noqa: E402
+from bench.hollow import STEP_NAMES, run_load  # noqa: E402
+from bench.hollow_report import live_points, summary  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -1,0 +1,93 @@
+"""The hollow-node harness's report (bench/hollow.py): the run's figures from what its nodes
+and watchers measured, which watcher should have received which points, and issue 20's goals."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from jobs.settings_table import DEFAULTS
+
+if TYPE_CHECKING:
+    from bench.hollow import Stats
+
+# What the portal pushes live (the portal runs with this environment too).
+LIVE_RANKS_MAX = int(os.environ.get("LOCKSTEP_LIVE_RANKS_MAX", DEFAULTS["LIVE_RANKS_MAX"]))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def live_points(stats: Stats, job_id: int) -> set[tuple]:
+    """The accepted points a watcher of `job_id` should receive: every rank's, or rank 0's
+    alone for a job wider than LIVE_RANKS_MAX (jobs/actions/heartbeat.py). Call with the lock
+    held."""
+    keys = [key for key in stats.acked if key[0] == job_id]
+    if len({key[2] for key in keys}) > LIVE_RANKS_MAX:
+        keys = [key for key in keys if key[2] == 0]
+    return set(keys)
+
+
+def expected_watcher_points(stats: Stats) -> int:
+    return sum(len(live_points(stats, job)) for job in stats.watching.values())
+
+
+def summary(stats: Stats, seconds: float) -> dict[str, Any]:
+    with stats.lock:
+        beats = list(stats.beats)
+        lags = list(stats.lags)
+        portal_lags = list(stats.portal_lags)
+        passes = list(stats.passes.values())
+        return {
+            "seconds": round(seconds, 1),
+            "heartbeats": len(beats),
+            "heartbeats_per_s": round(len(beats) / seconds, 1) if seconds else None,
+            "heartbeat_p50_s": percentile(beats, 0.50),
+            "heartbeat_p99_s": percentile(beats, 0.99),
+            "heartbeat_max_s": max(beats) if beats else None,
+            "errors": dict(stats.errors),
+            "points_acked": sum(stats.acked.values()),
+            "lag_p50_s": percentile(lags, 0.50),
+            "lag_p99_s": percentile(lags, 0.99),
+            "portal_lag_p50_s": percentile(portal_lags, 0.50),
+            "portal_lag_p99_s": percentile(portal_lags, 0.99),
+            "watcher_points": sum(sum(c.values()) for c in stats.received.values()),
+            "watcher_points_expected": expected_watcher_points(stats),
+            "scheduler_passes": len(passes),
+            "scheduler_pass_p50_s": percentile([p["seconds"] for p in passes], 0.50),
+            "scheduler_pass_max_s": max((p["seconds"] for p in passes), default=None),
+            "scheduler_queued_max": max((p["queued"] for p in passes), default=None),
+            # Where the passes went (jobs/scheduling/loop.py's phases): p50 of each, and the
+            # phases of the slowest pass.
+            "scheduler_phase_p50_s": {
+                name: percentile([p["phases"][name] for p in passes if "phases" in p], 0.50)
+                for name in (passes[-1].get("phases") or {} if passes else {})
+            },
+            # Housekeeping's own chores (detectors, deadlines), p50 of each.
+            "scheduler_housekeeping_p50_s": {
+                name: percentile(
+                    [p["housekeeping"][name] for p in passes if "housekeeping" in p], 0.50
+                )
+                for name in (passes[-1].get("housekeeping") or {} if passes else {})
+            },
+            "scheduler_slowest_pass": max(passes, key=lambda p: p["seconds"], default=None),
+        }
+
+
+GOALS = {  # issue 20's goals, all in one run
+    "heartbeat_p99_s": 1.0,
+    "lag_p99_s": 2.0,
+    "scheduler_pass_max_s": 1.0,
+}
+
+
+def goals(result: dict[str, Any]) -> dict[str, bool]:
+    """Which of the goals the run met (no failed heartbeat; the latencies under their caps)."""
+    met = {"no_errors": not result["errors"]}
+    for name, cap in GOALS.items():
+        met[name] = result.get(name) is not None and result[name] <= cap
+    return met
