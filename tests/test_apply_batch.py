@@ -521,8 +521,12 @@ def test_a_backlogs_reasons_are_written_head_first_within_the_budget_over_severa
     plan = Plan(placements=(placement_on(lost, [gpu]),), reasons=reasons)
     memo = ReasonMemo()
 
-    first = apply_plan(plan, now=timezone.now(), memo=memo, reason_budget_s=0)
+    first, queries = _apply_counting(plan, memo=memo, reason_budget_s=0)
     assert (first.reasons_written, first.reasons_deferred) == (BATCH, BATCH + 201)
+    # Read a batch at a time too: the rows past the budget are not even read.
+    reads = [q for q in _job_reads(queries) if '"jobs_job"."reason" AS "reason"' in q]
+    asked = [len(q.split(" IN (", 1)[1].split(")", 1)[0].split(",")) for q in reads]
+    assert asked == [BATCH], asked
     assert Job.objects.get(pk=lost.pk).wait["code"] == "rejected"  # written first
     written = set(Job.objects.filter(reason__startswith="behind").values_list("id", flat=True))
     assert written == set(ids[: BATCH - 1])

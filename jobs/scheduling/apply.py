@@ -52,7 +52,7 @@ class ApplyResult:
     preemptions: list[int] = field(default_factory=list)  # PreemptionRequest ids
     grown: list[int] = field(default_factory=list)  # job ids told to stop and grow back
     reasons_written: int = 0  # queued jobs whose reason or start estimate changed
-    reasons_deferred: int = 0  # changed ones left for the next pass (the write budget)
+    reasons_deferred: int = 0  # left unread for the next pass (the write budget)
     reasons_s: float = 0.0  # of which the wait reasons' read and write
 
 
@@ -166,9 +166,9 @@ def _write_reasons(
     only those that changed are written, in bulk, and only onto jobs still QUEUED (the
     condition is in the UPDATE itself, so a job that moved on meanwhile keeps its own reason).
     With a `memo`, rows it holds unchanged are not read back. With `budget_s`, batches are
-    written in queue order (the rejected gangs first) until that many seconds have passed; a
-    row left over is not remembered, so the next pass reads and writes it. Returns how many
-    rows were written, and how many changed rows were left."""
+    read and written in queue order (the rejected gangs first) until that many seconds have
+    passed, at least one; a row left over is not remembered, so the next pass reads and
+    writes it. Returns how many rows were written, and how many were left unread."""
     started = time.monotonic()
     reasons, waits = {}, {}
     for job_id, why in result.rejected.items():
@@ -188,32 +188,29 @@ def _write_reasons(
         wanted[job_id] = (why[:500], start, waits.get(job_id, {}))
     held = memo.unchanged(wanted) if memo is not None else set()
     ids = [job_id for job_id in wanted if job_id not in held]
-    changed = {}
-    for offset in range(0, len(ids), REASON_READ_BATCH):
-        rows = Job.objects.filter(
-            id__in=ids[offset : offset + REASON_READ_BATCH], state=Job.State.QUEUED
-        ).values_list(
+    # With a budget, read and write a batch at a time: reading a backlog's 10,000 rows before
+    # the first write took most of a loaded pass by itself.
+    chunk = REASON_READ_BATCH if budget_s is None else BATCH
+    fields = ["reason", "estimated_start_at", "wait", "promised_start_at"]
+    written = 0
+    for offset in range(0, len(ids), chunk):
+        if budget_s is not None and offset and time.monotonic() - started >= budget_s:
+            return written, len(ids) - offset
+        part = ids[offset : offset + chunk]
+        changed, seen = [], []
+        rows = Job.objects.filter(id__in=part, state=Job.State.QUEUED).values_list(
             "id", "reason", "estimated_start_at", "wait", "promised_start_at", "first_started_at"
         )
         for job_id, reason, start, wait, promised, first_started in rows:
+            seen.append(job_id)
             # A job's first estimate before it ever started is its promise, kept as it was.
             keep = promised if promised is not None or first_started else wanted[job_id][1]
             row = (*wanted[job_id], keep)
             if row != (reason, start, wait, promised):
-                changed[job_id] = (job_id, *row)
-            elif memo is not None:
-                memo.rows[job_id] = wanted[job_id]
-    ordered = [changed[job_id] for job_id in ids if job_id in changed]
-    written = done = 0
-    fields = ["reason", "estimated_start_at", "wait", "promised_start_at"]
-    for offset in range(0, len(ordered), BATCH):
-        if budget_s is not None and offset and time.monotonic() - started >= budget_s:
-            break
-        batch = ordered[offset : offset + BATCH]
-        written += bulk_set(Job, fields, batch, where={"state": Job.State.QUEUED})
-        done += len(batch)
+                changed.append((job_id, *row))
+        written += bulk_set(Job, fields, changed, where={"state": Job.State.QUEUED})
         if memo is not None:
-            # Written so (a job that left QUEUED meanwhile is not waiting at the next pass,
-            # and is forgotten then).
-            memo.rows.update((row[0], wanted[row[0]]) for row in batch)
-    return written, len(ordered) - done
+            # Read as it is, or written so (a job that left QUEUED meanwhile is not waiting
+            # at the next pass, and is forgotten then).
+            memo.rows.update((job_id, wanted[job_id]) for job_id in seen)
+    return written, 0

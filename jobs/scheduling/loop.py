@@ -39,7 +39,7 @@ class PassReport:
     # Seconds per phase (housekeeping, snapshot, plan, estimates, apply, reasons): where a slow
     # pass went (bench/hollow.py reads them back from the cache).
     phases: dict[str, float] = field(default_factory=dict)
-    reasons_deferred: int = 0  # changed wait reasons left for the next pass (its write budget)
+    reasons_deferred: int = 0  # wait reasons left for the next pass (its write budget)
     housekeeping: dict[str, float] = field(default_factory=dict)  # seconds per chore
 
 
