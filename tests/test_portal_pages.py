@@ -280,6 +280,19 @@ def test_downsampling_keeps_each_buckets_min_and_max_in_step_order(two_teams):
     assert zoomed["downsampled"]["0"] is False
 
 
+def test_a_job_wider_than_the_live_cap_tells_its_page_to_fetch_the_other_ranks(
+    client, two_teams, settings
+):
+    lab, ann, _, _ = two_teams
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "LIVE_RANKS_MAX": 1, "LIVE_REFRESH_S": 5.0}
+    job = _job(lab, ann, name="wide", gpus=2, state="RUNNING")
+    _attempt(job, 1, start=timezone.now() - timedelta(minutes=5))
+    html = _client(client, ann).get(f"/jobs/{job.id}/").content.decode()
+    data = json.loads(html.split('id="job-data" type="application/json">')[1].split("</script>")[0])
+    assert data["ranks"] == 2
+    assert data["live_all_ranks"] is False and data["live_refresh_s"] == 5.0
+
+
 def test_job_page_has_timeline_checkpoints_logs_and_goodput(client, two_teams, tmp_path):
     lab, ann, _, _ = two_teams
     job = _job(lab, ann, name="tl", gpus=2, state="RUNNING")
@@ -303,6 +316,8 @@ def test_job_page_has_timeline_checkpoints_logs_and_goodput(client, two_teams, t
     assert [a["number"] for a in data["timeline"]["attempts"]] == [1, 2]
     assert data["timeline"]["attempts"][0]["reason"] == "rank 1 exited with code 1"
     assert data["ranks"] == 2 and data["max_points"] == 2000
+    # Two ranks are under LIVE_RANKS_MAX: every rank comes live, nothing is fetched on a timer.
+    assert data["live_all_ranks"] is True and data["live_refresh_s"] == 15.0
     assert 'id="timeline-chart"' in html and 'id="step-time-chart"' in html
     assert 'id="gpu-util-chart"' in html and 'id="gpu-mem-chart"' in html
     assert "4.8\xa0MB" in html and 'name="notes"' in html
