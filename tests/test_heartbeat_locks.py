@@ -61,6 +61,14 @@ def test_a_steady_report_neither_locks_nor_rewrites_the_shared_attempt(setup):
     again = live_attempt(job)
     assert again.last_step == 4 and again.last_progress_at == later  # the step never goes back
 
+    # A layout record merges into the attempt's row (the ranks' count): locked, so two nodes'
+    # records cannot overwrite each other's count.
+    layout = {"kind": "layout", "rank": 2, "measured_bytes": {"total": 1000}}
+    locking, _ = report(b, {2: None, 3: None}, [layout], later)
+    if connection.vendor == "postgresql":
+        assert locking and "FOR NO KEY UPDATE" in locking[0]
+    assert Attempt.objects.get(pk=attempt.pk).layout["ranks"] == 1
+
     # A rank's exit may end the attempt: that report locks it (on PostgreSQL the lock is in
     # the SQL; SQLite serializes writers and has no FOR UPDATE).
     locking, _ = report(b, {2: None, 3: 1}, [], later)

@@ -186,14 +186,25 @@ def _attempt(attempt_id, report: dict) -> Attempt | None:
     Locked: the nodes of one gang report at the same moment (every rank exits at the end, or
     on a stop), each in its own transaction. Unlocked, on PostgreSQL each saw the other nodes'
     ranks still running and none ended the attempt (or marked it RUNNING), leaving it to the
-    stop deadline or the start timeout. A RUNNING attempt's report with no exit and no error
-    only adds points, logs and activity, which need no lock: one on every heartbeat queued all
-    512 nodes of a whole-cluster job behind each other (bench/hollow.py --flagship 4096)."""
+    stop deadline or the start timeout. A RUNNING attempt's report with no exit, no error and
+    only step and scalar records adds points, logs and activity, which need no lock: one on
+    every heartbeat queued all 512 nodes of a whole-cluster job behind each other
+    (bench/hollow.py --flagship 4096)."""
     if not isinstance(attempt_id, int):
         return None
     attempts = Attempt.objects.select_related("job").filter(pk=attempt_id)
-    steady = not report.get("error") and not any(
-        isinstance(r, dict) and r.get("state") == "exited" for r in report.get("ranks") or []
+    # Only steps and scalars (new rows, and the progress written with GREATEST): a layout
+    # record merges into the attempt's row, a checkpoint record may create a shared row, and
+    # those were read-modify-writes that the lock serialized (two nodes' layout counts).
+    steady = (
+        not report.get("error")
+        and not any(
+            isinstance(r, dict) and r.get("state") == "exited" for r in report.get("ranks") or []
+        )
+        and all(
+            isinstance(r, dict) and r.get("kind") in ("step", "scalar")
+            for r in report.get("records") or []
+        )
     )
     if steady:
         attempt = attempts.first()
