@@ -30,9 +30,7 @@ import os
 import sys
 import threading
 import time
-from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,40 +38,12 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.hollow_probes import PassSampler, ProcessSampler, database_bytes  # noqa: E402
-from bench.hollow_report import goals, summary  # noqa: E402
+from bench.hollow_report import Stats, goals, summary  # noqa: E402
 from nodeagent.agent import jittered  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 REGISTER_PATH = "/api/v1/agent/register/"
 HEARTBEAT_PATH = "/api/v1/agent/heartbeat/"
-
-
-@dataclass
-class Stats:
-    """What every hollow node and watcher measured, shared (a lock guards it)."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    beats: list[float] = field(default_factory=list)  # seconds per accepted heartbeat
-    errors: Counter = field(default_factory=Counter)
-    # (job, attempt number, rank, step, name) -> times a heartbeat carrying it was accepted
-    acked: Counter = field(default_factory=Counter)
-    # watcher -> (job, attempt, rank, step, name) -> times received
-    received: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
-    lags: list[float] = field(default_factory=list)
-    # (job, attempt, rank, step) -> when the heartbeat first carrying it was sent, and the lag
-    # from then to a watcher: what the portal adds, without the wait for the next heartbeat
-    sent_at: dict[tuple, float] = field(default_factory=dict)
-    portal_lags: list[float] = field(default_factory=list)
-    passes: dict[float, dict] = field(default_factory=dict)  # the scheduler's passes seen
-    watching: dict[int, int] = field(default_factory=dict)  # watcher -> its job
-
-    def beat(self, seconds: float) -> None:
-        with self.lock:
-            self.beats.append(seconds)
-
-    def error(self, what: str) -> None:
-        with self.lock:
-            self.errors[what] += 1
 
 
 STEP_NAMES = ("loss", "tokens_per_s", "step_time_s", "compute_s")

@@ -4,12 +4,41 @@ and watchers measured, which watcher should have received which points, and issu
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+import threading
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
 
 from jobs.settings_table import DEFAULTS
 
-if TYPE_CHECKING:
-    from bench.hollow import Stats
+
+@dataclass
+class Stats:
+    """What every hollow node and watcher measured, shared (a lock guards it)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    beats: list[float] = field(default_factory=list)  # seconds per accepted heartbeat
+    errors: Counter = field(default_factory=Counter)
+    # (job, attempt number, rank, step, name) -> times a heartbeat carrying it was accepted
+    acked: Counter = field(default_factory=Counter)
+    # watcher -> (job, attempt, rank, step, name) -> times received
+    received: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    lags: list[float] = field(default_factory=list)
+    # (job, attempt, rank, step) -> when the heartbeat first carrying it was sent, and the lag
+    # from then to a watcher: what the portal adds, without the wait for the next heartbeat
+    sent_at: dict[tuple, float] = field(default_factory=dict)
+    portal_lags: list[float] = field(default_factory=list)
+    passes: dict[float, dict] = field(default_factory=dict)  # the scheduler's passes seen
+    watching: dict[int, int] = field(default_factory=dict)  # watcher -> its job
+
+    def beat(self, seconds: float) -> None:
+        with self.lock:
+            self.beats.append(seconds)
+
+    def error(self, what: str) -> None:
+        with self.lock:
+            self.errors[what] += 1
+
 
 # What the portal pushes live (the portal runs with this environment too).
 LIVE_RANKS_MAX = int(os.environ.get("LOCKSTEP_LIVE_RANKS_MAX", DEFAULTS["LIVE_RANKS_MAX"]))

@@ -17,6 +17,7 @@ from jobs.queries import (
     recent_preemptions,
     restart_costs,
     run_seconds,
+    teams_with_usage,
 )
 from jobs.scheduling.protection import min_run_s
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
@@ -181,27 +182,20 @@ def _teams(now: datetime, memo: UsageMemo | None = None) -> tuple[TeamView, ...]
         ).values_list("victim__team_id", flat=True)
     )
     history = _usage_history(now, lockstep_setting("USAGE_HALF_LIFE_S"), memo)
-    # GPUs held now, from the held allocations alone (the partial index of invariant 1), not
-    # a join of every team's jobs, attempts and allocations ever.
-    used = dict(
-        Allocation.objects.filter(released_at__isnull=True)
-        .values_list("attempt__job__team_id")
-        .annotate(gpus=Count("id"))
-        .order_by()
-    )
     return tuple(
         TeamView(
             id=t.id,
             name=t.name,
             quota=t.quota,
             borrow_limit=t.borrow_limit,
-            used=used.get(t.id, 0),
+            used=t.used,
             weight=t.weight,
             usage_history=history.get(t.id, 0.0),
             borrow_paused=t.id in paused,
             isolated_only=t.isolated_only,
         )
-        for t in Team.objects.order_by("id")
+        # GPUs held now (queries.teams_with_usage: from the held allocations alone).
+        for t in teams_with_usage(Team.objects.order_by("id"))
     )
 
 
