@@ -8,11 +8,13 @@ the image first, so CI skips none of it."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -59,6 +61,26 @@ PLAIN_DDP = textwrap.dedent(
     dist.destroy_process_group()
     """
 )
+
+# A script that logs with TensorBoard's SummaryWriter at its default place (./runs/<run>/
+# under its working directory, inside its container) and nothing else of Lockstep.
+SUMMARY_WRITER = textwrap.dedent(
+    """
+    import time, torch.distributed as dist
+    from torch.utils.tensorboard import SummaryWriter
+    dist.init_process_group("gloo")
+    writer = SummaryWriter() if dist.get_rank() == 0 else None
+    for step in range(1, 21):
+        if writer:
+            writer.add_scalar("custom/objective", 1.0 / step, step)
+            writer.flush()
+        time.sleep(0.75)  # the agent looks for new files every 5 s
+    dist.barrier()
+    print(f"summary-writer rank {dist.get_rank()} done", flush=True)
+    dist.destroy_process_group()
+    """
+)
+SCALARS_IMAGE = "localhost/lockstep-test/summary-writer:1"
 
 # Run inside a team's container: everything a rival job would try, each outcome recorded.
 PROBE = textwrap.dedent(
@@ -502,6 +524,56 @@ def test_an_unmodified_plain_ddp_script_baked_into_an_image_runs_as_a_two_node_j
         assert logs.count("plain-ddp rank") == 4 and "/4 uid 2" in logs and "sum 6" in logs
     finally:
         subprocess.run(["podman", "rmi", "--force", THIRD_PARTY_IMAGE], capture_output=True)
+
+
+def test_scalars_a_script_writes_with_tensorboard_inside_its_container_reach_the_api(
+    cluster, tmp_path
+):
+    """issue 19, item 5 in a container: the agent finds the event file through the rank's
+    working directory (/proc/<pid>/cwd reaches into the container) and reads it with
+    TensorBoard's reader. TensorBoard is installed in the job's own image (from the host's
+    wheels: nothing is downloaded), not in the trainer's."""
+    context = tmp_path / "image"
+    (context / "wheels").mkdir(parents=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(context / "wheels"),
+         f"tensorboard=={importlib.metadata.version('tensorboard')}"],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (context / "train.py").write_text(SUMMARY_WRITER)
+    (context / "Containerfile").write_text(
+        f"FROM {IMAGE}\n"
+        "RUN --mount=type=bind,source=wheels,target=/tmp/wheels /opt/venv/bin/pip install "
+        "--no-index --find-links /tmp/wheels --no-cache-dir tensorboard\n"
+        "COPY train.py /app/train.py\n"
+    )
+    subprocess.run(
+        ["podman", "build", "--quiet", "--tag", SCALARS_IMAGE, str(context)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    try:
+        job = _submit(cluster.alice, "ops", ["python", "/app/train.py"], gpus=2,
+                      image=SCALARS_IMAGE)  # fmt: skip
+        done = _finish(cluster.alice, job, cluster, timeout=240)
+        assert done["state"] == "SUCCEEDED", (done, cluster.logs())
+        assert "summary-writer rank 1 done" in _logs(cluster.alice, job, ranks=(1,))
+
+        def all_points():
+            series = cluster.alice.get(
+                f"/api/v1/jobs/{job}/metrics/", params={"name": "custom/objective"}
+            ).json()["ranks"]
+            rank0 = series.get("0") or {"step": []}
+            return len(rank0["step"]) == 20 and rank0
+
+        rank0 = wait_for(all_points, 60, "the script's 20 scalars on the metrics API")
+        assert rank0["step"] == list(range(1, 21))
+        assert rank0["value"] == pytest.approx([1.0 / s for s in range(1, 21)], rel=1e-6)
+        names = cluster.alice.get(f"/api/v1/jobs/{job}/metrics/names/").json()["names"]
+        assert "custom/objective" in names
+    finally:
+        subprocess.run(["podman", "rmi", "--force", SCALARS_IMAGE], capture_output=True)
 
 
 def test_a_frozen_agent_declared_lost_removes_its_container_when_it_thaws(cluster):
