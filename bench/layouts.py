@@ -3,14 +3,16 @@ CPU; NCCL with --gpu) in each layout, its ranks' weights, gradients and optimize
 a step and its median step time, beside the planner's memory and the step-time model's
 prediction (trainer/step_time.py) for the same layout.
 
-The CPU's figures are calibrated in the same run: achieved FLOP/s from a 1-rank run of the
-same model (one thread per rank, as every run here), gloo's bandwidth and per-hop latency from
-all-reduces of two sizes at the layouts' world size, and the fixed cost of a collective the
-rank waits on inside forward and backward (`Hardware.call_s`) from one layout, CALIBRATION
-(the one with the most such calls): what its measured step has beyond the rest of the model,
-per call. Every other layout is predicted with those figures. Ranks share the machine's cores,
-so a rank gets cores / ranks of the 1-rank FLOP/s, and a call costs ranks / cores times the
-CPU it takes.
+The CPU's figures are calibrated in the same run: AdamW's pass over the model's state timed
+by itself, achieved FLOP/s from a 1-rank run of the same model less that pass (one thread per
+rank, as every run here), gloo's bandwidth and per-hop latency from all-reduces of two sizes
+at the layouts' world size, and three fixed costs from three layouts, CALIBRATION
+(`fit_fixed_costs`): per collective a rank waits on (`Hardware.call_s`), per peer it waits
+for in one (`Hardware.peer_s`), and per FSDP2 unit gather or reduce-scatter
+(`Hardware.fsdp_unit_s`), solved from what tp4, tp2 x dp2 and ZeRO-3's measured steps have
+beyond the rest of the model. The other eight layouts are predicted with those figures. Ranks
+share the machine's cores, so a rank gets cores / ranks of the 1-rank FLOP/s, and a fixed cost
+is ranks / cores times the CPU it takes.
 
 Each layout is also run for 2 and for 4 steps under torch.profiler, and its collectives per
 step (the difference, by kind) are compared with the count the model uses
@@ -19,6 +21,7 @@ step (the difference, by kind) are compared with the count the model uses
     python bench/layouts.py            # ~8 min on 2 cores; bench/results/layouts.json + figure
     python bench/layouts.py --quick    # three layouts, fewer steps
     python bench/layouts.py --plot-only
+    python bench/layouts.py --repredict [--results PATH]   # stored measurements, model now
 
 Results and what they mean: docs/planner.md ("Per layout").
 """
@@ -51,10 +54,12 @@ from trainer.layout import (  # noqa: E402
 from trainer.planner import ClusterShape, evaluate  # noqa: E402
 from trainer.step_time import (  # noqa: E402
     Hardware,
-    blocking_calls,
     collective_calls,
     flops_per_gpu,
+    fsdp_unit_calls,
     step_time,
+    waited_calls,
+    waited_peers,
 )
 
 RESULTS = REPO / "bench" / "results" / "layouts.json"
@@ -83,8 +88,13 @@ LAYOUTS = [
     ),  # fmt: skip
     ("pp2 x dp2 x tp2 fsdp", 8, ["--parallel", "fsdp", "--pp", "2", "--tp", "2"]),
 ]
-QUICK = {"ddp", "pp2 x dp2 1f1b", "tp2 x dp2 fsdp", "tp4"}
-CALIBRATION = "tp4"
+QUICK = {"ddp", "pp2 x dp2 1f1b", "tp2 x dp2 fsdp", "tp4", "fsdp (ZeRO-3)"}
+# The three fixed costs' layouts: all-reduces over 4 ranks (tp4), over 2 (tp2 x dp2, which
+# tells a cost per call from one per peer), and the most FSDP unit calls (ZeRO-3).
+CALIBRATION = ("tp4", "tp2 x dp2 fsdp", "fsdp (ZeRO-3)")
+# Each fixed cost (cpu_hardware's argument) and what predict() counts for it.
+FIXED_COSTS = {"call_cpu_s": "waited_calls", "peer_cpu_s": "waited_peers",
+               "fsdp_unit_cpu_s": "fsdp_unit_calls"}  # fmt: skip
 # Profiler event names of gloo's collectives -> collective_calls' kinds.
 GLOO_KINDS = {"gloo:all_reduce": "all_reduce", "gloo:all_gather": "all_gather",
               "gloo:reduce_scatter": "reduce_scatter", "gloo:broadcast": "broadcast",
@@ -202,6 +212,35 @@ def _allreduce_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def optimizer_step_s() -> float:
+    """AdamW's step (the trainer's settings) over the reference GPT of MODEL, on one thread,
+    gradients in place: the median of 20 after 3 to warm up."""
+    import torch
+
+    from trainer.model import GPT, GPTConfig
+
+    cfg = parse_args(MODEL)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = GPT(GPTConfig(vocab_size=VOCAB, block_size=cfg.model.block_size,
+                              n_layer=cfg.model.n_layer, n_head=cfg.model.n_head,
+                              n_embd=cfg.model.n_embd))  # fmt: skip
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(0.9, 0.99),
+                                weight_decay=cfg.optim.weight_decay)  # fmt: skip
+        times = []
+        for i in range(23):
+            t0 = time.perf_counter()
+            opt.step()
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def calibrate_network(world: int, work: Path) -> tuple[float, float]:
     """(bus bandwidth bytes/s, latency per ring hop s) from gloo all-reduces of two sizes:
     t = 2(n-1)/n x bytes / bw + 2(n-1) x hop."""
@@ -226,40 +265,75 @@ def predict(label: str, world: int, flags: list[str], hw_for) -> dict:
     p = cfg.parallel
     dp = world // (p.tp * p.pp)
     zero = MODE_ZERO[p.mode] if dp > 1 else 0
-    layout = evaluate(model, cluster, dp=dp, tp=p.tp, pp=p.pp, zero=zero)
-    t = step_time(model, cluster, layout, hw_for(world), p.stages_per_rank)
+    layout = evaluate(model, cluster, dp=dp, tp=p.tp, pp=p.pp, zero=zero,
+                      stages_per_rank=p.stages_per_rank)  # fmt: skip
+    t = step_time(model, cluster, layout, hw_for(world))
     model_calls: dict[str, int] = {}
-    for kinds in collective_calls(model, layout, p.stages_per_rank).values():
+    for kinds in collective_calls(model, layout).values():
         for kind, n in kinds.items():
             model_calls[kind] = model_calls.get(kind, 0) + n
     return {"resident": resident_bytes(layout), "time": t.to_dict(), "model": model,
             "cluster": cluster, "layout": layout, "calls": model_calls,
-            "blocking_calls": blocking_calls(model, layout)}  # fmt: skip
+            "waited_calls": waited_calls(model, layout),
+            "waited_peers": waited_peers(model, layout),
+            "fsdp_unit_calls": fsdp_unit_calls(model, layout)}  # fmt: skip
 
 
-def hardware(calibration: dict, world: int, cores: int, call_cpu_s: float = 0.0) -> Hardware:
+def hardware(
+    calibration: dict,
+    world: int,
+    cores: int,
+    call_cpu_s: float = 0.0,
+    peer_cpu_s: float = 0.0,
+    unit_cpu_s: float = 0.0,
+) -> Hardware:
     """The calibrated CPU as the model's hardware for `world` ranks on `cores` cores."""
     nets = calibration["gloo"]
     net = nets.get(str(world), nets["4"])
     return cpu_hardware(
         cores, world, flops_per_core=calibration["flops_per_rank_alone"],
         mem_bw=calibration["optimizer_mem_bw_alone"], bus_bw=net["bus_bw"],
-        hop_latency_s=net["hop_latency_s"], call_cpu_s=call_cpu_s,
+        hop_latency_s=net["hop_latency_s"], call_cpu_s=call_cpu_s, peer_cpu_s=peer_cpu_s,
+        fsdp_unit_cpu_s=unit_cpu_s,
         name=f"CPU {cores} cores, {world} ranks, gloo (calibrated)",
     )  # fmt: skip
 
 
+def fit_fixed_costs(calibration: dict, runs: list[dict], cores: int) -> dict[str, float]:
+    """The three fixed costs in CPU seconds (x cores / ranks: a rank pays its share of the
+    cores) from CALIBRATION's layouts: each one's measured step less the model without fixed
+    costs = a x calls waited on + b x peers waited for + c x FSDP unit calls, solved for a, b
+    and c. A cost the noise drives below zero is dropped and the others fitted without it."""
+    import numpy as np
+
+    rows, left = [], []
+    for label in CALIBRATION:
+        run = next(r for r in runs if r["layout"] == label)
+        bare = predict(label, run["world"], run["flags"],
+                       lambda w: hardware(calibration, w, cores))  # fmt: skip
+        per_core = 1 / min(1.0, cores / run["world"])
+        rows.append([bare[k] * per_core for k in FIXED_COSTS.values()])
+        left.append(run["measured_step_s"] - bare["time"]["total_s"])
+    keep = list(range(len(FIXED_COSTS)))
+    while True:
+        a = np.array(rows)[:, keep]
+        coef = np.linalg.lstsq(a, np.array(left), rcond=None)[0]
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    fitted = dict.fromkeys(FIXED_COSTS, 0.0)
+    for i, c in zip(keep, coef, strict=True):
+        fitted[list(FIXED_COSTS)[i]] = max(0.0, float(c))
+    return fitted
+
+
 def evaluate_rows(calibration: dict, runs: list[dict], cores: int) -> tuple[dict, list[dict]]:
     """Each measured run (layout, world, flags, measured_bytes, measured_step_s,
-    collectives_measured) beside the model's prediction, after calibrating the call cost on
-    CALIBRATION: its measured step less the model without it, per call it waits on, in CPU
-    time (x cores / ranks: a call costs its ranks' share of the cores)."""
-    cal = next(r for r in runs if r["layout"] == CALIBRATION)
-    without = predict(cal["layout"], cal["world"], cal["flags"],
-                      lambda w: hardware(calibration, w, cores))  # fmt: skip
-    call_cpu_s = max(0.0, cal["measured_step_s"] - without["time"]["total_s"])
-    call_cpu_s *= min(1.0, cores / cal["world"]) / without["blocking_calls"]
-    calibration = {**calibration, "call_cpu_s": call_cpu_s, "call_calibrated_on": CALIBRATION}
+    collectives_measured) beside the model's prediction, with the fixed costs fitted on
+    CALIBRATION's three layouts (`fit_fixed_costs`)."""
+    fitted = fit_fixed_costs(calibration, runs, cores)
+    calibration = {**calibration, **fitted, "fixed_costs_calibrated_on": list(CALIBRATION)}
+    call_cpu_s, peer_cpu_s, unit_cpu_s = fitted.values()
     rows = []
     for run in runs:
         label, world, flags, measured = (
@@ -269,7 +343,12 @@ def evaluate_rows(calibration: dict, runs: list[dict], cores: int) -> tuple[dict
             run["measured_bytes"],
         )
         step_s, counted = run["measured_step_s"], run["collectives_measured"]
-        pred = predict(label, world, flags, lambda w: hardware(calibration, w, cores, call_cpu_s))
+        pred = predict(
+            label,
+            world,
+            flags,
+            lambda w: hardware(calibration, w, cores, call_cpu_s, peer_cpu_s, unit_cpu_s),
+        )
         bare = predict(label, world, flags, lambda w: hardware(calibration, w, cores))
         row = {
             "layout": label, "world": world, "flags": flags,
@@ -278,9 +357,10 @@ def evaluate_rows(calibration: dict, runs: list[dict], cores: int) -> tuple[dict
             "measured_step_s": step_s, "predicted": pred["time"],
             "step_error": step_s / pred["time"]["total_s"] - 1,
             "step_error_without_call_cost": step_s / bare["time"]["total_s"] - 1,
-            "calibration": label == CALIBRATION,
+            "calibration": label in CALIBRATION,
             "collectives_measured": counted, "collectives_model": as_gloo_runs(pred["calls"]),
-            "blocking_calls": pred["blocking_calls"],
+            "waited_calls": pred["waited_calls"], "waited_peers": pred["waited_peers"],
+            "fsdp_unit_calls": pred["fsdp_unit_calls"],
         }  # fmt: skip
         rows.append(row)
         print(
@@ -288,7 +368,7 @@ def evaluate_rows(calibration: dict, runs: list[dict], cores: int) -> tuple[dict
             f"{sum(pred['resident'].values()) / 1e6:7.2f} predicted; step "
             f"{step_s * 1e3:7.1f} ms measured, {pred['time']['total_s'] * 1e3:7.1f} predicted "
             f"({row['step_error']:+.0%}; {row['step_error_without_call_cost']:+.0%} without "
-            f"the call cost); collectives {counted} measured, {as_gloo_runs(pred['calls'])} "
+            f"the fixed costs); collectives {counted} measured, {as_gloo_runs(pred['calls'])} "
             "model",
             flush=True,
         )
@@ -313,38 +393,40 @@ def main(argv: list[str] | None = None) -> int:
         help="the stored run's measurements and calibration against the model as it is now",
     )
     ap.add_argument("--work", default="/tmp/lockstep-bench-layouts")
+    ap.add_argument("--results", type=Path, help="with --repredict: another stored run")
     args = ap.parse_args(argv)
     results = RESULTS.with_name("layouts-quick.json") if args.quick else RESULTS
+
     figure = FIGURE.with_name("layouts-quick.png") if args.quick else FIGURE
+    if args.results:
+        results = args.results
     if args.plot_only:
         plot(json.loads(results.read_text()), figure)
         return 0
     if args.repredict:
         report = repredict(json.loads(results.read_text()))
         results.write_text(json.dumps(report, indent=1))
-        plot(report, figure)
+        if not args.results:  # the figure is of the published run
+            plot(report, figure)
         return 0
     steps, skip = (12, 4) if args.quick else (30, 6)
     work = Path(args.work) / datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     cores = len(os.sched_getaffinity(0))
 
-    # Calibration: the same model on one rank at two batch sizes (the step is FLOPs at one
-    # rate plus the optimizer's pass at another: two runs give both), and gloo at the worlds
-    # the layouts use.
+    # Calibration: AdamW's pass over the model's state timed by itself, the same model's
+    # step on one rank (its FLOPs at one rate plus that pass), and gloo at the worlds the
+    # layouts use. (Two 1-rank runs at two batch sizes solved for both rates once; on
+    # 2026-12-05 the small batch ran faster per FLOP than the large one and the fit gave the
+    # optimizer 22 TB/s.)
     started = time.monotonic()
     unit = Hardware("unit", flops=1.0, intra_node_bw=1.0, inter_node_bw=1.0, mem_bw=1.0)
-    runs = {}
-    for batch in (64, 16):
-        flags = ["--parallel", "ddp", "--global-batch-size", str(batch)]
-        rows = run_gang(work / f"calibrate-1rank-{batch}", 1, flags, steps)
-        runs[batch] = (median_step_s(rows, skip), predict("1 rank", 1, flags, lambda w: unit))
-    (t_big, big), (t_small, small) = runs[64], runs[16]
-    work_big = flops_per_gpu(big["model"], big["cluster"], big["layout"])
-    work_small = flops_per_gpu(small["model"], small["cluster"], small["layout"])
-    flops = (work_big - work_small) / (t_big - t_small)
-    t1 = t_big
-    opt_bytes = small["time"]["compute_s"] - work_small  # the optimizer's bytes (unit bw)
-    mem_bw = opt_bytes / max(t_small - work_small / flops, 1e-6)
+    flags = ["--parallel", "ddp", "--global-batch-size", "64"]
+    rows = run_gang(work / "calibrate-1rank", 1, flags, steps)
+    t1, one = median_step_s(rows, skip), predict("1 rank", 1, flags, lambda w: unit)
+    t_opt = optimizer_step_s()
+    matmuls = flops_per_gpu(one["model"], one["cluster"], one["layout"])
+    mem_bw = (one["time"]["compute_s"] - matmuls) / t_opt  # AdamW's bytes (unit bw) / s
+    flops = matmuls / max(t1 - t_opt, 1e-6)
     nets = {w: calibrate_network(w, work / f"net-{w}") for w in sorted({w for _, w, _ in LAYOUTS})}
 
     measured_runs = []
@@ -363,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
 
     calibration = {
         "one_rank_step_s": t1,
-        "one_rank_step_s_batch16": t_small,
+        "optimizer_step_s": t_opt,
         "flops_per_rank_alone": flops,
         "optimizer_mem_bw_alone": mem_bw,
         "gloo": {str(w): {"bus_bw": bw, "hop_latency_s": hop} for w, (bw, hop) in nets.items()},

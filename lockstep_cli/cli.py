@@ -351,8 +351,8 @@ def cmd_plan(args) -> int:
     if fastest is not None:
         t = fastest["predicted_step"]
         print(
-            f"fastest predicted on {hw} (what --layout auto takes): dp={fastest['dp']} "
-            f"tp={fastest['tp']} pp={fastest['pp']} ZeRO-{fastest['zero']}, step "
+            f"fastest predicted on {hw} (what --layout auto takes): {fastest['description']}, "
+            "step "
             f"{t['total_s']:.2f} s (compute {t['compute_s']:.2f}, exposed communication "
             f"{t['exposed_comm_s']:.2f}, bubble {t['bubble_s']:.2f})"
         )

@@ -141,6 +141,42 @@ def test_pipeline_first_stage_holds_pp_micro_batches_of_its_layers():
     assert layout.pipeline_bubble == pytest.approx(1 / 5)  # (pp-1)/(m+pp-1), m = 4
 
 
+def test_interleaved_pipeline_keeps_more_activations_and_a_smaller_bubble():
+    # 10 layers on 5 ranks, 2 stages of one layer each per rank, 10 micro-batches. 1F1B: the
+    # first rank holds 5 micro-batches x 2 layers. Interleaved: torch's warm-up of
+    # (V - 1) pp + 2 (pp - 1) = 13 chunks and one more, 14 chunks of one layer: 1 + (pp - 1) /
+    # (V pp) = 1.4 times as much (Narayanan et al. 2021).
+    model = hand_model(global_batch=20)
+    plain = evaluate(model, ClusterShape(gpus=5), dp=1, tp=1, pp=5, zero=0)
+    inter = evaluate(model, ClusterShape(gpus=5), dp=1, tp=1, pp=5, zero=0, stages_per_rank=2)
+    token_ids = 8 * 100 * 2
+    assert plain.per_gpu_bytes["activations"] == 5 * 2 * SBH * 34 + 5 * token_ids
+    assert inter.per_gpu_bytes["activations"] == 14 * SBH * 34 + 7 * token_ids
+    assert inter.per_gpu_bytes["weights"] == plain.per_gpu_bytes["weights"]
+    assert plain.pipeline_bubble == pytest.approx(4 / 14, abs=1e-4)  # (pp-1)/(m+pp-1)
+    assert inter.pipeline_bubble == pytest.approx(4 / 24, abs=1e-4)  # (pp-1)/(V m+pp-1)
+    assert inter.comm_breakdown["pp"] == 2 * plain.comm_breakdown["pp"]
+    assert inter.stages_per_rank == 2 and "interleaved x2" in inter.describe()
+    with pytest.raises(PlanError) as e:
+        evaluate(model, ClusterShape(gpus=2), dp=1, tp=1, pp=2, zero=0, stages_per_rank=2)
+    assert e.value.field == "stages_per_rank"  # 2 x 2 stages do not split 10 layers
+
+
+def test_auto_takes_the_interleaved_schedule_when_its_smaller_bubble_pays():
+    # 70B in bf16 on 32 GPUs: only 4-stage pipelines fit, and with 16 micro-batches the
+    # 1F1B bubble is 3/19 of the step; interleaving halves it for twice the pipeline messages
+    # over NVLink, and its 1.375x activations still fit.
+    model, cluster = ModelShape(**LLAMA_70B, dtype="bf16"), ClusterShape(gpus=32)
+    best, reasons = choose(model, cluster, H100_NODE)
+    assert (best.pp, best.stages_per_rank) == (4, 2) and best.fits, best.describe()
+    twin = evaluate(model, cluster, best.dp, best.tp, best.pp, best.zero)
+    assert twin.fits
+    fast, slow = (step_time(model, cluster, lay, H100_NODE).total_s for lay in (best, twin))
+    assert fast * NEAR_TIE < slow  # beyond the tie rule, which prefers not interleaving
+    assert best.per_gpu_bytes["activations"] > twin.per_gpu_bytes["activations"]
+    assert "interleaved x2" in reasons[0]
+
+
 def test_total_adds_the_fixed_overhead_and_fragmentation_margin():
     b = evaluate(hand_model(), ClusterShape(gpus=1), 1, 1, 1, 0).per_gpu_bytes
     parts = b["weights"] + b["grads"] + b["optimizer"] + b["activations"]
@@ -402,6 +438,8 @@ def test_api_adds_each_layouts_step_time_and_the_layout_auto_takes(api):
         best.dp, best.tp, best.pp, best.zero,
     )  # fmt: skip
     assert body["fastest_reasons"] == reasons
+    assert fastest["stages_per_rank"] == best.stages_per_rank
+    assert fastest["description"] == best.describe()  # what the CLI and the submit page print
     assert body["hardware"]["name"] == H100_NODE.name
     # It is the fastest fitting runnable layout, up to the near-tie rule.
     fitting = [

@@ -125,6 +125,40 @@ def test_flags_layouts_are_predicted_too():
     assert t["bubble_s"] == pytest.approx(matmuls / 2)
 
 
+def test_auto_sets_the_interleaved_schedule_when_the_planner_takes_it():
+    """The reference GPT at 70B's shape on 64 H100s with a global batch of 32: the choice is
+    a 2-stage pipeline of 4 micro-batches per replica and two stages per rank (the bubble
+    halved for twice the pipeline messages), and the trainer's settings say so, so that the
+    launch runs the schedule the prediction is for; a flags layout that names the schedule is
+    predicted as interleaved too."""
+    big = ["--n-layer", "80", "--n-embd", "8192", "--n-head", "64", "--block-size", "4096",
+           "--batch-size", "1", "--precision", "bf16"]  # fmt: skip
+    cfg, choice = resolve(parse_args([*big, "--layout", "auto"]), vocab=128256,
+                          params=70 * 10**9, world_size=64, gpus_per_node=8,
+                          device_type="cuda", batch=32, memory_bytes=80 * GiB,
+                          how="auto")  # fmt: skip
+    lay = choice.layout
+    assert (lay.pp, lay.stages_per_rank, lay.micro_batches) == (2, 2, 4), lay.describe()
+    assert (cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.stages_per_rank) == (
+        2,
+        "interleaved",
+        2,
+    )
+    assert choice.record()["stages_per_rank"] == 2
+    assert "interleaved" in choice.describe()
+    flags = parse_args([*big, "--parallel", "fsdp", "--tp", "4", "--pp", "2",
+                        "--pp-schedule", "interleaved"])  # fmt: skip
+    _, named = resolve(flags, vocab=128256, params=70 * 10**9, world_size=64, gpus_per_node=8,
+                       device_type="cuda", batch=32, memory_bytes=80 * GiB,
+                       how="flags")  # fmt: skip
+    plain = parse_args([*big, "--parallel", "fsdp", "--tp", "4", "--pp", "2"])
+    _, one = resolve(plain, vocab=128256, params=70 * 10**9, world_size=64, gpus_per_node=8,
+                     device_type="cuda", batch=32, memory_bytes=80 * GiB,
+                     how="flags")  # fmt: skip
+    assert named.layout.stages_per_rank == 2 and one.layout.stages_per_rank == 1
+    assert named.predicted.bubble_s == pytest.approx(one.predicted.bubble_s / 2)
+
+
 @pytest.mark.parametrize(
     ("world", "flags"),
     [

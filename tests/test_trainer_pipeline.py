@@ -1,7 +1,7 @@
 """Pipeline parallelism as real gloo processes: 2 stages x 2 data-parallel ranks (GPipe, 1F1B,
-interleaved 1F1B) and 2 x 2 x 2 (pp x dp x tp) each follow DDP's loss curve on the same global
-batch, and a checkpoint saved with 2 stages resumes with 1 and with 4, one saved interleaved
-resumes on a plain pipeline, and each continues the curve."""
+interleaved 1F1B) and 2 x 2 x 2 (pp x dp x tp, 1F1B and interleaved) each follow DDP's loss
+curve on the same global batch, and a checkpoint saved with 2 stages resumes with 1 and with
+4, one saved interleaved resumes on a plain pipeline, and each continues the curve."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ SHAPE = ["--n-layer", "4", "--global-batch-size", "32", "--steps", "6",
 # steps is about 1e-6; the tolerance leaves room for summation order, not for a wrong gradient
 # (a missing tied-gradient sum or a wrong micro-batch weight moves the loss by 1e-3 or more).
 TOLERANCE = 1e-4
+INTERLEAVED_TP = ["--pp", "2", "--tp", "2", "--batch-size", "4", "--parallel", "fsdp",
+                  "--pp-schedule", "interleaved"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +61,19 @@ def assert_follows(got: dict[int, float], reference: dict[int, float], steps: li
                 "interleaved",
             ],
         ),  # fmt: skip
+        # The same with tensor parallelism inside each stage: pp x dp x tp on 8 ranks.
+        (
+            8,
+            INTERLEAVED_TP,
+        ),
     ],
-    ids=["pp2-dp2-1f1b", "pp2-dp2-gpipe", "pp2-dp2-tp2-fsdp", "pp2x2-dp2-interleaved-fsdp"],
+    ids=[
+        "pp2-dp2-1f1b",
+        "pp2-dp2-gpipe",
+        "pp2-dp2-tp2-fsdp",
+        "pp2x2-dp2-interleaved-fsdp",
+        "pp2x2-dp2-tp2-interleaved-fsdp",
+    ],
 )
 def test_pipeline_layouts_follow_the_ddp_loss_curve(world, flags, ddp, tmp_path):
     run = gang(tmp_path, "pp", world, [*SHAPE, *flags])

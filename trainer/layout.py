@@ -40,6 +40,8 @@ ZERO_MODES = {0: "ddp", 1: "zero1", 2: "fsdp-noreshard", 3: "fsdp"}
 MODE_ZERO = {mode: zero for zero, mode in ZERO_MODES.items()}
 # Predicted step times this close to the fastest count as a tie.
 NEAR_TIE = 1.05
+# Stages per rank of the interleaved candidates (the trainer's --pp-stages-per-rank default).
+INTERLEAVED = 2
 
 
 class LayoutError(ValueError):
@@ -111,6 +113,7 @@ class Choice:
             "zero": lay.zero,
             "mode": self.parallel.mode,
             "pp_schedule": self.parallel.pp_schedule if lay.pp > 1 else "",
+            "stages_per_rank": lay.stages_per_rank,
             "micro_batches": lay.micro_batches,
             "global_batch": self.global_batch,
             "memory_limit_bytes": self.memory_limit_bytes,
@@ -138,7 +141,10 @@ def resident_bytes(layout: Layout) -> dict[str, int]:
 
 
 def candidates(model: ModelShape, cluster: ClusterShape) -> list[Layout]:
-    """Runnable layouts, the fitting ones first in the planner's order of preference."""
+    """Runnable layouts, the fitting ones first in the planner's order of preference. Each
+    pipeline also as the interleaved schedule with INTERLEAVED stages per rank where the
+    trainer can run it: the stages split the layers, and the micro-batches come in rounds of
+    pp (torch's Interleaved1F1B)."""
     batch = model.global_batch or model.micro_batch * cluster.gpus
     out = []
     for lay in enumerate_layouts(model, cluster):
@@ -147,6 +153,9 @@ def candidates(model: ModelShape, cluster: ClusterShape) -> list[Layout]:
         if lay.pp > 1 and batch % (lay.dp * model.micro_batch):
             continue  # unequal micro-batches (trainer.train.check_pipeline_plan)
         out.append(lay)
+        v = INTERLEAVED
+        if lay.pp > 1 and not model.layers % (lay.pp * v) and not lay.micro_batches % lay.pp:
+            out.append(evaluate(model, cluster, lay.dp, lay.tp, lay.pp, lay.zero, v))
     out.sort(key=lambda lay: (0, recommendation_key(lay)) if lay.fits else (1, 0))
     return out
 
@@ -169,19 +178,20 @@ def choose(
             f"{need}: use more GPUs, activation checkpointing or a smaller --batch-size"
         )
     # The fastest predicted on this hardware; within NEAR_TIE of it, the simplest: the
-    # shallowest pipeline, the least tensor parallelism, the least sharding (then the
-    # planner's order). Simpler layouts carry what the time model does not see: stage
-    # imbalance, and collectives inside the forward pass, which make every rank wait for a
-    # slow one, so that the straggler detector (which times each rank's data and forward)
-    # can no longer tell which rank is slow.
+    # shallowest pipeline, the least tensor parallelism, the least sharding, not interleaved
+    # (then the planner's order). Simpler layouts carry what the time model does not see:
+    # stage imbalance, and collectives inside the forward pass, which make every rank wait
+    # for a slow one, so that the straggler detector (which times each rank's data and
+    # forward) can no longer tell which rank is slow; on a CPU the interleaved schedule
+    # measured 23% slower than the model says (docs/planner.md).
     times = [step_time(model, cluster, lay, hw).total_s for lay in fitting]
     fastest = min(times)
     near = [
-        (lay.pp, lay.tp, lay.zero, i)
+        (lay.pp, lay.tp, lay.zero, lay.stages_per_rank, i)
         for i, (lay, s) in enumerate(zip(fitting, times, strict=True))
         if s <= fastest * NEAR_TIE
     ]
-    best = fitting[min(near)[3]]
+    best = fitting[min(near)[-1]]
     t = step_time(model, cluster, best, hw)
     plain = next((lay for lay in layouts if (lay.pp, lay.tp, lay.zero) == (1, 1, 0)), None)
     reasons = [
@@ -194,7 +204,7 @@ def choose(
     reasons.append(
         f"the fastest predicted step of the fitting layouts; within {NEAR_TIE - 1:.0%} of it, "
         "the simplest (the shallowest pipeline, the least tensor parallelism, the least "
-        "sharding)"
+        "sharding, not interleaved)"
     )
     reasons.append(
         f"predicted step {t.total_s * 1e3:.1f} ms on {hw.name}: compute "
@@ -223,6 +233,7 @@ def timed_plan(plan: Plan, hw: Hardware = H100_NODE) -> dict:
     else:
         out["fastest"] = {
             **best.to_dict(),
+            "description": best.describe(),
             "predicted_step": step_time(plan.model, plan.cluster, best, hw).to_dict(),
         }
         out["fastest_reasons"] = reasons
@@ -266,18 +277,22 @@ def cpu_hardware(
     mem_bw: float = 1.2e9,
     bus_bw: float = 0.7e9,
     hop_latency_s: float = 1.3e-3,
-    call_cpu_s: float = 1.9e-3,
+    call_cpu_s: float = 1.0e-3,
+    peer_cpu_s: float = 0.2e-3,
+    fsdp_unit_cpu_s: float = 0.9e-3,
     name: str = "",
 ) -> Hardware:
     """A CPU node as the step-time model's hardware: ranks share the cores (each gets
     cores / ranks of them when oversubscribed, and pays ranks / cores times a call's CPU),
     gloo over loopback, no overlap (the collective threads compete with compute for the same
     cores). The defaults are bench/layouts.py's calibration on this project's 2-core CI
-    machine (2026-12-04, one thread per rank): 58 GFLOP/s per core on the reference GPT's
-    fp32 matmuls, 1.2 GB/s through AdamW's state, gloo all-reduce at 0.7 GB/s bus bandwidth
-    and 1.3 ms per ring step, and 1.9 ms of CPU per collective waited on inside
-    forward/backward (FSDP2's and DTensor's work around gloo's); the benchmark passes the
-    figures it calibrates in its own run."""
+    machine (2026-12-04 for the rates, one thread per rank): 58 GFLOP/s per core on the
+    reference GPT's fp32 matmuls, 1.2 GB/s through AdamW's state, gloo all-reduce at 0.7 GB/s
+    bus bandwidth and 1.3 ms per ring step; the fixed costs of its run of 2026-12-05 (fitted
+    on tp4, tp2 x dp2 and ZeRO-3; docs/planner.md has how much they vary between runs): 1.0
+    ms of CPU per collective a rank waits on, 0.2 ms per peer it waits for, 0.9 ms per FSDP2
+    unit gather or reduce-scatter. The benchmark passes the figures it calibrates in its own
+    run."""
     share = min(1.0, cores / max(1, ranks))
     return Hardware(
         name=name or f"CPU ({cores} cores, {ranks} ranks), gloo",
@@ -288,6 +303,8 @@ def cpu_hardware(
         mem_bw=mem_bw * share,
         hop_latency_s=hop_latency_s,
         call_s=call_cpu_s / share,
+        peer_s=peer_cpu_s / share,
+        fsdp_unit_s=fsdp_unit_cpu_s / share,
     )
 
 
@@ -328,12 +345,16 @@ def resolve(
         layout, reasons = choose(model, cluster, hw)
         parallel = replace(cfg.parallel, mode=ZERO_MODES[layout.zero], tp=layout.tp, pp=layout.pp)
         if layout.pp > 1:
-            parallel = replace(parallel, pp_schedule="1f1b", pp_stages_per_rank=0)
+            v = layout.stages_per_rank
+            schedule = "interleaved" if v > 1 else "1f1b"
+            parallel = replace(parallel, pp_schedule=schedule, pp_stages_per_rank=v if v > 1 else 0)
     else:
         p = cfg.parallel
         dp = world_size // (p.tp * p.pp)
         zero = MODE_ZERO[p.mode] if dp > 1 else 0
-        layout = evaluate(model, cluster, dp=dp, tp=p.tp, pp=p.pp, zero=zero)
+        layout = evaluate(
+            model, cluster, dp=dp, tp=p.tp, pp=p.pp, zero=zero, stages_per_rank=p.stages_per_rank
+        )
         reasons = ["layout from the command line (--parallel, --tp, --pp)"]
         if not layout.fits:
             reasons.append(
@@ -345,7 +366,7 @@ def resolve(
         layout=layout,
         parallel=parallel,
         global_batch=batch,
-        predicted=step_time(model, cluster, layout, hw, parallel.stages_per_rank),
+        predicted=step_time(model, cluster, layout, hw),
         memory_limit_bytes=memory_bytes,
         hardware=hw,
         how=how,

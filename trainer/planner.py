@@ -199,16 +199,20 @@ class Layout:
     comm_inter_node_bytes: int
     """The part of comm_bytes_per_step whose group spans nodes (the network, not NVLink)."""
     pipeline_bubble: float
-    """Idle share of a 1F1B pipeline step: (pp - 1) / (micro_batches + pp - 1)."""
+    """Idle share of a 1F1B pipeline step: (pp - 1) / (V x micro_batches + pp - 1)."""
     peak_stage: str
     """Which pipeline stage needs the most memory: first, last or only (pp = 1)."""
     fits: bool
+    stages_per_rank: int = 1
+    """Pipeline stages each rank holds: 1, or V > 1 under the interleaved 1F1B schedule
+    (the bubble V times smaller, V times the pipeline messages, more activations in flight)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} ZeRO-{self.zero}"
+        interleaved = f" interleaved x{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}{interleaved} ZeRO-{self.zero}"
 
 
 @dataclass(frozen=True)
@@ -288,13 +292,26 @@ def output_activation_bytes(model: ModelShape, tp: int = 1) -> float:
 
 
 def evaluate(
-    model: ModelShape, cluster: ClusterShape, dp: int, tp: int, pp: int, zero: int
+    model: ModelShape,
+    cluster: ClusterShape,
+    dp: int,
+    tp: int,
+    pp: int,
+    zero: int,
+    stages_per_rank: int = 1,
 ) -> Layout:
-    """The per-GPU memory and traffic of one layout (see docs/planner.md for each term)."""
+    """The per-GPU memory and traffic of one layout (see docs/planner.md for each term);
+    `stages_per_rank` V > 1: the interleaved 1F1B schedule."""
     if dp * tp * pp != cluster.gpus:
         raise PlanError("gpus", f"dp x tp x pp = {dp * tp * pp}, not {cluster.gpus}")
     if model.layers % pp:
         raise PlanError("pp", f"{pp} does not divide the {model.layers} layers")
+    v = stages_per_rank
+    if v < 1 or (v > 1 and pp < 2) or model.layers % (pp * v):
+        raise PlanError(
+            "stages_per_rank",
+            f"{v} stages per rank on {pp} pipeline ranks does not split {model.layers} layers",
+        )
     if zero not in (0, 1, 2, 3):
         raise PlanError("zero", f"must be 0, 1, 2 or 3, got {zero!r}")
     batch = global_batch(model, cluster)
@@ -331,11 +348,21 @@ def evaluate(
         if zero >= 2:
             grads = min(grads, grads / dp + unit * wb)
         optimizer = params * ob / (dp if zero >= 1 else 1)
-        # 1F1B: the first stage holds pp micro-batches in flight, the last one.
-        in_flight = min(pp, micro_batches) if stage == "first" else 1
+        # 1F1B: the first stage holds pp micro-batches in flight, the last one. Interleaved
+        # over V stages per rank, the first rank warms up with (V - 1) pp + 2 (pp - 1) chunks
+        # of a micro-batch (torch's Interleaved1F1B, Megatron's schedule) and holds one more
+        # in the steady state: each chunk is 1/V of its layers, so it keeps
+        # 1 + (pp - 1) / (V pp) times 1F1B's activations (Narayanan et al. 2021).
+        if stage != "first":
+            in_flight = 1.0
+        elif v == 1:
+            in_flight = min(pp, micro_batches)
+        else:
+            in_flight = min((v + 1) * pp - 1, v * micro_batches) / v
         activations = in_flight * layers_here * keep + recompute
         if stage in ("only", "first"):
-            activations += in_flight * 8 * model.seq * model.micro_batch  # int64 token ids
+            tokens = math.ceil(in_flight)  # int64 token ids of the micro-batches in flight
+            activations += tokens * 8 * model.seq * model.micro_batch
         if stage in ("only", "last"):
             activations += output_activation_bytes(model, tp if model.vocab_parallel else 1)
         parts = {
@@ -382,7 +409,8 @@ def evaluate(
     tp_comm = micro_batches * layers_here * collectives * ring_allreduce_bytes(sbh_bytes, tp)
     # 1F1B: each micro-batch's activations go forward and their gradients come back, split
     # over the tensor-parallel ranks (Megatron's scatter/gather optimisation).
-    pp_comm = 2 * micro_batches * sbh_bytes / tp if pp > 1 else 0.0
+    # Interleaved, each micro-batch crosses between ranks V times as often.
+    pp_comm = 2 * micro_batches * v * sbh_bytes / tp if pp > 1 else 0.0
     breakdown = {"dp": round(dp_comm), "tp": round(tp_comm), "pp": round(pp_comm)}
     # Rank order as Megatron's: tp innermost, then dp, pp outermost. TP never leaves a node;
     # a DP group spans tp x dp consecutive GPUs; consecutive pipeline stages sit tp x dp apart.
@@ -401,9 +429,10 @@ def evaluate(
         comm_bytes_per_step=sum(breakdown.values()),
         comm_breakdown=breakdown,
         comm_inter_node_bytes=inter_node,
-        pipeline_bubble=round((pp - 1) / (micro_batches + pp - 1), 4),
+        pipeline_bubble=round((pp - 1) / (v * micro_batches + pp - 1), 4),
         peak_stage=worst_stage,
         fits=per_gpu["total"] <= cluster.gpu_mem_bytes,
+        stages_per_rank=v,
     )
 
 

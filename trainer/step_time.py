@@ -15,9 +15,11 @@ Pure arithmetic beside trainer/planner.py (which counts bytes; this turns them i
   Data-parallel traffic overlaps the backward pass (DDP's buckets, FSDP's reduce-scatters;
   ZeRO-3's all-gathers also the forward, by prefetch): only the part longer than that window,
   or the share the overlap cannot hide, whichever is more, is exposed. Every collective also
-  pays a latency per ring step (`ring_hops`), which dominates small ones, and each one the
-  rank waits on inside the forward or backward pass a fixed cost (`Hardware.call_s`), counted
-  from the collectives the reference trainer issues (`collective_calls`).
+  pays a latency per ring step (`ring_hops`), which dominates small ones. Each collective the
+  rank waits on costs it a fixed `Hardware.call_s` and `Hardware.peer_s` per peer it waits
+  for (`waited_calls`, `waited_peers`), and each of FSDP2's unit gathers and reductions its
+  bookkeeping (`Hardware.fsdp_unit_s`), counted from the collectives the reference trainer
+  issues (`collective_calls`).
 
 docs/planner.md ("Step time") has the measured error per layout and where it comes from.
 """
@@ -59,12 +61,25 @@ class Hardware:
     dominates small collectives (the tensor-parallel ones of a small model, gloo on CPU)."""
 
     call_s: float = 10e-6
-    """Fixed cost to the rank of one collective it waits on inside the forward or backward
-    pass (`blocking_calls`), beyond the bytes and the ring steps: launching it, the framework's
-    bookkeeping around it (FSDP2's copies into and out of the flat buffer and its hooks,
-    DTensor's dispatch), and on ranks that share CPU cores the CPU time the collective itself
-    takes from their compute. A few microseconds where a GPU runs the collective and the host
-    runs ahead; milliseconds for gloo ranks sharing 2 cores (bench/layouts.py calibrates it)."""
+    """Fixed cost to the rank of each collective whose result it needs before it can go on
+    (`waited_calls`), beyond the bytes and the ring steps: the launch and the framework's
+    dispatch around it (DTensor's, DDP's), and on ranks that share CPU cores the CPU the
+    collective takes from their compute. About 10 us where a GPU runs the collective and the
+    host runs ahead (not measured here); on gloo ranks sharing 2 cores bench/layouts.py
+    calibrates it (0.1-1.3 ms of CPU across its runs)."""
+    peer_s: float = 0.0
+    """And per peer it waits for in such a collective (`waited_peers`: n - 1 over n ranks):
+    the last of its peers to arrive decides, and on ranks that share cores each peer may be
+    off its core. bench/layouts.py needs it to tell tp4 (all-reduces over 4) from tp2 x dp2
+    (over 2): one constant per call put one of them 25-30% off once the other was fitted.
+    0 where a GPU runs the collective (not measured); 0.2-0.6 ms of CPU on 2 shared cores."""
+    fsdp_unit_s: float = 0.0
+    """FSDP2's bookkeeping per unit gather or reduce-scatter (`fsdp_unit_calls`): its pre- and
+    post-hooks, the copies into and out of the flat buffer, the wait on the work. On a GPU the
+    host runs ahead of the device and this hides (0 here, not measured); on a CPU rank it is
+    CPU taken from compute: torch.profiler put `FSDP::all_gather`'s own CPU at 2.5 ms a call
+    at 2 ranks on 2 cores, and bench/layouts.py calibrates it on the ZeRO-3 layout (0.06-2.6
+    ms across its runs: the figure this shared machine gives varies most)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,9 +147,7 @@ TP_FORWARD, TP_BACKWARD = 2, 4
 STEP_EXTRAS, PIPELINE_EXTRAS = 2, 2
 
 
-def collective_calls(
-    model: ModelShape, layout: Layout, stages_per_rank: int = 1
-) -> dict[str, dict[str, int]]:
+def collective_calls(model: ModelShape, layout: Layout) -> dict[str, dict[str, int]]:
     """Collectives one GPU issues per optimizer step, by group and kind ("all_reduce",
     "all_gather", "reduce_scatter", "broadcast", "p2p"), as the reference trainer issues them
     (bench/layouts.py counts them in torch.profiler's traces and checks these counts).
@@ -147,8 +160,10 @@ def collective_calls(
     unit once, at the last micro-batch. tp: TP_FORWARD + TP_BACKWARD all-reduces per block per
     micro-batch. pp, on the busiest rank: per micro-batch a stage at either end of the
     pipeline sends and receives once, a middle stage twice each way; interleaved, a rank holds
-    `stages_per_rank` stages (on 2 ranks each holds one end; beyond, middle ranks none)."""
+    `layout.stages_per_rank` stages (on 2 ranks each holds one end; beyond, middle ranks
+    none)."""
     m, dp, tp, pp = layout.micro_batches, layout.dp, layout.tp, layout.pp
+    stages_per_rank = layout.stages_per_rank
     layers = model.layers // pp
     units = layers + 1
     calls: dict[str, dict[str, int]] = {"dp": {}, "tp": {}, "pp": {}, "step": {}}
@@ -187,13 +202,13 @@ _HOPS = {
 }
 
 
-def ring_hops(model: ModelShape, layout: Layout, stages_per_rank: int = 1) -> dict[str, int]:
+def ring_hops(model: ModelShape, layout: Layout) -> dict[str, int]:
     """Ring steps per optimizer step, by group (the latency part of each collective): each of
     `collective_calls` over its group's ranks. The step's own small all-reduces ride on the
     data-parallel group's count (they span every rank, and are a handful)."""
     size = {"dp": layout.dp, "tp": layout.tp, "pp": 2, "step": layout.dp}
     hops = {"dp": 0, "tp": 0, "pp": 0}
-    for group, kinds in collective_calls(model, layout, stages_per_rank).items():
+    for group, kinds in collective_calls(model, layout).items():
         n = size[group]
         if n < 2:
             continue
@@ -202,17 +217,40 @@ def ring_hops(model: ModelShape, layout: Layout, stages_per_rank: int = 1) -> di
     return hops
 
 
-def blocking_calls(model: ModelShape, layout: Layout) -> int:
-    """Collectives inside the forward and backward passes that the rank waits on: FSDP's
-    gathers and reduce-scatters and tensor parallelism's all-reduces. Each costs the rank
-    `Hardware.call_s` beyond its bytes and ring steps. Pipeline messages are not counted:
-    they are posted ahead and their waits are the bubble (with them, bench/layouts.py
-    predicted 4-stage 1F1B 42% slow; without, within 1%)."""
-    calls = collective_calls(model, layout)
-    inside = sum(calls["tp"].values())
-    if layout.zero >= 2:
-        inside += sum(calls["dp"].values())
-    return inside
+def _waited(model: ModelShape, layout: Layout) -> list[tuple[int, int]]:
+    """(collectives, group size) the rank waits on per optimizer step: tensor parallelism's
+    all-reduces; FSDP's gathers and reduce-scatters; DDP's and ZeRO-1's gradient all-reduces,
+    which the optimizer step waits for; the step's own small all-reduces (the loss for the
+    metrics, the gradient norm). Not counted: ZeRO-1's broadcasts, issued together and waited
+    on once, and pipeline messages, posted ahead, whose waits are the bubble (with them,
+    bench/layouts.py predicted 4-stage 1F1B 42% slow; without, within 1%)."""
+    size = {"dp": layout.dp, "tp": layout.tp, "step": layout.dp}
+    out = []
+    for group, kinds in collective_calls(model, layout).items():
+        if group == "pp" or size[group] < 2:
+            continue
+        plain_dp = group == "dp" and layout.zero < 2
+        out.append((kinds.get("all_reduce", 0) if plain_dp else sum(kinds.values()), size[group]))
+    return out
+
+
+def waited_calls(model: ModelShape, layout: Layout) -> int:
+    """Collectives the rank waits on per optimizer step (each `Hardware.call_s`)."""
+    return sum(calls for calls, _ in _waited(model, layout))
+
+
+def waited_peers(model: ModelShape, layout: Layout) -> int:
+    """Peers the rank waits for per optimizer step: n - 1 for each collective it waits on
+    over n ranks (each `Hardware.peer_s`)."""
+    return sum(calls * (n - 1) for calls, n in _waited(model, layout))
+
+
+def fsdp_unit_calls(model: ModelShape, layout: Layout) -> int:
+    """FSDP2's gathers and reduce-scatters per optimizer step, each with its hooks and copies
+    (`Hardware.fsdp_unit_s`); 0 without FSDP (ZeRO-2/3) or data parallelism."""
+    if layout.zero < 2 or layout.dp < 2:
+        return 0
+    return sum(collective_calls(model, layout)["dp"].values())
 
 
 def step_time(
@@ -220,17 +258,16 @@ def step_time(
     cluster: ClusterShape,
     layout: Layout,
     hw: Hardware,
-    stages_per_rank: int = 1,
 ) -> StepTime:
-    """`stages_per_rank` v > 1: the interleaved 1F1B schedule, whose bubble is v times
-    smaller for v times the pipeline messages (Narayanan et al. 2021)."""
+    """A layout of `stages_per_rank` V > 1 runs the interleaved 1F1B schedule, whose bubble
+    is V times smaller for V times the pipeline messages (Narayanan et al. 2021; the
+    planner's bytes already count them)."""
     matmuls = flops_per_gpu(model, cluster, layout) / hw.flops
-    bubble = matmuls * (layout.pp - 1) / (layout.micro_batches * stages_per_rank)
+    bubble = matmuls * (layout.pp - 1) / (layout.micro_batches * layout.stages_per_rank)
     compute = matmuls + optimizer_s(model, layout, hw)
     gpn = cluster.gpus_per_node
-    comm = {**layout.comm_breakdown}
-    comm["pp"] *= stages_per_rank
-    hops = ring_hops(model, layout, stages_per_rank)
+    comm = layout.comm_breakdown
+    hops = ring_hops(model, layout)
     # Rank order as the planner's: tp innermost, dp next, pp outermost.
     dp_bw = hw.inter_node_bw if layout.tp * layout.dp > gpn else hw.intra_node_bw
     pp_bw = hw.inter_node_bw if layout.tp * layout.dp >= gpn else hw.intra_node_bw
@@ -239,7 +276,11 @@ def step_time(
     pp_s = comm["pp"] / pp_bw + hops["pp"] * hw.hop_latency_s
     window = compute * (1.0 if layout.zero >= 3 else 2 / 3)  # backward is 2/3 of the work
     exposed_dp = max(dp_s - window, dp_s * (1 - hw.overlap))
-    calls_s = blocking_calls(model, layout) * hw.call_s
+    calls_s = (
+        waited_calls(model, layout) * hw.call_s
+        + waited_peers(model, layout) * hw.peer_s
+        + fsdp_unit_calls(model, layout) * hw.fsdp_unit_s
+    )
     return StepTime(
         compute_s=compute,
         exposed_comm_s=exposed_dp + tp_s + pp_s + calls_s,

@@ -84,8 +84,8 @@
     if (fast) {
       var t = fast.predicted_step;
       result.appendChild(el("p",
-        "Fastest predicted on " + plan.hardware.name + " (what layout auto takes): dp=" +
-        fast.dp + " tp=" + fast.tp + " pp=" + fast.pp + " ZeRO-" + fast.zero + ", step " +
+        "Fastest predicted on " + plan.hardware.name + " (what layout auto takes): " +
+        fast.description + ", step " +
         t.total_s.toFixed(2) + " s (compute " + t.compute_s.toFixed(2) +
         ", exposed communication " + t.exposed_comm_s.toFixed(2) + ", bubble " +
         t.bubble_s.toFixed(2) + ").", "planner-fastest"));
