@@ -308,7 +308,9 @@ def fit_fixed_costs(calibration: dict, runs: list[dict], cores: int) -> dict[str
 
     rows, left = [], []
     for label in CALIBRATION:
-        run = next(r for r in runs if r["layout"] == label)
+        run = next((r for r in runs if r["layout"] == label), None)
+        if run is None:
+            raise SystemExit(f"bench/layouts.py: the run has no {label!r} layout to calibrate on")
         bare = predict(label, run["world"], run["flags"],
                        lambda w: hardware(calibration, w, cores))  # fmt: skip
         per_core = 1 / min(1.0, cores / run["world"])
@@ -332,6 +334,9 @@ def evaluate_rows(calibration: dict, runs: list[dict], cores: int) -> tuple[dict
     collectives_measured) beside the model's prediction, with the fixed costs fitted on
     CALIBRATION's three layouts (`fit_fixed_costs`)."""
     fitted = fit_fixed_costs(calibration, runs, cores)
+    # A stored run re-predicted keeps only this model's fixed costs (older runs had others).
+    stale = ("call_calibrated_on", "fsdp_unit_calibrated_on", "fsdp_unit_cpu_s")
+    calibration = {k: v for k, v in calibration.items() if k not in stale}
     calibration = {**calibration, **fitted, "fixed_costs_calibrated_on": list(CALIBRATION)}
     call_cpu_s, peer_cpu_s, unit_cpu_s = fitted.values()
     rows = []
@@ -401,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.results:
         results = args.results
     if args.plot_only:
+        if args.results:
+            raise SystemExit("--plot-only draws the published run; --results is for --repredict")
         plot(json.loads(results.read_text()), figure)
         return 0
     if args.repredict:

@@ -114,6 +114,21 @@ def test_the_trainers_layout_record_shows_on_the_attempt_and_the_job_page(setup,
 
 
 @pytest.mark.django_db
+def test_an_interleaved_layout_shows_its_stages_per_rank(setup, client):
+    team, user, (a, b), _ = setup
+    job = submit(team, user)
+    run_pass()
+    attempt = live_attempt(job)
+    interleaved = {"pp_schedule": "interleaved", "stages_per_rank": 2}
+    beat(a, attempt, {0: None, 1: None}, records=[_layout_record(0, 4 * MiB, **interleaved)])
+    chosen = Attempt.objects.get(pk=attempt.pk).layout["chosen"]
+    assert (chosen["pp_schedule"], chosen["stages_per_rank"]) == ("interleaved", 2)
+    client.force_login(user)
+    page = client.get(f"/jobs/{job.id}/").content.decode()
+    assert "interleaved (2 stages per rank) schedule, 4 micro-batches" in page
+
+
+@pytest.mark.django_db
 def test_a_script_without_layout_records_has_no_layout_section(setup, client):
     team, user, (a, _), _ = setup
     job = submit(team, user, gpus=2)

@@ -4,6 +4,7 @@ page hint, and estimates against memory measured in the reference trainer."""
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 from django.contrib.staticfiles import finders
@@ -11,6 +12,7 @@ from rest_framework.test import APIClient
 
 from lockstep_cli.cli import main as cli_main
 from trainer import planner
+from trainer import step_time as step_time_model
 from trainer.layout import NEAR_TIE, choose, runnable
 from trainer.planner import ClusterShape, ModelShape, PlanError, evaluate, plan
 from trainer.step_time import H100_NODE, step_time
@@ -163,9 +165,9 @@ def test_interleaved_pipeline_keeps_more_activations_and_a_smaller_bubble():
 
 
 def test_auto_takes_the_interleaved_schedule_when_its_smaller_bubble_pays():
-    # 70B in bf16 on 32 GPUs: only 4-stage pipelines fit, and with 16 micro-batches the
-    # 1F1B bubble is 3/19 of the step; interleaving halves it for twice the pipeline messages
-    # over NVLink, and its 1.375x activations still fit.
+    # 70B in bf16 on 32 GPUs: the fastest fitting layouts are 4-stage pipelines, and with 16
+    # micro-batches the 1F1B bubble is 3/19 of the step; interleaving halves it for twice the
+    # pipeline messages over NVLink, and its 1.375x activations still fit.
     model, cluster = ModelShape(**LLAMA_70B, dtype="bf16"), ClusterShape(gpus=32)
     best, reasons = choose(model, cluster, H100_NODE)
     assert (best.pp, best.stages_per_rank) == (4, 2) and best.fits, best.describe()
@@ -175,6 +177,57 @@ def test_auto_takes_the_interleaved_schedule_when_its_smaller_bubble_pays():
     assert fast * NEAR_TIE < slow  # beyond the tie rule, which prefers not interleaving
     assert best.per_gpu_bytes["activations"] > twin.per_gpu_bytes["activations"]
     assert "interleaved x2" in reasons[0]
+
+
+def test_interleaved_last_rank_holds_its_warm_up_chunks_too():
+    # The last rank warms up with (V - 1) pp chunks and holds one more: with a vocabulary large
+    # enough for the head to make the last stage the peak, it keeps (2 - 1) x 5 + 1 = 6 chunks
+    # of one layer (1F1B: one micro-batch of its 2 layers), plus the head's activations.
+    model = hand_model(global_batch=20, vocab=200_000)
+    cluster = ClusterShape(gpus=5)
+    inter = evaluate(model, cluster, dp=1, tp=1, pp=5, zero=0, stages_per_rank=2)
+    plain = evaluate(model, cluster, dp=1, tp=1, pp=5, zero=0)
+    head = planner.output_activation_bytes(model)
+    assert inter.peak_stage == plain.peak_stage == "last"
+    assert plain.per_gpu_bytes["activations"] == round(2 * SBH * 34 + head)
+    assert inter.per_gpu_bytes["activations"] == round(6 * SBH * 34 + head)
+
+
+def test_fixed_costs_count_each_collective_the_rank_waits_on_and_its_peers():
+    """trainer/step_time's waited_calls, waited_peers and fsdp_unit_calls by hand, on HAND:
+    10 layers, micro-batches of 2, a global batch of 2 per GPU."""
+    cases = {
+        # tp4: (2 forward + 4 backward) x 10 layers x 4 micro-batches over 4 ranks, and the
+        # step's 2 over all 4.
+        (4, 1, 4, 1, 0): (240 + 2, (240 + 2) * 3, 0),
+        # pp2: no collective inside the layers; the step's 2 over both ranks, the loss over
+        # the stages and the tied embedding's gradient: 4, each with one peer.
+        (2, 1, 1, 2, 0): (4, 4, 0),
+        # ZeRO-3 on 4: 11 units gathered twice in the one micro-batch and reduce-scattered
+        # once (33 FSDP unit calls), and the step's 2, each over 4 ranks.
+        (4, 4, 1, 1, 3): (35, 105, 33),
+        # DDP on 4: the gradients' 4 GB in 25 MiB buckets (77 all-reduces) and the step's 2.
+        (4, 4, 1, 1, 0): (79, 237, 0),
+        # pp2 x dp2 x tp2 FSDP: 6 TP all-reduces x 5 layers x 4 micro-batches (120, one peer
+        # each); 6 units gathered m + 1 = 5 times and reduce-scattered once (36, one peer);
+        # the step's 2 over all 8 (7 peers each); the loss and the tied gradient (one peer).
+        (8, 2, 2, 2, 3): (120 + 36 + 2 + 2, 120 + 36 + 2 * 7 + 2, 36),
+    }
+    model = ModelShape(**{**HAND, "params": HAND_PARAMS})
+    for (gpus, dp, tp, pp, zero), expected in cases.items():
+        layout = evaluate(model, ClusterShape(gpus=gpus), dp, tp, pp, zero)
+        got = (
+            step_time_model.waited_calls(model, layout),
+            step_time_model.waited_peers(model, layout),
+            step_time_model.fsdp_unit_calls(model, layout),
+        )
+        assert got == expected, (layout.describe(), got)
+        # Each count is what its fixed cost multiplies in the step's exposed communication.
+        hw = replace(H100_NODE, call_s=0.0, peer_s=0.0, fsdp_unit_s=0.0)
+        base = step_time(model, ClusterShape(gpus=gpus), layout, hw).exposed_comm_s
+        for field, count in zip(("call_s", "peer_s", "fsdp_unit_s"), got, strict=True):
+            one = step_time(model, ClusterShape(gpus=gpus), layout, replace(hw, **{field: 1.0}))
+            assert one.exposed_comm_s - base == pytest.approx(count), (layout.describe(), field)
 
 
 def test_total_adds_the_fixed_overhead_and_fragmentation_margin():

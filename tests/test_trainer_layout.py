@@ -178,3 +178,41 @@ def test_the_step_time_model_counts_the_collectives_the_trainer_issues(world, fl
     unit = Hardware("unit", flops=1.0, intra_node_bw=1.0, inter_node_bw=1.0)
     model = as_gloo_runs(predict("test", world, flags, lambda w: unit)["calls"])
     assert counted == pytest.approx({k: float(v) for k, v in model.items() if v})
+
+
+def test_the_benchmark_recovers_the_fixed_costs_it_calibrates():
+    """bench/layouts.fit_fixed_costs on runs made from known costs: the three calibration
+    layouts' steps built by the model itself with 1.5 ms per call, 0.4 ms per peer and 2 ms
+    per FSDP unit call come back as those figures; a cost the noise would drive below zero is
+    dropped and the other two refitted; a run without a calibration layout is a clear error."""
+    from bench.layouts import CALIBRATION, LAYOUTS, fit_fixed_costs, hardware, predict
+
+    calibration = {
+        "flops_per_rank_alone": 60e9,
+        "optimizer_mem_bw_alone": 8e9,
+        "gloo": {"4": {"bus_bw": 1e9, "hop_latency_s": 1e-3}},
+    }
+    truth = {"call_cpu_s": 1.5e-3, "peer_cpu_s": 0.4e-3, "fsdp_unit_cpu_s": 2e-3}
+    flags = {label: (world, f) for label, world, f in LAYOUTS}
+
+    def runs(costs: dict) -> list[dict]:
+        out = []
+        for label in CALIBRATION:
+            world, f = flags[label]
+            hw = lambda w, c=costs: hardware(calibration, w, 2, *c.values())  # noqa: E731
+            step = predict(label, world, f, hw)["time"]["total_s"]
+            out.append({"layout": label, "world": world, "flags": f, "measured_step_s": step})
+        return out
+
+    fitted = fit_fixed_costs(calibration, runs(truth), cores=2)
+    assert fitted == pytest.approx(truth, rel=1e-6)
+    # No per-peer cost at all, and the measurements a little under it: its fit would be
+    # negative; it is dropped, and the others still come back close.
+    skewed = runs({**truth, "peer_cpu_s": 0.0})
+    skewed[0]["measured_step_s"] *= 0.99
+    fitted = fit_fixed_costs(calibration, skewed, cores=2)
+    assert fitted["peer_cpu_s"] == 0.0
+    assert fitted["call_cpu_s"] == pytest.approx(truth["call_cpu_s"], rel=0.2)
+    assert fitted["fsdp_unit_cpu_s"] == pytest.approx(truth["fsdp_unit_cpu_s"], rel=0.2)
+    with pytest.raises(SystemExit, match="no 'tp4' layout"):
+        fit_fixed_costs(calibration, runs(truth)[1:], cores=2)

@@ -140,11 +140,11 @@ def resident_bytes(layout: Layout) -> dict[str, int]:
     return out
 
 
-def candidates(model: ModelShape, cluster: ClusterShape) -> list[Layout]:
-    """Runnable layouts, the fitting ones first in the planner's order of preference. Each
-    pipeline also as the interleaved schedule with INTERLEAVED stages per rank where the
-    trainer can run it: the stages split the layers, and the micro-batches come in rounds of
-    pp (torch's Interleaved1F1B)."""
+def candidates(model: ModelShape, cluster: ClusterShape, interleave: bool = True) -> list[Layout]:
+    """Runnable layouts, the fitting ones first in the planner's order of preference. With
+    `interleave`, each pipeline also as the interleaved schedule with INTERLEAVED stages per
+    rank where the trainer can run it: the stages split the layers, and the micro-batches come
+    in rounds of pp (torch's Interleaved1F1B)."""
     batch = model.global_batch or model.micro_batch * cluster.gpus
     out = []
     for lay in enumerate_layouts(model, cluster):
@@ -154,17 +154,23 @@ def candidates(model: ModelShape, cluster: ClusterShape) -> list[Layout]:
             continue  # unequal micro-batches (trainer.train.check_pipeline_plan)
         out.append(lay)
         v = INTERLEAVED
-        if lay.pp > 1 and not model.layers % (lay.pp * v) and not lay.micro_batches % lay.pp:
+        if (
+            interleave
+            and lay.pp > 1
+            and not model.layers % (lay.pp * v)
+            and not lay.micro_batches % lay.pp
+        ):
             out.append(evaluate(model, cluster, lay.dp, lay.tp, lay.pp, lay.zero, v))
     out.sort(key=lambda lay: (0, recommendation_key(lay)) if lay.fits else (1, 0))
     return out
 
 
 def choose(
-    model: ModelShape, cluster: ClusterShape, hw: Hardware = H100_NODE
+    model: ModelShape, cluster: ClusterShape, hw: Hardware = H100_NODE, interleave: bool = True
 ) -> tuple[Layout, list[str]]:
-    """The recommended runnable layout and why; LayoutError when none fits."""
-    layouts = candidates(model, cluster)
+    """The recommended runnable layout and why; LayoutError when none fits. `interleave`:
+    whether interleaved pipelines are candidates (`candidates`)."""
+    layouts = candidates(model, cluster, interleave)
     fitting = [lay for lay in layouts if lay.fits]
     if not fitting:
         smallest = min(layouts, key=lambda lay: lay.per_gpu_bytes["total"], default=None)
@@ -183,7 +189,7 @@ def choose(
     # stage imbalance, and collectives inside the forward pass, which make every rank wait
     # for a slow one, so that the straggler detector (which times each rank's data and
     # forward) can no longer tell which rank is slow; on a CPU the interleaved schedule
-    # measured 23% slower than the model says (docs/planner.md).
+    # measured up to 16% slower than the model says (docs/planner.md).
     times = [step_time(model, cluster, lay, hw).total_s for lay in fitting]
     fastest = min(times)
     near = [
@@ -342,12 +348,21 @@ def resolve(
             else cpu_hardware(len(os.sched_getaffinity(0)), gpus_per_node)
         )
     if how == "auto":
-        layout, reasons = choose(model, cluster, hw)
+        # Not interleaved on a CPU: there bench/layouts.py measured it up to 16% slower than the
+        # model predicts, more than the tie margin that would keep it out.
+        layout, reasons = choose(model, cluster, hw, interleave=device_type != "cpu")
         parallel = replace(cfg.parallel, mode=ZERO_MODES[layout.zero], tp=layout.tp, pp=layout.pp)
         if layout.pp > 1:
             v = layout.stages_per_rank
             schedule = "interleaved" if v > 1 else "1f1b"
-            parallel = replace(parallel, pp_schedule=schedule, pp_stages_per_rank=v if v > 1 else 0)
+            # The global batch is pinned and the layout sets the micro-batches: a count given
+            # for another schedule (interleaved needs a multiple of pp) does not apply.
+            parallel = replace(
+                parallel,
+                pp_schedule=schedule,
+                pp_stages_per_rank=v if v > 1 else 0,
+                pp_microbatches=0,
+            )
     else:
         p = cfg.parallel
         dp = world_size // (p.tp * p.pp)

@@ -353,12 +353,13 @@ def evaluate(
         # of a micro-batch (torch's Interleaved1F1B, Megatron's schedule) and holds one more
         # in the steady state: each chunk is 1/V of its layers, so it keeps
         # 1 + (pp - 1) / (V pp) times 1F1B's activations (Narayanan et al. 2021).
-        if stage != "first":
-            in_flight = 1.0
-        elif v == 1:
-            in_flight = min(pp, micro_batches)
-        else:
+        # The last rank warms up with (V - 1) pp chunks and holds one more (1F1B: one).
+        if v == 1:
+            in_flight = min(pp, micro_batches) if stage == "first" else 1.0
+        elif stage == "first":
             in_flight = min((v + 1) * pp - 1, v * micro_batches) / v
+        else:
+            in_flight = min((v - 1) * pp + 1, v * micro_batches) / v
         activations = in_flight * layers_here * keep + recompute
         if stage in ("only", "first"):
             tokens = math.ceil(in_flight)  # int64 token ids of the micro-batches in flight

@@ -66,7 +66,7 @@ class Hardware:
     dispatch around it (DTensor's, DDP's), and on ranks that share CPU cores the CPU the
     collective takes from their compute. About 10 us where a GPU runs the collective and the
     host runs ahead (not measured here); on gloo ranks sharing 2 cores bench/layouts.py
-    calibrates it (0.1-1.3 ms of CPU across its runs)."""
+    calibrates it (0-1.2 ms of CPU across its runs)."""
     peer_s: float = 0.0
     """And per peer it waits for in such a collective (`waited_peers`: n - 1 over n ranks):
     the last of its peers to arrive decides, and on ranks that share cores each peer may be
@@ -78,7 +78,7 @@ class Hardware:
     post-hooks, the copies into and out of the flat buffer, the wait on the work. On a GPU the
     host runs ahead of the device and this hides (0 here, not measured); on a CPU rank it is
     CPU taken from compute: torch.profiler put `FSDP::all_gather`'s own CPU at 2.5 ms a call
-    at 2 ranks on 2 cores, and bench/layouts.py calibrates it on the ZeRO-3 layout (0.06-2.6
+    at 2 ranks on 2 cores, and bench/layouts.py calibrates it on the ZeRO-3 layout (0.1-2.7
     ms across its runs: the figure this shared machine gives varies most)."""
 
     def to_dict(self) -> dict:
@@ -141,10 +141,11 @@ def optimizer_s(model: ModelShape, layout: Layout, hw: Hardware) -> float:
 # The reference trainer's q, k and v are three such layers (Megatron fuses them: 2 + 2); a
 # recomputed forward adds its 2 again.
 TP_FORWARD, TP_BACKWARD = 2, 4
-# Small collectives outside the layers every step: the loss averaged for the metrics and the
-# gradient norm for clipping; under a pipeline also the loss over the stages and the tied
-# embedding's gradient (first and last stage).
-STEP_EXTRAS, PIPELINE_EXTRAS = 2, 2
+# Small collectives outside the layers every step, over every rank: the loss averaged for the
+# metrics and the gradient norm for clipping. Under a pipeline also one over the stages (the
+# last stage's loss, "pp_step") and one between the first and last stage (the tied
+# embedding's gradient, "tied").
+STEP_EXTRAS = 2
 
 
 def collective_calls(model: ModelShape, layout: Layout) -> dict[str, dict[str, int]]:
@@ -158,7 +159,8 @@ def collective_calls(model: ModelShape, layout: Layout) -> dict[str, dict[str, i
     (ZeRO-2) or twice, for the forward and again for the backward (ZeRO-3; under a pipeline
     the stage keeps them gathered between its backwards: m + 1), and reduce-scatters each
     unit once, at the last micro-batch. tp: TP_FORWARD + TP_BACKWARD all-reduces per block per
-    micro-batch. pp, on the busiest rank: per micro-batch a stage at either end of the
+    micro-batch. step, pp_step, tied: the small all-reduces of STEP_EXTRAS. pp, on the busiest
+    rank: per micro-batch a stage at either end of the
     pipeline sends and receives once, a middle stage twice each way; interleaved, a rank holds
     `layout.stages_per_rank` stages (on 2 ranks each holds one end; beyond, middle ranks
     none)."""
@@ -167,6 +169,7 @@ def collective_calls(model: ModelShape, layout: Layout) -> dict[str, dict[str, i
     layers = model.layers // pp
     units = layers + 1
     calls: dict[str, dict[str, int]] = {"dp": {}, "tp": {}, "pp": {}, "step": {}}
+    calls["step"]["all_reduce"] = STEP_EXTRAS
     if dp > 1:
         if layout.zero <= 1:
             grad_bytes = model.total_params / pp / tp * DTYPE_BYTES[model.dtype]
@@ -183,10 +186,16 @@ def collective_calls(model: ModelShape, layout: Layout) -> dict[str, dict[str, i
     if pp > 1:
         ends = 1 if pp == 2 else 0  # end stages on the busiest rank
         calls["pp"]["p2p"] = m * (2 * ends + 4 * (stages_per_rank - ends))
-        calls["step"]["all_reduce"] = STEP_EXTRAS + PIPELINE_EXTRAS
-    else:
-        calls["step"]["all_reduce"] = STEP_EXTRAS
+        calls["pp_step"] = {"all_reduce": 1}
+        calls["tied"] = {"all_reduce": 1}
     return calls
+
+
+def group_sizes(layout: Layout) -> dict[str, int]:
+    """Ranks in each group of `collective_calls` (a pipeline message is between two)."""
+    world = layout.dp * layout.tp * layout.pp
+    return {"dp": layout.dp, "tp": layout.tp, "pp": 2, "step": world, "pp_step": layout.pp,
+            "tied": 2}  # fmt: skip
 
 
 # Ring steps of one collective over n ranks: an all-reduce is a reduce-scatter and an
@@ -204,15 +213,15 @@ _HOPS = {
 
 def ring_hops(model: ModelShape, layout: Layout) -> dict[str, int]:
     """Ring steps per optimizer step, by group (the latency part of each collective): each of
-    `collective_calls` over its group's ranks. The step's own small all-reduces ride on the
-    data-parallel group's count (they span every rank, and are a handful)."""
-    size = {"dp": layout.dp, "tp": layout.tp, "pp": 2, "step": layout.dp}
+    `collective_calls` over its group's ranks. The step's own small all-reduces are counted
+    with the data-parallel group's (they are a handful)."""
+    size = group_sizes(layout)
     hops = {"dp": 0, "tp": 0, "pp": 0}
     for group, kinds in collective_calls(model, layout).items():
         n = size[group]
         if n < 2:
             continue
-        key = "dp" if group == "step" else group
+        key = group if group in hops else "dp"
         hops[key] += sum(count * _HOPS[kind](n) for kind, count in kinds.items())
     return hops
 
@@ -221,10 +230,11 @@ def _waited(model: ModelShape, layout: Layout) -> list[tuple[int, int]]:
     """(collectives, group size) the rank waits on per optimizer step: tensor parallelism's
     all-reduces; FSDP's gathers and reduce-scatters; DDP's and ZeRO-1's gradient all-reduces,
     which the optimizer step waits for; the step's own small all-reduces (the loss for the
-    metrics, the gradient norm). Not counted: ZeRO-1's broadcasts, issued together and waited
+    metrics, the gradient norm, over every rank; under a pipeline the loss over the stages and
+    the tied embedding's gradient). Not counted: ZeRO-1's broadcasts, issued together and waited
     on once, and pipeline messages, posted ahead, whose waits are the bubble (with them,
     bench/layouts.py predicted 4-stage 1F1B 42% slow; without, within 1%)."""
-    size = {"dp": layout.dp, "tp": layout.tp, "step": layout.dp}
+    size = group_sizes(layout)
     out = []
     for group, kinds in collective_calls(model, layout).items():
         if group == "pp" or size[group] < 2:

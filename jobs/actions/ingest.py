@@ -178,7 +178,7 @@ def _scalar(rank: int, record: dict, now: datetime) -> _Point | None:
 # What a layout record may carry into Attempt.layout: numbers and short strings only, so a
 # worker cannot grow the row (4,096 ranks each send one record; only the largest is kept).
 _LAYOUT_NUMBERS = ("pp", "dp", "tp", "zero", "micro_batches", "global_batch",
-                   "memory_limit_bytes", "pipeline_bubble")  # fmt: skip
+                   "memory_limit_bytes", "pipeline_bubble", "stages_per_rank")  # fmt: skip
 _LAYOUT_TEXT = ("how", "mode", "pp_schedule", "hardware")
 _BYTES = ("weights", "grads", "optimizer", "activations", "overhead", "total",
           "cuda_peak_allocated")  # fmt: skip

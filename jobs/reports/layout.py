@@ -99,7 +99,7 @@ def report(attempt: Attempt) -> dict | None:
         "attempt": attempt.number,
         "shape": shape,
         "mode": chosen.get("mode", ""),
-        "schedule": chosen.get("pp_schedule", ""),
+        "schedule": _schedule(chosen),
         "how": chosen.get("how", ""),
         "micro_batches": chosen.get("micro_batches"),
         "hardware": chosen.get("hardware", ""),
@@ -107,3 +107,10 @@ def report(attempt: Attempt) -> dict | None:
         "ranks_measured": attempt.layout.get("ranks", 0),
         "rows": rows,
     }
+
+
+def _schedule(chosen: dict) -> str:
+    """The pipeline schedule as the job page names it: "interleaved (2 stages per rank)"."""
+    schedule = chosen.get("pp_schedule", "")
+    stages = int(chosen.get("stages_per_rank") or 1)
+    return f"{schedule} ({stages} stages per rank)" if schedule and stages > 1 else schedule
