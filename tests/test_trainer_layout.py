@@ -133,7 +133,10 @@ def test_auto_sets_the_interleaved_schedule_when_the_planner_takes_it():
     predicted as interleaved too."""
     big = ["--n-layer", "80", "--n-embd", "8192", "--n-head", "64", "--block-size", "4096",
            "--batch-size", "1", "--precision", "bf16"]  # fmt: skip
-    cfg, choice = resolve(parse_args([*big, "--layout", "auto"]), vocab=128256,
+    # A micro-batch count given for 1F1B (3 is no multiple of pp) does not apply: the layout
+    # sets the micro-batches, so the interleaved config is valid.
+    asked = parse_args([*big, "--layout", "auto", "--pp-microbatches", "3"])
+    cfg, choice = resolve(asked, vocab=128256,
                           params=70 * 10**9, world_size=64, gpus_per_node=8,
                           device_type="cuda", batch=32, memory_bytes=80 * GiB,
                           how="auto")  # fmt: skip
@@ -144,7 +147,7 @@ def test_auto_sets_the_interleaved_schedule_when_the_planner_takes_it():
         "interleaved",
         2,
     )
-    assert choice.record()["stages_per_rank"] == 2
+    assert choice.record()["stages_per_rank"] == 2 and cfg.parallel.pp_microbatches == 0
     assert "interleaved" in choice.describe()
     flags = parse_args([*big, "--parallel", "fsdp", "--tp", "4", "--pp", "2",
                         "--pp-schedule", "interleaved"])  # fmt: skip
