@@ -234,6 +234,16 @@ def _saving(api: Api, job: int, cluster, timeout: float, what: str) -> dict:
     return wait_for(saved, timeout, what)
 
 
+def _build_image(context: Path, tag: str, *, timeout: float) -> None:
+    """A test job's own image from `context` (its Containerfile starts FROM the trainer's)."""
+    subprocess.run(
+        ["podman", "build", "--quiet", "--tag", tag, str(context)],
+        check=True,
+        capture_output=True,
+        timeout=timeout,
+    )
+
+
 def _cancel(api: Api, job: int) -> None:
     api.post(f"/api/v1/jobs/{job}/cancel/")
 
@@ -502,12 +512,7 @@ def test_an_unmodified_plain_ddp_script_baked_into_an_image_runs_as_a_two_node_j
     context.mkdir()
     (context / "train.py").write_text(PLAIN_DDP)
     (context / "Containerfile").write_text(f"FROM {IMAGE}\nCOPY train.py /app/train.py\n")
-    subprocess.run(
-        ["podman", "build", "--quiet", "--tag", THIRD_PARTY_IMAGE, str(context)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    _build_image(context, THIRD_PARTY_IMAGE, timeout=300)
     try:
         job = _submit(
             cluster.alice, "ops", ["python", "/app/train.py"], gpus=4, image=THIRD_PARTY_IMAGE
@@ -547,12 +552,7 @@ def test_scalars_a_script_writes_with_tensorboard_inside_its_container_reach_the
         "--no-index --find-links /tmp/wheels --no-cache-dir tensorboard\n"
         "COPY train.py /app/train.py\n"
     )
-    subprocess.run(
-        ["podman", "build", "--quiet", "--tag", SCALARS_IMAGE, str(context)],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    _build_image(context, SCALARS_IMAGE, timeout=600)
     try:
         job = _submit(cluster.alice, "ops", ["python", "/app/train.py"], gpus=2,
                       image=SCALARS_IMAGE)  # fmt: skip
