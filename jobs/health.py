@@ -4,6 +4,7 @@ scheduler loop feeds them."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import Counter
@@ -173,3 +174,79 @@ def odd_rank_out(stacks: dict[int, str]) -> tuple[int, str, str] | None:
     odd = [rank for rank, frame in frames.items() if frame != common]
     # With at least three frames, one odd rank leaves two or more agreeing on `common`.
     return (odd[0], frames[odd[0]], common) if len(odd) == 1 else None
+
+
+# The agent's line per rank: its flight recorder's summary (nodeagent/flight_recorder.py).
+_FLIGHT_LINE = re.compile(r"^lockstep agent: flight recorder of rank (\d+): (\{.*\})\s*$", re.M)
+
+
+def flight_records(text: str) -> dict | None:
+    """The last flight-recorder summary in a rank's log text, or None."""
+    found = None
+    for match in _FLIGHT_LINE.finditer(text):
+        try:
+            found = json.loads(match.group(2))
+        except ValueError:
+            continue
+    return found if isinstance(found, dict) else None
+
+
+def _collective(group: dict) -> str:
+    last = group.get("last") or {}
+    sizes = last.get("sizes")
+    return f"{last.get('op') or 'a collective'}{f' of {sizes}' if sizes else ''}"
+
+
+def flight_recorder_verdict(records: dict[int, dict]) -> tuple[int, str] | None:
+    """The rank the flight recorders blame, and why in words; None if they do not single one
+    out.
+
+    Per process group, among the ranks whose recorders know it: the ranks that entered the
+    group's latest collective (sequence number M) and wait in it, and the ranks behind (their
+    last is below M). Exactly one rank behind while others wait is the one they wait for: it
+    never joined. All at M but with different kinds or sizes at M is a mismatched collective,
+    and the one rank that differs from the rest is named. Unlike the stacks, this needs no third
+    rank to break a tie: the sequence numbers say who is behind. Groups are read in id order
+    (the default group first); the first that names a rank decides."""
+    groups: dict[str, dict[int, dict]] = {}
+    for rank, record in records.items():
+        for pg_id, group in (record.get("groups") or {}).items():
+            if isinstance(group, dict) and isinstance(group.get("entered"), int):
+                groups.setdefault(str(pg_id), {})[rank] = group
+    for pg_id in sorted(groups, key=lambda g: (len(g), g)):
+        by_rank = groups[pg_id]
+        if len(by_rank) < 2:
+            continue
+        latest = max(g["entered"] for g in by_rank.values())
+        waiting = sorted(
+            r
+            for r, g in by_rank.items()
+            if g["entered"] == latest and g.get("completed", -1) < latest
+        )
+        behind = sorted(r for r, g in by_rank.items() if g["entered"] < latest)
+        name = next((g.get("desc") for g in by_rank.values() if g.get("desc")), "") or pg_id
+        if waiting and len(behind) == 1:
+            rank = behind[0]
+            mine, theirs = by_rank[rank], by_rank[waiting[0]]
+            ranks = ", ".join(map(str, waiting))
+            return rank, (
+                f"never entered collective #{latest} ({_collective(theirs)}) of process group "
+                f"{name} that rank(s) {ranks} wait in; its last was #{mine['entered']}"
+            )
+        if waiting and not behind and len(waiting) >= 2:
+            kinds = {
+                r: _collective(g)
+                for r, g in by_rank.items()
+                if (g.get("last") or {}).get("seq") == latest
+            }
+            counts = Counter(kinds.values())
+            if len(counts) == 2:
+                (common, _), (odd_kind, odd_count) = counts.most_common(2)
+                # With two ranks there is no telling which of the two is wrong.
+                if odd_count == 1 and len(kinds) >= 3:
+                    rank = next(r for r, k in kinds.items() if k == odd_kind)
+                    return rank, (
+                        f"called {odd_kind} as collective #{latest} of process group {name} "
+                        f"where the other rank(s) called {common} (a mismatched collective)"
+                    )
+    return None

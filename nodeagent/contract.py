@@ -17,13 +17,21 @@ from typing import Any
 # A plain process inherits them with the rest of the agent's environment; a container gets
 # exactly these.
 PASSTHROUGH_NETWORK_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-# PyTorch's NCCL flight recorder (a ring of the last 2,000 collectives per rank) and its dump
-# on a watchdog timeout; TORCH_NCCL_DEBUG_INFO_TEMP_FILE is set per attempt (build_worker_env).
-NCCL_DEBUG_DEFAULTS = {
+# PyTorch's flight recorder: a ring of each rank's last 2,000 collectives, which NCCL and gloo
+# both keep; its dump file and the pipe that asks for one are set per attempt
+# (build_worker_env, FLIGHT_RECORDER_STEM).
+FLIGHT_RECORDER_DEFAULTS = {
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_FR_BUFFER_SIZE": "2000",
+}
+# NCCL's watchdog: it dumps the ring on a collective timeout (and serves the pipe).
+NCCL_DEBUG_DEFAULTS = {
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     "TORCH_NCCL_ENABLE_MONITORING": "1",
 }
+# `<stem><rank>` is a rank's dump, `<stem><rank>.pipe` the named pipe a byte is written to for
+# one (nodeagent/flight_recorder.py); in the attempt's directory, which a container mounts.
+FLIGHT_RECORDER_STEM = "nccl-trace-rank-"
 
 
 def resolve_command(command: list[str]) -> list[str]:
@@ -149,16 +157,20 @@ def build_worker_env(
     # torchrun applies the same default.
     if local_world_size > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = "1"
+    # The flight recorder: on a hang (or NCCL's collective timeout) each rank dumps its last
+    # collectives (what it entered, in which order, what completed) to a file in the attempt's
+    # directory, which the agent reads into the hang's Event. A job's own values win.
+    stem = str(Path(metrics_path).parent / FLIGHT_RECORDER_STEM)
+    for name, value in {
+        **FLIGHT_RECORDER_DEFAULTS,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": stem,
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem,
+    }.items():
+        env.setdefault(name, value)
     if gpu_kind == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = str(rank["gpu_index"])
-        # PyTorch's NCCL watchdog and flight recorder: on a collective timeout each rank dumps
-        # its last collectives (what it entered, in which order, what completed) to a file in
-        # the attempt's directory, which the agent keeps. A job's own values win.
         for name, value in NCCL_DEBUG_DEFAULTS.items():
             env.setdefault(name, value)
-        env.setdefault(
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(metrics_path).parent / "nccl-trace-rank-")
-        )
     return env
 
 

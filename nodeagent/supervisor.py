@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nodeagent import hang_evidence
 from nodeagent.container import ContainerRank, Engine, agent_identity
 from nodeagent.container_launch import ContainerLaunch
 from nodeagent.contract import (
@@ -28,10 +29,9 @@ from nodeagent.contract import (
     resolve_command,
 )
 from nodeagent.exit_clock import ExitClock
-from nodeagent.launch import catches, session_cpu_seconds
+from nodeagent.launch import session_cpu_seconds
 from nodeagent.saves import seed_resume
-from nodeagent.stacks import TIMEOUT_S as STACKS_TIMEOUT_S
-from nodeagent.stacks import OutsideDump, container_host_pids, py_spy
+from nodeagent.stacks import container_host_pids
 from nodeagent.warm_container import DEFAULT_IDLE_S, WarmContainers
 from nodeagent.workers import AttemptWorkers, RankWorker
 from nodeagent.zygote import ForkedWorker, Zygote, ZygoteError, can_fork
@@ -45,13 +45,6 @@ EXIT_NOT_EXECUTABLE = 126
 
 WORKERS_FILE = "workers.json"
 
-# The signal that asks a worker to write its threads' stacks to its log and carry on; the
-# reference trainer registers faulthandler for it (trainer/train.py).
-DUMP_SIGNAL = signal.SIGUSR1
-# How long after the signal the dump counts as written. faulthandler writes it from inside the
-# signal handler, but the process must first be scheduled to run it; a second is ample even on
-# a busy node and costs nothing next to the hang detection that led to the dump.
-DUMP_SETTLE_S = 1.0
 CPU_READ_EVERY_S = 0.5  # the ranks' CPU use is a heartbeat's figure (one a second)
 
 
@@ -383,37 +376,13 @@ class WorkerSupervisor:
     # -- stack dumps ---------------------------------------------------------------------------
 
     def dump_stacks(self, attempt_id: int) -> None:
-        """Ask every live worker of the attempt to dump its stacks (DUMP_SIGNAL) and keep
-        running. Once per attempt: heartbeats repeat the action, the signal is not repeated."""
+        """Gather the attempt's hang evidence (nodeagent/hang_evidence.py): the ranks' own stack
+        dumps, py-spy's from outside, their flight recorders. Once per attempt: heartbeats
+        repeat the action, the asking is not repeated."""
         attempt = self._attempts[attempt_id]
-        if attempt.dump_sent_at is not None:
-            return
-        attempt.dump_sent_at = self._clock()
-        self._dump_from_outside(attempt)
-        signalled = []
-        if attempt.container is not None:
-            attempt.container.signal(DUMP_SIGNAL)
-            signalled = [w.rank for w in attempt.workers if w.alive]
-        skipped = []
-        for worker in attempt.workers if attempt.container is None else ():
-            if worker.alive and worker.popen is not None:
-                if not catches(worker.popen.pid, DUMP_SIGNAL):
-                    # A script without a handler would die of it (the default action), and
-                    # its end would read as a signal, not as the hang it is.
-                    skipped.append(worker.rank)
-                    continue
-                # The worker only, not its process group: its helpers (data loaders, a shell)
-                # have no handler for it, and SIGUSR1's default action would kill them.
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(worker.popen.pid, DUMP_SIGNAL)
-                    signalled.append(worker.rank)
-        self._log.info(
-            "attempt %s: %s sent to ranks %s for a stack dump%s",
-            attempt_id,
-            signal.Signals(DUMP_SIGNAL).name,
-            signalled,
-            f" (not to ranks {skipped}: no handler for it)" if skipped else "",
-        )
+        if attempt.dump_sent_at is None:
+            attempt.dump_sent_at = self._clock()
+            hang_evidence.ask(attempt, self.rank_pids(attempt_id), self._log)
 
     def refuse(
         self, attempt_id: int, launch: Mapping[str, Any], error: dict[str, str]
@@ -449,30 +418,9 @@ class WorkerSupervisor:
                 attempt.host_pids.update(container_host_pids(init, missing))
         return {w.rank: (w.pid, attempt.host_pids.get(w.pid) if w.alive else None) for w in started}
 
-    def _dump_from_outside(self, attempt: AttemptWorkers) -> None:
-        """py-spy on every live rank, in the background (nodeagent/stacks.py): stacks from
-        scripts that cannot dump their own, native frames from those that can."""
-        binary = py_spy()
-        pids = self.rank_pids(attempt.attempt_id)
-        if binary is None or not pids:
-            return
-        targets = [
-            (w.rank, pids[w.rank][1], w.log_path)
-            for w in attempt.workers
-            if pids.get(w.rank, (None, None))[1] is not None
-        ]
-        if targets:
-            attempt.outside_dump = OutsideDump(binary, targets)
-
     def dump_settled(self, attempt_id: int) -> bool:
-        """True once the dump signal went out at least DUMP_SETTLE_S ago and py-spy is done
-        (or has had its time)."""
-        attempt = self._attempts[attempt_id]
-        sent_at = attempt.dump_sent_at
-        if sent_at is None or self._clock() - sent_at < DUMP_SETTLE_S:
-            return False
-        outside = attempt.outside_dump
-        return outside is None or outside.done or self._clock() - sent_at > 2 * STACKS_TIMEOUT_S
+        """True once the hang evidence asked for is written (or has had its time)."""
+        return hang_evidence.settled(self._attempts[attempt_id], self._clock())
 
     def kill(self, attempt_id: int) -> None:
         """SIGKILL every worker's process group now (fencing, shutdown)."""

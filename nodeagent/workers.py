@@ -83,6 +83,7 @@ class AttemptWorkers:
     killed: bool = False
     dump_sent_at: float | None = None  # clock() time the stack-dump signal went out (once)
     outside_dump: Any = None  # stacks.OutsideDump: py-spy reading the ranks' stacks
+    flight_dump: Any = None  # flight_recorder.FlightRecorderDump: the ranks' recorders
     # The container holding the ranks (container runtime); None for plain processes.
     container: Any = None  # container.ContainerAttempt
     # The image pull under way before the container can start (container runtime).

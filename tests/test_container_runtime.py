@@ -360,7 +360,8 @@ def test_a_two_node_job_trains_in_its_image_loses_a_rank_and_resumes(cluster):
 
 def test_a_hang_inside_a_container_is_detected_with_its_stacks_and_resumes(cluster):
     """The stack-dump signal goes to the container, whose init forwards it to the launcher,
-    which forwards it to each rank: the stacks arrive as they do from plain processes."""
+    which forwards it to each rank: the stacks arrive as they do from plain processes, and so
+    do the flight recorders."""
     api = cluster.alice
     command = [*TRAIN[:3], "--steps", "60", "--checkpoint-every", "10"]
     job = _submit(api, "ops", [*command, "--fault-stall-at-step", "25"], gpus=4)
@@ -376,6 +377,11 @@ def test_a_hang_inside_a_container_is_detected_with_its_stacks_and_resumes(clust
         events = api.get(f"/api/v1/jobs/{job}/events/").json()
         failed = next(e for e in events if e["kind"] == "attempt.failed")
         assert "in fault" in failed["data"]["stacks"]["0"], failed["data"]["stacks"].keys()
+        # The flight recorders too: each rank's pipe, made inside the container in the mounted
+        # attempt directory, answered the agent outside it; rank 0 is the one behind.
+        assert set(failed["data"]["flight_recorder"]) == {"0", "1", "2", "3"}, failed["data"]
+        assert failed["data"]["odd_rank"] == 0, failed["message"]
+        assert "never entered collective #" in failed["message"], failed["message"]
     finally:
         _cancel(api, job)
 

@@ -446,6 +446,13 @@ def test_hung_job_is_detected_its_stacks_captured_and_it_resumes(cluster):
     assert all("read from outside (py-spy dump)" in stacks[r] for r in "0123"), stacks.keys()
     assert failed["data"].get("odd_rank") == 0, failed["message"]
     assert "rank 0 on e2e-" in failed["message"], failed["message"]
+    # The flight recorders agree, by sequence number: every rank's recorder was read (the
+    # trainer serves the dump pipe under gloo), and rank 0 is the one behind.
+    flights = failed["data"]["flight_recorder"]
+    assert set(flights) == {"0", "1", "2", "3"}, flights
+    assert failed["data"]["flight_verdict"].startswith("never entered collective #"), failed
+    behind, ahead = flights["0"]["groups"]["0"], flights["1"]["groups"]["0"]
+    assert behind["entered"] < ahead["entered"] and ahead["completed"] < ahead["entered"], flights
     assert failed["data"]["detect_s"] < 12 + 3 + 10
     wait_for(
         lambda: api.get(f"/api/v1/jobs/{job}/").json()["state"] == "SUCCEEDED",

@@ -2,6 +2,7 @@
 hangs with stack capture, stragglers, node strikes and cordoning, user errors, retention,
 Young/Daly and goodput accounting. The same paths run with real processes in test_e2e.py."""
 
+import json
 import os
 from datetime import timedelta
 
@@ -853,3 +854,51 @@ def test_a_hang_names_the_odd_rank_and_strikes_only_its_node(setup, settings):
     )
     struck = set(Event.objects.filter(kind="node.strike").values_list("node__name", flat=True))
     assert struck == {"node-0"}
+
+
+def _flight_line(rank: int, entered: int, completed: int) -> str:
+    """The agent's line for a rank's flight recorder (nodeagent/flight_recorder.py)."""
+    group = {
+        "entered": entered,
+        "completed": completed,
+        "desc": "default_pg",
+        "last": {"seq": entered, "op": "nccl:all_reduce", "sizes": [[4096]], "state": "started"},
+    }
+    return (
+        f"\nlockstep agent: flight recorder of rank {rank}: "
+        + json.dumps({"groups": {"0": group}, "entries": 2000})
+        + "\n"
+    )
+
+
+@pytest.mark.django_db
+def test_a_hang_the_stacks_cannot_place_is_placed_by_the_flight_recorders(setup, settings):
+    """Every rank's stack is in the same backward pass (rank 3 computes its gradients while the
+    others wait for them): the stacks name nobody. The flight recorders do: rank 3 never
+    entered all-reduce #118, so its node alone is struck, and the summaries are in the event."""
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "HANG_MIN_S": 20.0, "DUMP_WAIT_S": 3.0}
+    job, attempt, a, b, _ = _run(setup)
+    t0 = timezone.now()
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 3, rank=0), now=t0)
+    beat(b, attempt, {2: None, 3: None}, now=t0)
+    t = t0 + timedelta(seconds=21)
+    beat(a, attempt, {0: None, 1: None}, now=t)
+    beat(b, attempt, {2: None, 3: None}, now=t)
+    run_pass(now=t)
+    t += timedelta(seconds=1)
+    logs = {r: _py_spy(r, *WAITING) + _flight_line(r, 118, 117) for r in range(3)}
+    logs[3] = _py_spy(3, *WAITING) + _flight_line(3, 117, 117)
+    beat(a, attempt, {0: None, 1: None}, logs={r: logs[r] for r in (0, 1)}, now=t)
+    beat(b, attempt, {2: None, 3: None}, logs={r: logs[r] for r in (2, 3)}, now=t)
+    t += timedelta(seconds=3)
+    beat(a, attempt, {0: None, 1: None}, now=t)
+    beat(b, attempt, {2: None, 3: None}, now=t)
+    run_pass(now=t)
+    failed = Event.objects.get(attempt=attempt, kind="attempt.failed")
+    assert failed.data["odd_rank"] == 3, failed.message
+    assert "rank 3 on node-1 never entered collective #118 (nccl:all_reduce of [[4096]])" in (
+        failed.message
+    )
+    assert set(failed.data["flight_recorder"]) == {"0", "1", "2", "3"}
+    struck = set(Event.objects.filter(kind="node.strike").values_list("node__name", flat=True))
+    assert struck == {"node-1"}

@@ -205,15 +205,18 @@ def test_workers_get_the_launch_contract_in_their_own_sessions(supervisor_factor
             "NCCL_SOCKET_IFNAME": "lo",
         }
         assert {k: env.get(k) for k in expected} == expected
+        # The flight recorder (NCCL's and gloo's), its dump and the pipe that asks for one in
+        # the attempt's directory.
+        assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+        assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(attempt_dir / "nccl-trace-rank-")
+        assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == str(attempt_dir / "nccl-trace-rank-")
         if gpu_kind == "cuda":
             assert env["CUDA_VISIBLE_DEVICES"] == str(entry["gpu_index"])
-            # The NCCL watchdog's flight recorder, dumped into the attempt's directory.
-            assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+            # The NCCL watchdog, which dumps the recorder on a collective timeout.
             assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-            assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(attempt_dir / "nccl-trace-rank-")
         else:
             assert "CUDA_VISIBLE_DEVICES" not in env
-            assert not any(k.startswith("TORCH_NCCL_") for k in env)
+            assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in env
         log = worker.log_path.read_text()
         assert worker.log_path == attempt_dir / f"rank-{entry['rank']}.log"
         assert f"hello from rank {entry['rank']}" in log

@@ -36,6 +36,7 @@ from trainer.checkpoint import CheckpointManager, TrainState
 from trainer.config import JobConfig, TrainArgs, parse_args
 from trainer.data import AdditionDataset, BatchPlan, Dataset, GlobalSampler, build_dataset
 from trainer.distributed import DistInfo, close_distributed, init_distributed
+from trainer.flight_recorder import serve_dump_pipe
 from trainer.layout import for_launch, measured_bytes
 from trainer.metrics import MetricsWriter
 from trainer.model import GPT, GPTConfig
@@ -294,6 +295,8 @@ def train(cfg: JobConfig) -> int:
     # Before the rendezvous, which can hang too (a peer that never arrives).
     install_stack_dump_handler()
     info = init_distributed()
+    # What NCCL's watchdog does for NCCL, for gloo: the agent can ask for the recorder's ring.
+    serve_dump_pipe(info.rank)
     # After the rendezvous: a stop requested while ranks are still gathering has nothing to
     # checkpoint, so the default action (terminate) is right until then.
     stop = StopFlag((signal.SIGTERM, signal.SIGINT))

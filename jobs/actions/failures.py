@@ -15,7 +15,12 @@ from jobs.actions.preemption import stop_to_requeue
 from jobs.actions.strikes import node_strikes, strike_node
 from jobs.conf import lockstep_setting
 from jobs.event_kinds import EventKind
-from jobs.health import StragglerVerdict, odd_rank_out
+from jobs.health import (
+    StragglerVerdict,
+    flight_recorder_verdict,
+    flight_records,
+    odd_rank_out,
+)
 from jobs.models import (
     Allocation,
     Attempt,
@@ -253,16 +258,20 @@ def do_request_stack_dump(attempt: Attempt, *, reason: str, now: datetime) -> bo
 STACK_MARKERS = ("Thread 0x", "Current thread", "lockstep agent: stacks of rank")
 
 
-def stacks_since(attempt: Attempt, since: datetime, *, limit: int = 20_000) -> dict[str, str]:
-    """Per rank, the stack dumps shipped in the logs since `since`."""
+def logs_since(attempt: Attempt, since: datetime) -> dict[int, str]:
+    """Per rank, the log text shipped since `since`."""
     by_rank: dict[int, list[str]] = {}
     for rank, text in LogChunk.objects.filter(attempt=attempt, created_at__gte=since).values_list(
         "rank", "text"
     ):
         by_rank.setdefault(rank, []).append(text)
+    return {rank: "".join(parts) for rank, parts in sorted(by_rank.items())}
+
+
+def stacks_in(logs: dict[int, str], *, limit: int = 20_000) -> dict[str, str]:
+    """Per rank, the stack dumps in its log text."""
     stacks = {}
-    for rank, parts in sorted(by_rank.items()):
-        text = "".join(parts)
+    for rank, text in logs.items():
         start = min((i for i in map(text.find, STACK_MARKERS) if i >= 0), default=-1)
         if start >= 0:
             stacks[str(rank)] = text[start:][:limit]
@@ -270,7 +279,9 @@ def stacks_since(attempt: Attempt, since: datetime, *, limit: int = 20_000) -> d
 
 
 def do_end_hung_attempt(attempt: Attempt, *, now: datetime) -> Attempt:
-    stacks = stacks_since(attempt, attempt.dump_requested_at)
+    logs = logs_since(attempt, attempt.dump_requested_at)
+    stacks = stacks_in(logs)
+    flights = {rank: found for rank, text in logs.items() if (found := flight_records(text))}
     reason = attempt.end_reason or "hung"
     # A rank that could not even dump its stacks (stopped, stuck in the kernel) is the likely
     # culprit: when such ranks sit on one node, that node takes the strike.
@@ -280,19 +291,29 @@ def do_end_hung_attempt(attempt: Attempt, *, now: datetime) -> Attempt:
     silent_ranks = sorted(a.rank for a in silent)
     if stacks and silent_ranks:
         reason += f"; no stacks from rank(s) {', '.join(map(str, silent_ranks))}"
-    # Else the rank that is somewhere other than where all the others wait (jobs/health.py).
+    # Else the one rank the evidence singles out (jobs/health.py): stopped or stuck in the
+    # kernel by its process state; else behind its peers by the flight recorders' sequence
+    # numbers; else somewhere other than where all the others wait by its stacks.
     odd = odd_rank_out({int(rank): text for rank, text in stacks.items()})
-    extra = {}
-    if odd is not None and not silent_ranks:
+    flight = flight_recorder_verdict(flights)
+    extra: dict = {"flight_recorder": {str(r): f for r, f in flights.items()}} if flights else {}
+    by_state = odd is not None and not odd[2]
+    if silent_ranks:
+        pass
+    elif odd is not None and (by_state or flight is None):
         rank, frame, common = odd
-        allocation = attempt.allocations.select_related("node").get(rank=rank)
-        blame = allocation.node
+        blame = attempt.allocations.select_related("node").get(rank=rank).node
         reason += (
             f"; rank {rank} on {blame.name} is in {frame} while the other ranks wait in {common}"
             if common
             else f"; rank {rank} on {blame.name} is {frame} and the other ranks wait for it"
         )
-        extra = {"odd_rank": rank, "odd_frame": frame, "common_frame": common}
+        extra |= {"odd_rank": rank, "odd_frame": frame, "common_frame": common}
+    elif flight is not None:
+        rank, why = flight
+        blame = attempt.allocations.select_related("node").get(rank=rank).node
+        reason += f"; rank {rank} on {blame.name} {why} (flight recorders)"
+        extra |= {"odd_rank": rank, "flight_verdict": why}
     return do_end_attempt(
         attempt,
         state=Attempt.State.FAILED,

@@ -1,0 +1,183 @@
+"""Hangs localised by PyTorch's flight recorder: the agent asks each rank for its recorder
+through the dump pipe, summarises the dumps into the ranks' logs, and the portal names the rank
+its peers wait for (nodeagent/flight_recorder.py, jobs/health.flight_recorder_verdict). Real
+gloo processes, real dumps."""
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.health import flight_recorder_verdict, flight_records, odd_rank_out
+from nodeagent.flight_recorder import FlightRecorderDump, load, summarize, targets_of
+from nodeagent.workers import RankWorker
+from tests.live import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "flight_recorder_hang.py"
+
+
+def _gang(tmp_path: Path, world: int, behind: int) -> list[RankWorker]:
+    port = free_port()
+    stem = str(tmp_path / "nccl-trace-rank-")
+    workers = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "BEHIND": str(behind),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+            # What the agent sets for every rank (nodeagent/contract.py).
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": stem,
+            "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem,
+        }
+        log = tmp_path / f"rank-{rank}.log"
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                [sys.executable, str(SCRIPT)], env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+        workers.append(RankWorker(rank, rank, rank, log, tmp_path / f"m{rank}", popen, env=env))
+    return workers
+
+
+def _hung(workers: list[RankWorker], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert all(w.popen.poll() is None for w in workers), [
+            w.log_path.read_text() for w in workers
+        ]
+        if all("entered the hang" in w.log_path.read_text() for w in workers):
+            time.sleep(1.0)  # the waiting ranks are inside their all-reduce by now
+            return
+        time.sleep(0.1)
+    raise AssertionError("the gang did not reach its hang")
+
+
+def _evidence(workers: list[RankWorker]) -> dict[int, dict]:
+    reader = FlightRecorderDump(targets_of(workers))
+    deadline = time.monotonic() + 10
+    while not reader.done and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reader.done
+    return {w.rank: flight_records(w.log_path.read_text()) for w in workers}
+
+
+@pytest.mark.parametrize("world, behind", [(2, 1), (3, 0)])
+def test_the_rank_its_peers_wait_for_is_named_from_real_flight_recorders(tmp_path, world, behind):
+    """Two ranks are the case stacks cannot decide (no third to break the tie); the recorders'
+    sequence numbers can."""
+    workers = _gang(tmp_path, world, behind)
+    try:
+        _hung(workers)
+        records = _evidence(workers)
+    finally:
+        for worker in workers:
+            worker.popen.kill()
+            worker.popen.wait()
+    assert all(records[r] is not None for r in range(world)), records
+    default = {r: records[r]["groups"]["0"] for r in range(world)}
+    # Three all-reduces and a broadcast done by everyone (#1-#4); the others entered #5.
+    assert default[behind]["entered"] == 4 and default[behind]["completed"] == 4
+    for rank in set(range(world)) - {behind}:
+        assert default[rank]["entered"] == 5 and default[rank]["completed"] == 4, default
+        assert default[rank]["last"]["op"] == "gloo:all_reduce"
+        assert default[rank]["last"]["sizes"] == [[8]]
+    rank, why = flight_recorder_verdict(records)
+    assert rank == behind, why
+    assert why.startswith("never entered collective #5 (gloo:all_reduce of [[8]])"), why
+    if world == 2:
+        assert odd_rank_out({0: "same frame", 1: "same frame"}) is None
+
+
+def test_a_rank_with_no_dump_pipe_gets_no_line(tmp_path):
+    """A script that serves no pipe (any script under gloo but the reference trainer): no
+    flight-recorder line is invented for it; its stacks are the evidence."""
+    log = tmp_path / "rank-0.log"
+    log.write_text("")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    stem = str(tmp_path / "nccl-trace-rank-")
+    worker = RankWorker(
+        0,
+        0,
+        0,
+        log,
+        tmp_path / "m",
+        sleeper,
+        env={"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": stem, "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem},
+    )
+    try:
+        assert _evidence([worker]) == {0: None}
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert log.read_text() == ""
+
+
+def _record(entered: int, completed: int, op: str = "nccl:all_reduce", sizes=((1024,),)) -> dict:
+    last = {"seq": entered, "op": op, "sizes": [list(s) for s in sizes], "state": "started"}
+    return {
+        "groups": {
+            "0": {"entered": entered, "completed": completed, "desc": "default_pg", "last": last}
+        }
+    }
+
+
+def test_the_verdict_names_one_rank_or_none():
+    waiting, done = _record(42, 41), _record(42, 42)
+    assert flight_recorder_verdict({0: waiting, 1: waiting, 2: _record(41, 41), 3: waiting})[0] == 2
+    # Everyone finished collective #42: the hang is outside the collectives; nobody is named.
+    assert flight_recorder_verdict({r: done for r in range(4)}) is None
+    # Two behind: no single culprit.
+    behind = _record(41, 41)
+    assert flight_recorder_verdict({0: waiting, 1: behind, 2: behind}) is None
+    # A mismatched collective: rank 1 broadcasts where the others all-reduce.
+    odd = _record(42, 41, op="nccl:broadcast")
+    rank, why = flight_recorder_verdict({0: waiting, 1: odd, 2: waiting})
+    assert rank == 1 and "mismatched collective" in why and "nccl:broadcast" in why, why
+    # ... and with two ranks there is no telling which of them is wrong.
+    assert flight_recorder_verdict({0: waiting, 1: odd}) is None
+    # A sub-group (a tensor-parallel pair) that rank 3 never joined, the default group fine.
+    pair = {"entered": 7, "completed": 6, "last": {"seq": 7, "op": "nccl:all_gather"}}
+    late = {"entered": 6, "completed": 6, "last": {"seq": 6, "op": "nccl:all_gather"}}
+    records = {
+        r: {"groups": {"0": {"entered": 9, "completed": 9}, "2": g}}
+        for r, g in ((2, pair), (3, late))
+    } | {0: {"groups": {"0": {"entered": 9, "completed": 9}}}}
+    assert flight_recorder_verdict(records)[0] == 3
+
+
+def test_a_dump_is_read_as_plain_data_only(tmp_path):
+    """The dump is the job's file, read as root: a pickle that names a class (which could run
+    code), a link, or a pipe in its place is refused."""
+    good = tmp_path / "good"
+    good.write_bytes(
+        pickle.dumps(
+            {
+                "pg_status": {"0": {"last_enqueued_collective": 3, "last_completed_collective": 2}},
+                "entries": [],
+            }
+        )
+    )
+    assert summarize(load(good))["groups"]["0"] == {"entered": 3, "completed": 2}
+    evil = tmp_path / "evil"
+    evil.write_bytes(b"cos\nsystem\n(S'touch " + str(tmp_path / "pwned").encode() + b"'\ntR.")
+    with pytest.raises(ValueError, match="holds no os.system|posix.system"):
+        load(evil)
+    assert not (tmp_path / "pwned").exists()
+    link = tmp_path / "link"
+    link.symlink_to(good)
+    with pytest.raises(OSError):
+        load(link)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        load(fifo)
