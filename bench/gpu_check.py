@@ -12,6 +12,8 @@ the portal's, and checks what CPU machines cannot:
    exit 0 - the preemption path on a GPU.
 4. A larger model (GPT-2 small shape) measures step time, throughput and the checkpoint save
    stall on the GPU: the inputs of the Young/Daly interval.
+5. NVML's health readings (temperature, power) and the Xid watch (nodeagent/xid.py): it
+   registers for the GPU's critical Xids, and a poll of a healthy GPU returns no event.
 
 Everything is written to DIR/gpu_check.json; the script exits non-zero if a check fails.
 """
@@ -229,6 +231,17 @@ def main() -> int:
         and stopped["last_step"] >= stop_step
     )
     checks["gpt2_small_trains_and_saves"] = big["exit_code"] == 0 and len(big["checkpoints"]) == 3
+    # Xid events (nodeagent/xid.py): the watch registers on the GPU, and a healthy GPU that has
+    # just trained reports none (a poll returns at once, with nothing invented).
+    xid = telemetry.xid
+    report["xid"] = {
+        "watched": xid.watched if xid is not None else None,
+        "events": xid.poll() if xid is not None else None,
+        "health_keys": sorted(k for r in telemetry.read() for k in r),
+    }
+    checks["xid_watch_registers"] = bool(xid is not None and xid.watched == [0])
+    checks["xid_none_on_a_healthy_gpu"] = report["xid"]["events"] == []
+    checks["nvml_health_readings"] = {"temp_c", "power_w"} <= set(report["xid"]["health_keys"])
     report["ok"] = all(checks.values())
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
     print(json.dumps({"checks": checks, "ok": report["ok"]}, indent=2))

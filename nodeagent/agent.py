@@ -32,6 +32,7 @@ from nodeagent.scalars import ScalarTail
 from nodeagent.supervisor import WorkerSupervisor
 from nodeagent.tail import LogTail, MetricsTail
 from nodeagent.telemetry import Telemetry
+from nodeagent.xid import fault_report
 
 logger = logging.getLogger("nodeagent")
 
@@ -402,6 +403,11 @@ class Agent(Leaving):
             if finished:
                 exits.append(attempt_id)
         body = {"boot_id": self.boot_id, "telemetry": self.telemetry.read(), "attempts": attempts}
+        if self.health.pending is None and self.telemetry.faults:
+            # A GPU's own Xid (fell off the bus, uncorrectable ECC): a failed check, so the
+            # portal cordons the node with the Xid as the reason until a full check passes.
+            self.health.pending = fault_report(self.telemetry.faults)
+            self.telemetry.faults = []
         if self.health.pending is not None:
             body["health"] = self.health.pending
             acks.append((self.health, self.health.pending))  # held until the portal has it

@@ -3,8 +3,11 @@
 `util` is a percentage (0-100, NVML's unit); memory is in bytes. On GPU nodes each reading also
 carries, where the GPU reports them, `temp_c`, `power_w`, `ecc_uncorrected` (volatile
 uncorrected ECC errors since the driver loaded) and `retired_pages` (pages retired for double-bit
-errors): what a node health check reads before a bad GPU fails jobs. NVML comes from NVIDIA's
-`nvidia-ml-py` (a dependency): on a node without the driver it says so, once, in the log.
+errors): what a node health check reads before a bad GPU fails jobs; and `xid`, the Xid
+events the driver reported for the GPU since the last reading (nodeagent/xid.py), whose node
+faults wait in `faults` for the agent to report as a failed health check. NVML comes from
+NVIDIA's `nvidia-ml-py` (a dependency): on a node without the driver it says so, once, in the
+log, and nothing is invented.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any
+
+from nodeagent.xid import NODE_FAULT_XIDS, XidWatch
 
 logger = logging.getLogger("nodeagent.telemetry")
 
@@ -29,6 +34,8 @@ class Telemetry:
         self.gpus = gpus
         self.gpu_kind = gpu_kind
         self._nvml: Any = None
+        self.xid: XidWatch | None = None
+        self.faults: list[dict[str, Any]] = []  # node-fault Xids not yet reported
         if gpu_kind == "cuda":
             try:
                 import pynvml  # optional: only GPU nodes need it
@@ -37,6 +44,8 @@ class Telemetry:
                 self._nvml = pynvml
             except Exception as exc:  # ImportError, or NVMLError with no driver
                 self._log.info("no NVML telemetry (%s); reporting zeros for GPU slots", exc)
+            else:
+                self.xid = XidWatch(pynvml, gpus, self._log)
 
     def read(self) -> list[dict[str, Any]]:
         if self._nvml is not None:
@@ -53,6 +62,8 @@ class Telemetry:
 
     def _read_nvml(self) -> list[dict[str, Any]]:
         nvml = self._nvml
+        events = self.xid.poll() if self.xid is not None else []
+        self.faults += [e for e in events if e["xid"] in NODE_FAULT_XIDS]
         out = []
         for index in range(self.gpus):
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
@@ -66,6 +77,8 @@ class Telemetry:
                 "mem_total": int(mem.total),
             }
             reading.update(_health(nvml, handle))
+            if xids := [e["xid"] for e in events if e["gpu"] == index]:
+                reading["xid"] = xids
             out.append(reading)
         return out
 

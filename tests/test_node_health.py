@@ -19,6 +19,7 @@ from jobs.actions.node_health import held_for_health, wants_check
 from jobs.models import Event, Job, Node
 from jobs.scheduling.loop import run_pass
 from nodeagent.health_check import HealthChecker, collective_check, disk_checks, gpu_checks
+from nodeagent.xid import fault_report
 from tests.heartbeats import live_attempt, submit
 from tests.live import Api, LiveCluster, wait_for
 
@@ -109,6 +110,22 @@ def test_a_failed_check_holds_the_node_until_one_passes(make_nodes):
     assert node.state == Node.State.UP and node.state_reason == ""
     passed = Event.objects.get(node=node, kind="node.health_passed")
     assert "was held: health check failed" in passed.message
+
+
+@pytest.mark.django_db
+def test_a_gpus_own_xid_cordons_its_node_with_the_xid_as_the_reason(make_nodes):
+    """The agent reports a node-fault Xid as a failed check (nodeagent/xid.py): the node is
+    held, with the Xid named, until a full check passes."""
+    (node,) = make_nodes(1, 8)
+    report = fault_report([{"gpu": 3, "xid": 79, "at": 0.0}, {"gpu": 5, "xid": 48, "at": 0.0}])
+    node = actions.do_record_health(node, report, now=timezone.now())
+    assert node.state == Node.State.CORDONED and held_for_health(node)
+    assert node.state_reason == (
+        "health check failed: GPU 3: Xid 79 (GPU has fallen off the bus); "
+        "GPU 5: Xid 48 (double-bit ECC error)"
+    )
+    failed = Event.objects.get(node=node, kind="node.health_failed")
+    assert [c["name"] for c in failed.data["checks"]] == ["xid gpu 3", "xid gpu 5"]
 
 
 @pytest.mark.django_db

@@ -1184,3 +1184,26 @@ def test_agents_that_start_in_step_drift_apart_instead_of_beating_together():
     tenth_beat = sorted(sum(ws) for ws in waits)
     busiest = max(sum(1 for t in tenth_beat if start <= t < start + 1.0) for start in tenth_beat)
     assert busiest < agents / 5, busiest
+
+
+def test_a_gpus_own_xid_goes_to_the_portal_as_a_failed_health_check(portal, running_agent):
+    """The Xid events come from NVML on GPU nodes (nodeagent/xid.py; run for real by
+    bench/gpu_check.py); here the telemetry's queue of node faults is filled as the NVML poll
+    fills it. A job's own Xid (31, a page fault) is not held against the node; 79 is."""
+    from nodeagent.xid import fault_report
+
+    assert fault_report([{"gpu": 0, "xid": 31, "at": 0.0}]) is None
+    wait_until(lambda: portal.accepted, what="a first heartbeat")
+    # A CPU node has no Xid watch and reports no Xid: nothing invented.
+    assert running_agent.telemetry.xid is None
+    assert not any("xid" in r for b in portal.accepted for r in b.get("telemetry", []))
+    running_agent.telemetry.faults = [{"gpu": 1, "xid": 79, "at": 0.0}]
+
+    def reported():
+        with portal.lock:
+            return next((b["health"] for b in portal.accepted if "health" in b), None)
+
+    health = wait_until(reported, what="the Xid in a heartbeat")
+    assert not health["ok"] and health["reason"] == "GPU 1: Xid 79 (GPU has fallen off the bus)"
+    assert running_agent.telemetry.faults == []
+    assert not portal.invalid
