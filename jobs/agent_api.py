@@ -83,6 +83,8 @@ class RankReportSerializer(serializers.Serializer):
     exited_at = serializers.FloatField(required=False, allow_null=True)
     # CPU seconds the live rank's session used so far (jobs/actions/activity.py).
     cpu_s = serializers.FloatField(required=False, allow_null=True, min_value=0)
+    # Its stack read from outside differed from the previous reading (nodeagent/stack_sampler.py).
+    stack_changed = serializers.BooleanField(required=False, default=False)
 
 
 class LogReportSerializer(serializers.Serializer):

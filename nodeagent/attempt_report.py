@@ -12,6 +12,7 @@ from typing import Any
 
 from nodeagent.saves import SaveWatcher
 from nodeagent.scalars import ScalarTail
+from nodeagent.stack_sampler import StackSampler
 from nodeagent.tail import LogTail, MetricsTail
 from nodeagent.workers import RankWorker
 
@@ -36,6 +37,9 @@ class Tracked:
     saves: SaveWatcher | None = None
     # Set once a successful heartbeat carried the exit of every rank and the last of its data.
     exit_reported: bool = False
+    # Whether the ranks' stacks change, read while the attempt has reported no step.
+    stacks: StackSampler | None = None
+    steps_seen: bool = False
     # Each rank's log size once a stack dump had settled: `dumped` is reported when the logs
     # shipped reach these offsets, so the dump is in the same heartbeat or an earlier one.
     dump_log_ends: dict[int, int] | None = None
@@ -46,6 +50,14 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+def _live_host_pids(supervisor: Any, attempt_id: int) -> dict[int, int]:
+    return {
+        rank: host
+        for rank, (_, host) in supervisor.rank_pids(attempt_id).items()
+        if host is not None
+    }
 
 
 def attempt_report(
@@ -71,6 +83,7 @@ def attempt_report(
         new_records, metrics_end = rt.metrics.read(final=final)
         text, log_end = rt.log.read(final=final)
         records.extend(new_records)
+        tracked.steps_seen = tracked.steps_seen or any(r.get("kind") == "step" for r in new_records)
         if text:
             logs.append({"rank": rt.worker.rank, "text": text})
         acks += [(rt.metrics, metrics_end), (rt.log, log_end)]
@@ -97,6 +110,12 @@ def attempt_report(
         records.extend(found)
         acks.append((reader, count))
         drained = drained and reader.at_eof
+    if tracked.stacks is not None and not tracked.steps_seen and not all_exited:
+        # A step-less script: a rank whose stack moved since the last reading is active.
+        changed = tracked.stacks.tick(lambda a=attempt_id: _live_host_pids(supervisor, a))
+        for entry in ranks:
+            if entry["rank"] in changed:
+                entry["stack_changed"] = True
     report: dict[str, Any] = {
         "attempt_id": attempt_id,
         "ranks": ranks,

@@ -165,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
         "while the node is idle; 0: only when the portal asks (default: "
         "$LOCKSTEP_AGENT_HEALTH_CHECK_S or 600). A quick check runs before every attempt",
     )
+    parser.add_argument(
+        "--stack-sample-s",
+        type=_non_negative_float,
+        default=os.environ.get("LOCKSTEP_AGENT_STACK_SAMPLE_S", "30"),
+        help="while an attempt has reported no step, read its ranks' stacks from outside "
+        "(py-spy) this often; a rank whose stack changed counts as active (default: "
+        "$LOCKSTEP_AGENT_STACK_SAMPLE_S or 30; 0: never)",
+    )
     return parser
 
 
@@ -210,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pull_policy=args.pull_policy,
         node_env=node_env,
         health_check_s=args.health_check_s,
+        stack_sample_s=args.stack_sample_s,
     )
     agent.install_signal_handlers()
     return agent.run()

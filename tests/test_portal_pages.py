@@ -339,7 +339,8 @@ def test_job_page_says_which_signals_judge_an_attempts_progress(client, two_team
     html = _client(client, ann).get(f"/jobs/{job.id}/").content.decode()
     rows = html.split('<table id="attempts"')[1].split("</table>")[0].split("<tr>")[1:]
     assert '<td data-label="Last step">42</td>' in rows[0]
-    assert "judged by output, logged scalars and CPU use, last seen 13:14:15" in rows[1]
+    judged = "judged by output, logged scalars, CPU use and stack changes, last seen 13:14:15"
+    assert judged in rows[1]
     assert html.count("no steps reported") == 1
 
 

@@ -1,9 +1,11 @@
 """A script that reports no steps is judged by what the platform sees on its own (its ranks'
-output and CPU use, jobs/actions/activity.py), live: real agents, real processes, the real
-scheduler loop, with the start-up timeout cut to 8 s so that every job here outlives it.
+output, CPU use and stack changes, jobs/actions/activity.py), live: real agents, real
+processes, the real scheduler loop, with the start-up timeout cut to 8 s so that every job here
+outlives it.
 
-A busy but silent script and a chatty but idle one both run to the end; a script that neither
-prints nor computes is declared hung and its stacks asked for."""
+A busy but silent script, a chatty but idle one and a quiet one whose stack moves all run to
+the end; a script that neither prints nor computes nor moves is declared hung and its stacks
+asked for."""
 
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ def cluster(tmp_path_factory):
         tmp_path_factory.mktemp("signals"),
         agents=1,
         gpus_per_agent=2,
-        env={"LOCKSTEP_STARTUP_PROGRESS_TIMEOUT_S": str(TIMEOUT_S)},
+        env={
+            "LOCKSTEP_STARTUP_PROGRESS_TIMEOUT_S": str(TIMEOUT_S),
+            "LOCKSTEP_AGENT_STACK_SAMPLE_S": "2",
+        },
     )
     try:
         live.start()
@@ -70,6 +75,21 @@ def test_a_chatty_idle_script_runs_past_the_timeout_to_the_end(cluster):
         "    time.sleep(2)\n"
     )
     done = _run(cluster, "chatty-idle", chatty)
+    assert done["state"] == "SUCCEEDED", done["reason"]
+    assert len(done["attempts"]) == 1
+
+
+def test_a_quiet_script_that_moves_runs_past_the_timeout_to_the_end(cluster):
+    """No output, no steps, next to no CPU: it waits on I/O in one function, then in another.
+    The agent reads its stack from outside every 2 s here (30 s by default), sees it move, and
+    the portal counts that as activity."""
+    quiet = (
+        "import time\n"
+        "def read_shard(i):\n    time.sleep(1.5)\n"
+        "def wait_for_service(i):\n    time.sleep(1.5)\n"
+        f"for i in range({TIMEOUT_S}):\n    read_shard(i)\n    wait_for_service(i)\n"
+    )
+    done = _run(cluster, "quiet-moving", quiet)
     assert done["state"] == "SUCCEEDED", done["reason"]
     assert len(done["attempts"]) == 1
 

@@ -1,18 +1,22 @@
-"""Progress the platform sees without the script's help: a rank's output and CPU use.
+"""Progress the platform sees without the script's help: a rank's output, CPU use, GPU use and
+whether its stack moves.
 
 A script that reports steps (the reference trainer, or any script through trainer.api) is
 judged by its steps. One that reports none (a plain torchrun script, a Lightning or Hugging Face
 run) used to be declared hung STARTUP_PROGRESS_TIMEOUT_S after start-up, however busy it was.
 Until an attempt's first step, every heartbeat therefore notes whether any of its ranks on the
 node printed something, used at least ACTIVITY_MIN_CPU_S of CPU since the rank's last counted
-activity, or had its GPU busy (NVML utilisation of at least GPU_BUSY_PERCENT, on GPU nodes);
+activity, had its GPU busy (NVML utilisation of at least GPU_BUSY_PERCENT, on GPU nodes), or had
+a stack read from outside that differed from the previous reading (`stack_changed`, sampled by
+the agent every 30 s while no step is reported: nodeagent/stack_sampler.py);
 `Attempt.last_activity_at` is when that last happened, and the hang detector
 (jobs/scheduling/detect.py) counts silence from it.
 
 What this cannot tell: a rank spinning at full CPU inside a collective that will never finish
-(NCCL busy-polls) looks busy. Such a hang is found once the script reports steps; sampling the
-ranks' stacks periodically (they are read from outside only once a hang is declared) would
-find it, and is not built yet.
+(NCCL busy-polls) looks busy by its CPU, though its stack stands still. Discounting CPU use when
+the stack sits unchanged in a collective is the rule that would catch it; it needs NCCL's
+spinning to be built against and is not built yet. Such a hang ends when NCCL's watchdog times
+the collective out and the ranks exit, or is found once the script reports steps.
 """
 
 from __future__ import annotations
@@ -51,9 +55,14 @@ def note_activity(
         cpu = entry.get("cpu_s")
         if entry.get("state") == "running" and isinstance(cpu, int | float) and cpu >= 0:
             readings[int(entry["rank"])] = float(cpu)
-    active = bool(printed) or (
-        bool(busy := busy_gpus(node.telemetry))
-        and attempt.allocations.filter(node=node, gpu__index__in=busy).exists()
+    moved = any(e.get("stack_changed") and e.get("state") == "running" for e in ranks)
+    active = (
+        bool(printed)
+        or moved
+        or (
+            bool(busy := busy_gpus(node.telemetry))
+            and attempt.allocations.filter(node=node, gpu__index__in=busy).exists()
+        )
     )
     threshold = lockstep_setting("ACTIVITY_MIN_CPU_S")
     changed = []
