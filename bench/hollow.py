@@ -216,6 +216,7 @@ class HollowNode(threading.Thread):
                     for name in STEP_NAMES:
                         key = (job, number, record["rank"], record["step"], name)
                         self.stats.acked[key] += 1
+                        self.stats.acked_at.setdefault(key, time.monotonic())
         for attempt_id, count in sent.items():
             del self.attempts[attempt_id]["pending"][:count]
         self.apply(response.json(), now)
@@ -275,9 +276,12 @@ class Watcher(threading.Thread):
                         self.stats.error("watcher: connection closed")
                         return
                     message = json.loads(raw)
+                    arrived = time.time()
+                    if "seq" in message:
+                        with self.stats.lock:
+                            self.stats.seqs[self.index][message.get("src")].add(message["seq"])
                     if message.get("type") != "metrics":
                         continue
-                    arrived = time.time()
                     with self.stats.lock:
                         counts = self.stats.received[self.index]
                         for p in message["points"]:
@@ -362,6 +366,8 @@ def run_load(
     if measure:
         measure("stop")
     stop.set()
+    with stats.lock:
+        stats.stopped_at = time.monotonic()
     for node in hollow:
         node.join(60)
     elapsed = time.monotonic() - started

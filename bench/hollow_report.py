@@ -30,6 +30,14 @@ class Stats:
     portal_lags: list[float] = field(default_factory=list)
     passes: dict[float, dict] = field(default_factory=dict)  # the scheduler's passes seen
     watching: dict[int, int] = field(default_factory=dict)  # watcher -> its job
+    # (job, attempt, rank, step, name) -> when its heartbeat was accepted (monotonic), and
+    # when the ranks stopped stepping: a point a watcher lacks is told apart by it.
+    acked_at: dict[tuple, float] = field(default_factory=dict)
+    stopped_at: float | None = None
+    # watcher -> sending process (`src`) -> the push numbers (`seq`) it received
+    seqs: dict[int, dict[str, set]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(set))
+    )
 
     def beat(self, seconds: float) -> None:
         with self.lock:
@@ -65,6 +73,32 @@ def expected_watcher_points(stats: Stats) -> int:
     return sum(len(live_points(stats, job)) for job in stats.watching.values())
 
 
+def missing_watcher_points(stats: Stats) -> dict[str, int]:
+    """Where the points a watcher should have had and lacks went: accepted in the last 5 s
+    before the ranks stopped (still on their way when the harness stopped listening, or not)
+    or earlier; and the pushes each watcher saw skipped in its sending processes' numbering
+    (dropped between the portal and the websocket: the channel layer). Call with the lock
+    held."""
+    late = early = 0
+    for watcher, job in stats.watching.items():
+        got = stats.received.get(watcher, Counter())
+        for key in live_points(stats, job):
+            if key in got:
+                continue
+            at = stats.acked_at.get(key)
+            if stats.stopped_at is not None and at is not None and at > stats.stopped_at - 5:
+                late += 1
+            else:
+                early += 1
+    skipped = sum(
+        max(numbers) - min(numbers) + 1 - len(numbers)
+        for by_source in stats.seqs.values()
+        for numbers in by_source.values()
+        if numbers
+    )
+    return {"accepted_last_5s": late, "accepted_earlier": early, "pushes_skipped": skipped}
+
+
 def summary(stats: Stats, seconds: float) -> dict[str, Any]:
     with stats.lock:
         beats = list(stats.beats)
@@ -86,6 +120,7 @@ def summary(stats: Stats, seconds: float) -> dict[str, Any]:
             "portal_lag_p99_s": percentile(portal_lags, 0.99),
             "watcher_points": sum(sum(c.values()) for c in stats.received.values()),
             "watcher_points_expected": expected_watcher_points(stats),
+            "watcher_points_missing": missing_watcher_points(stats),
             "scheduler_passes": len(passes),
             "scheduler_pass_p50_s": percentile([p["seconds"] for p in passes], 0.50),
             "scheduler_pass_max_s": max((p["seconds"] for p in passes), default=None),

@@ -105,4 +105,11 @@ def test_hollow_nodes_load_the_real_portal_and_every_point_is_accounted_for(clus
         assert set(counts) == expected, (index, len(set(counts)), len(expected))
         assert set(counts.values()) == {1}, index
     assert len(stats.received) == 10
+    # The harness's own account of a shortfall finds none: nothing lacking, no push skipped.
+    assert result["watcher_points_missing"] == {
+        "accepted_last_5s": 0,
+        "accepted_earlier": 0,
+        "pushes_skipped": 0,
+    }
+    assert all(stats.seqs[index] for index in stats.received), "no numbered push arrived"
     assert result["lag_p99_s"] is not None and result["lag_p99_s"] < 30
