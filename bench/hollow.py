@@ -266,6 +266,12 @@ class Watcher(threading.Thread):
                 additional_headers={"Authorization": f"Bearer {self.token}"},
                 open_timeout=30,
             ) as ws:
+                # Connected means subscribed: the consumer's first message ("state") comes
+                # after it joined the job's group; pushes before that never reach this
+                # socket, so they are not this watcher's to count (a page fetches them).
+                first = json.loads(ws.recv(timeout=60))
+                if first.get("type") != "state":
+                    self.stats.error(f"watcher: first message {first.get('type')!r}")
                 self.connected.set()
                 while not self.stop.is_set():
                     try:
@@ -312,6 +318,7 @@ def run_load(
     settle_s: float = 5.0,
     measure: Callable[[str], None] | None = None,
     watch_passes: bool = False,
+    read_back: Callable[[Stats, list[int]], None] | None = None,
 ) -> tuple[Stats, float, list[int]]:
     """Register `nodes` hollow nodes, then `submit()` the jobs (a job needs registered GPUs),
     open `watchers` websockets spread over them, and let the ranks step for `seconds` (then
@@ -375,6 +382,8 @@ def run_load(
     quiet.set()
     for tab in tabs:
         tab.join(10)
+    if read_back is not None:
+        read_back(stats, sorted(set(stats.watching.values())))
     return stats, elapsed, jobs
 
 
@@ -440,6 +449,29 @@ for start in range({start}, {count}, 500):
                 gpus=(8, 16, 32, 64)[i % 4],
             )
 """
+
+
+def read_back(api: Any, stats: Stats, jobs: list[int]) -> None:
+    """What the portal stored of `jobs` (through the API, as a page reads it), and why their
+    ended attempts ended: the truth a watcher's points are checked against."""
+    stored: dict[int, set] = {}
+    for job in jobs:
+        detail = api.get(f"/api/v1/jobs/{job}/").json()
+        keys = stored.setdefault(job, set())
+        for attempt in detail["attempts"]:
+            if attempt.get("ended"):
+                stats.ended[(attempt["ended"].get("reason") or "")[:80]] += 1
+            for name in STEP_NAMES:
+                series = api.get(
+                    f"/api/v1/jobs/{job}/metrics/",
+                    params={"name": name, "max_points": 100_000, "attempt": attempt["number"]},
+                ).json()
+                for rank, points in series["ranks"].items():
+                    keys.update(
+                        (job, attempt["number"], int(rank), step, name) for step in points["step"]
+                    )
+    with stats.lock:
+        stats.stored = stored
 
 
 def submit_backlog(live: Any, count: int) -> None:
@@ -542,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
                 step_s=args.step_s,
                 measure=measure,
                 watch_passes=True,
+                read_back=lambda stats, jobs: read_back(api, stats, jobs),
             )
             vendor = "postgresql" if live.database.url.startswith("postgres") else "sqlite"
         finally:

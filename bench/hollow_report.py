@@ -34,6 +34,11 @@ class Stats:
     # when the ranks stopped stepping: a point a watcher lacks is told apart by it.
     acked_at: dict[tuple, float] = field(default_factory=dict)
     stopped_at: float | None = None
+    # What the portal stored of the watched jobs, read back at the end (job -> keys): points
+    # a hollow node sent for an attempt the portal had already ended are fenced, answered and
+    # dropped (jobs/actions/heartbeat.py), so what a watcher must get is what was stored.
+    stored: dict[int, set] | None = None
+    ended: Counter = field(default_factory=Counter)  # why the watched jobs' attempts ended
     # watcher -> sending process (`src`) -> the push numbers (`seq`) it received
     seqs: dict[int, dict[str, set]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(set))
@@ -63,7 +68,10 @@ def live_points(stats: Stats, job_id: int) -> set[tuple]:
     """The accepted points a watcher of `job_id` should receive: every rank's, or rank 0's
     alone for a job wider than LIVE_RANKS_MAX (jobs/actions/heartbeat.py). Call with the lock
     held."""
-    keys = [key for key in stats.acked if key[0] == job_id]
+    if stats.stored is not None:
+        keys = list(stats.stored.get(job_id, ()))
+    else:
+        keys = [key for key in stats.acked if key[0] == job_id]
     if len({key[2] for key in keys}) > LIVE_RANKS_MAX:
         keys = [key for key in keys if key[2] == 0]
     return set(keys)
@@ -80,6 +88,7 @@ def missing_watcher_points(stats: Stats) -> dict[str, int]:
     (dropped between the portal and the websocket: the channel layer). Call with the lock
     held."""
     late = early = 0
+    examples = []
     for watcher, job in stats.watching.items():
         got = stats.received.get(watcher, Counter())
         for key in live_points(stats, job):
@@ -90,13 +99,21 @@ def missing_watcher_points(stats: Stats) -> dict[str, int]:
                 late += 1
             else:
                 early += 1
+            if len(examples) < 40:
+                examples.append([watcher, *key, round(stats.stopped_at - at, 1) if at else None])
     skipped = sum(
         max(numbers) - min(numbers) + 1 - len(numbers)
         for by_source in stats.seqs.values()
         for numbers in by_source.values()
         if numbers
     )
-    return {"accepted_last_5s": late, "accepted_earlier": early, "pushes_skipped": skipped}
+    return {
+        "accepted_last_5s": late,
+        "accepted_earlier": early,
+        "pushes_skipped": skipped,
+        # [watcher, job, attempt, rank, step, name, seconds before the stop it was accepted]
+        "examples": examples,
+    }
 
 
 def summary(stats: Stats, seconds: float) -> dict[str, Any]:
@@ -121,6 +138,16 @@ def summary(stats: Stats, seconds: float) -> dict[str, Any]:
             "watcher_points": sum(sum(c.values()) for c in stats.received.values()),
             "watcher_points_expected": expected_watcher_points(stats),
             "watcher_points_missing": missing_watcher_points(stats),
+            "watched_points_fenced": (
+                None
+                if stats.stored is None
+                else sum(
+                    1
+                    for key in stats.acked
+                    if key[0] in stats.stored and key not in stats.stored[key[0]]
+                )
+            ),
+            "watched_attempts_ended": dict(stats.ended),
             "scheduler_passes": len(passes),
             "scheduler_pass_p50_s": percentile([p["seconds"] for p in passes], 0.50),
             "scheduler_pass_max_s": max((p["seconds"] for p in passes), default=None),

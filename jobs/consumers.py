@@ -40,6 +40,9 @@ class JobConsumer(AsyncJsonWebsocketConsumer):
             return
         self.group = job_group(job_id)
         await self.channel_layer.group_add(self.group, self.channel_name)
+        # After the group_add, always: this first message tells the client that every push
+        # from now on reaches it, so what it fetches after this misses nothing (job.js waits
+        # for it before its charts' first fetch; the hollow-node watchers do too).
         await self.send_json({"type": "state", "job": job_id, **state})
 
     async def disconnect(self, code):

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -313,6 +314,47 @@ def test_lost_pushes_and_a_dropped_socket_are_refilled_from_the_server(cluster, 
             tab, lambda: loss_steps_within(*missed), 20, f"steps {missed} pushed while away"
         )
         _shot(tab, "job-refilled")
+    finally:
+        context.close()
+
+
+def test_the_charts_are_fetched_only_once_the_socket_is_subscribed(cluster, page):
+    """Points pushed between a chart's fetch and the socket joining the job's group would be
+    lost with no gap to show it (the socket's first number is its start), and a busy portal
+    joins late. The consumer says "state" once it has joined; the test holds that message
+    back for 1.5 s, and the page's first read of a chart must come after it."""
+    context = page.context.browser.new_context(viewport={"width": 1280, "height": 900})
+    context.add_cookies(page.context.cookies())
+    tab = context.new_page()
+    seen = {"state": None, "sockets": [], "forwarded_at": None, "fetched_at": []}
+
+    def route(ws):
+        server = ws.connect_to_server()
+        seen["sockets"].append(ws)
+
+        def from_server(text):
+            if json.loads(text).get("type") == "state" and seen["forwarded_at"] is None:
+                seen["state"] = text  # held back: forwarded by the test below
+                return
+            ws.send(text)
+
+        server.on_message(from_server)
+
+    def on_request(request):
+        if "/metrics/?name=" in request.url:
+            seen["fetched_at"].append(time.monotonic())
+
+    tab.on("request", on_request)
+    tab.route_web_socket(re.compile(r".*/ws/jobs/\d+/$"), route)
+    try:
+        tab.goto(f"{cluster.url}/jobs/{cluster.running}/")
+        _wait_in_page(tab, lambda: seen["state"] is not None, 30, "the consumer's state message")
+        tab.wait_for_timeout(1500)
+        assert seen["fetched_at"] == [], "a chart was fetched before the socket was subscribed"
+        seen["forwarded_at"] = time.monotonic()
+        seen["sockets"][0].send(seen["state"])
+        tab.wait_for_function("() => window.lockstepJob && window.lockstepJob.ready")
+        assert seen["fetched_at"] and min(seen["fetched_at"]) >= seen["forwarded_at"]
     finally:
         context.close()
 

@@ -16,7 +16,7 @@ import pytest
 from tests.live import Api, LiveCluster, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.hollow import STEP_NAMES, run_load  # noqa: E402
+from bench.hollow import STEP_NAMES, read_back, run_load  # noqa: E402
 from bench.hollow_report import live_points, summary  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -78,6 +78,7 @@ def test_hollow_nodes_load_the_real_portal_and_every_point_is_accounted_for(clus
         seconds=25,
         steps=100_000,
         step_s=0.5,
+        read_back=lambda stats, watched: read_back(api, stats, watched),
     )
     result = summary(stats, elapsed)
     assert result["errors"] == {}, result
@@ -110,6 +111,13 @@ def test_hollow_nodes_load_the_real_portal_and_every_point_is_accounted_for(clus
         "accepted_last_5s": 0,
         "accepted_earlier": 0,
         "pushes_skipped": 0,
+        "examples": [],
     }
     assert all(stats.seqs[index] for index in stats.received), "no numbered push arrived"
+    # The harness's read-back of what the portal stored (what the full-size runs check the
+    # watchers against) agrees with the count above: nothing fenced, nothing ended.
+    assert result["watched_points_fenced"] == 0 and result["watched_attempts_ended"] == {}
+    assert set().union(*stats.stored.values()) == {
+        key for key in stats.acked if key[0] in stats.stored
+    }
     assert result["lag_p99_s"] is not None and result["lag_p99_s"] < 30

@@ -87,7 +87,7 @@
     // detail is spliced into, so panning out never shows a hole.
     // pending: live points that came before the chart was drawn, added once it is.
     var chart = (state.charts[name] = {ranks: {}, last: {}, full: {}, zoom: null, seq: 0, points: 0, pending: []});
-    return fetchSeries(name, null).then(function (data) {
+    return subscribed.then(function () { return fetchSeries(name, null); }).then(function (data) {
       var traces = [];
       Object.keys(data.ranks).forEach(function (rank) {
         var series = data.ranks[rank];
@@ -452,6 +452,15 @@
   // pushed meanwhile: either way the page fetches again what it shows (refill), instead of
   // keeping a hole in a chart for as long as it stays open.
   var live = 0;
+  // The charts' first fetch waits until the socket is subscribed to the job's pushes: the
+  // consumer sends "state" only after joining the job's group (jobs/consumers.py). A fetch
+  // read before that, while the portal is busy, could miss points pushed in between, and no
+  // gap in the numbering would show it (the socket's first number is its start). A socket
+  // not subscribed within 3 s does not hold the charts back.
+  var subscribed = new Promise(function (resolve) {
+    state.onSubscribed = resolve;
+    setTimeout(resolve, 3000);
+  });
   var lastSeq = {}; // src -> the highest seq seen
   var refillTimer = null;
   state.gaps = [];
@@ -504,6 +513,7 @@
       state.liveAt.push(Date.now());
       document.getElementById("live-count").textContent = live;
     } else if (msg.type === "state") {
+      state.onSubscribed();
       var el = document.getElementById("job-state");
       el.textContent = msg.state;
       el.className = "state state-" + msg.state;
