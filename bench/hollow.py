@@ -39,6 +39,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.hollow_probes import PassSampler, ProcessSampler, database_bytes  # noqa: E402
 from bench.hollow_report import Stats, goals, summary  # noqa: E402
+from jobs.settings_table import DEFAULTS  # noqa: E402
 from nodeagent.agent import jittered  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +48,23 @@ HEARTBEAT_PATH = "/api/v1/agent/heartbeat/"
 
 
 STEP_NAMES = ("loss", "tokens_per_s", "step_time_s", "compute_s")
+# Settings the suite's live clusters shorten (tests/live.py) that a load run keeps at their
+# production defaults.
+PRODUCTION_SETTINGS = (
+    "HANG_MIN_S",
+    "DUMP_WAIT_S",
+    "GPU_SAMPLE_S",
+    "STRAGGLER_WINDOW_STEPS",
+    "STRAGGLER_CHECK_S",
+    "STRAGGLER_MIN_EXCESS_S",
+    "STRIKES_TO_CORDON",
+    "STRAGGLER_MAX_MOVES",
+    "RECLAIM_BACKOFF_S",
+    "RECLAIM_GANG_EXEMPT_S",
+    "RESTART_BACKOFF_S",
+    "STOP_GRACE_S",
+    "ELASTIC_GROW_AFTER_S",
+)
 
 
 class HollowNode(threading.Thread):
@@ -523,8 +541,12 @@ def main(argv: list[str] | None = None) -> int:
     from tests.live import Api, LiveCluster
 
     with tempfile.TemporaryDirectory() as work:
-        # Production's detectors, not the suite's: a node is lost after 30 s of silence.
+        # Production's detectors and timings, not the suite's (tests/live.py): a node is lost
+        # after 30 s of silence, a job is hung after a minute without a step (the suite's 12 s
+        # declared attempts stepping every 16 s hung after their first step), GPUs sampled
+        # every 10 s.
         env = {
+            **{f"LOCKSTEP_{name}": str(DEFAULTS[name]) for name in PRODUCTION_SETTINGS},
             "LOCKSTEP_HEARTBEAT_S": f"{args.heartbeat_s:g}",
             "LOCKSTEP_HEARTBEAT_TIMEOUT_S": f"{max(30.0, 10 * args.heartbeat_s):g}",
             # One user submits the whole cluster's jobs here, faster than a person may.
