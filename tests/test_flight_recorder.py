@@ -181,3 +181,22 @@ def test_a_dump_is_read_as_plain_data_only(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="not a regular file"):
         load(fifo)
+
+
+def test_a_pipe_the_trainer_cannot_make_does_not_stop_training(tmp_path, monkeypatch, capsys):
+    """Under gloo with the stems pointing at a directory that is not there: the trainer says
+    so and goes on without a dump pipe."""
+    import torch.distributed as dist
+
+    from trainer.flight_recorder import serve_dump_pipe
+
+    missing = str(tmp_path / "gone" / "nccl-trace-rank-")
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", missing)
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", missing)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert serve_dump_pipe(0) is None
+    finally:
+        dist.destroy_process_group()
+    assert "flight recorder: no dump pipe" in capsys.readouterr().out

@@ -51,9 +51,13 @@ def serve_dump_pipe(rank: int) -> threading.Thread | None:
     if not stem or not out or not dist.is_initialized() or dist.get_backend() != "gloo":
         return None
     pipe = f"{stem}{rank}.pipe"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(pipe)  # an earlier attempt's, as NCCL does
-    os.mkfifo(pipe, 0o600)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(pipe)  # an earlier attempt's, as NCCL does
+        os.mkfifo(pipe, 0o600)
+    except OSError as exc:  # a directory it cannot write, a filesystem without pipes
+        print(f"[rank {rank}] flight recorder: no dump pipe ({exc})", flush=True)
+        return None
 
     def serve() -> None:
         while True:
