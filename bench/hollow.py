@@ -225,7 +225,7 @@ class HollowNode(threading.Thread):
         if response.status_code != 200:
             self.stats.error(f"heartbeat: HTTP {response.status_code}")
             return
-        self.stats.beat(time.monotonic() - started)
+        self.stats.beat(time.monotonic() - started, server_s(response))
         with self.stats.lock:
             for attempt_id, count in sent.items():
                 state = self.attempts[attempt_id]
@@ -377,6 +377,7 @@ def run_load(
         tab.connected.wait(60)
     with stats.lock:
         stats.beats.clear()  # registration and placement are not the steady state measured
+        stats.beats_app.clear()
         stats.passes.clear()
     passes = PassSampler(stats) if watch_passes else None
     started = time.monotonic()
@@ -467,6 +468,18 @@ for start in range({start}, {count}, 500):
                 gpus=(8, 16, 32, 64)[i % 4],
             )
 """
+
+
+def server_s(response: Any) -> float | None:
+    """The portal's own time for a request, from its Server-Timing header (`app;dur=ms`)."""
+    for part in response.headers.get("Server-Timing", "").split(","):
+        name, _, params = part.strip().partition(";")
+        if name == "app" and params.startswith("dur="):
+            try:
+                return float(params[4:]) / 1000
+            except ValueError:
+                return None
+    return None
 
 
 def read_back(api: Any, stats: Stats, jobs: list[int]) -> None:

@@ -18,6 +18,9 @@ class Stats:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     beats: list[float] = field(default_factory=list)  # seconds per accepted heartbeat
+    # the portal's own seconds of each (its Server-Timing): the rest of a beat's time waited
+    # for a portal thread, the network, or the harness's own threads
+    beats_app: list[float] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
     # (job, attempt number, rank, step, name) -> times a heartbeat carrying it was accepted
     acked: Counter = field(default_factory=Counter)
@@ -44,9 +47,11 @@ class Stats:
         default_factory=lambda: defaultdict(lambda: defaultdict(set))
     )
 
-    def beat(self, seconds: float) -> None:
+    def beat(self, seconds: float, app_s: float | None = None) -> None:
         with self.lock:
             self.beats.append(seconds)
+            if app_s is not None:
+                self.beats_app.append(app_s)
 
     def error(self, what: str) -> None:
         with self.lock:
@@ -129,6 +134,8 @@ def summary(stats: Stats, seconds: float) -> dict[str, Any]:
             "heartbeat_p50_s": percentile(beats, 0.50),
             "heartbeat_p99_s": percentile(beats, 0.99),
             "heartbeat_max_s": max(beats) if beats else None,
+            "heartbeat_app_p50_s": percentile(stats.beats_app, 0.50),
+            "heartbeat_app_p99_s": percentile(stats.beats_app, 0.99),
             "errors": dict(stats.errors),
             "points_acked": sum(stats.acked.values()),
             "lag_p50_s": percentile(lags, 0.50),

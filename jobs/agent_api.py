@@ -3,6 +3,7 @@ tokens do not: the cluster agent token registers a node, the node token it gets 
 to that node and valid on the heartbeat and leaving endpoints only."""
 
 import hmac
+import time
 
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema, extend_schema_field
@@ -276,11 +277,16 @@ class AgentHeartbeatView(APIView):
         node = _node_of(request)
         if isinstance(node, Response):
             return node
+        started = time.perf_counter()
         body = HeartbeatSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         if body.validated_data["boot_id"] != node.boot_id:
             return Response({"detail": "stale boot"}, status=status.HTTP_409_CONFLICT)
-        return Response(actions.do_heartbeat(node, body.validated_data, now=timezone.now()))
+        response = Response(actions.do_heartbeat(node, body.validated_data, now=timezone.now()))
+        # The time the portal itself spent (W3C Server-Timing), so a load test can tell it
+        # from the time a request waited for the process's thread or the client's own delays.
+        response["Server-Timing"] = f"app;dur={(time.perf_counter() - started) * 1000:.1f}"
+        return response
 
 
 class AgentLeavingView(APIView):

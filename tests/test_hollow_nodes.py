@@ -84,6 +84,9 @@ def test_hollow_nodes_load_the_real_portal_and_every_point_is_accounted_for(clus
     assert result["errors"] == {}, result
     # Every node beat about once a second the whole time, and every beat was answered.
     assert result["heartbeats"] >= NODES * 15, result
+    # Each answer said how long the portal itself took (Server-Timing), within the beat's time.
+    assert len(stats.beats_app) == len(stats.beats)
+    assert 0 < result["heartbeat_app_p50_s"] <= result["heartbeat_p50_s"], result
     assert stats.acked, "no hollow node ran an attempt"
     assert {key[0] for key in stats.acked} == set(jobs)
     # Delivery to the portal: each point it accepted is stored exactly once.
