@@ -827,8 +827,9 @@ def test_a_stopped_rank_is_named_by_its_process_state_whatever_its_stack():
     assert odd_rank_out(stacks) is None
 
 
-@pytest.mark.django_db
-def test_a_hang_names_the_odd_rank_and_strikes_only_its_node(setup, settings):
+def _hung_with_logs(setup, settings, logs: dict[int, str]) -> Event:
+    """A 4-rank attempt on node-0 (ranks 0, 1) and node-1 (2, 3) that stops stepping; once its
+    stacks are asked for, each rank's log carries `logs[rank]`. Returns the failure's event."""
     settings.LOCKSTEP = {**settings.LOCKSTEP, "HANG_MIN_S": 20.0, "DUMP_WAIT_S": 3.0}
     job, attempt, a, b, _ = _run(setup)
     t0 = timezone.now()
@@ -838,16 +839,20 @@ def test_a_hang_names_the_odd_rank_and_strikes_only_its_node(setup, settings):
     beat(a, attempt, {0: None, 1: None}, now=t)
     beat(b, attempt, {2: None, 3: None}, now=t)
     run_pass(now=t)  # hung: the stacks are asked for
-    logs_a = {0: _py_spy(0, *STALLED), 1: _py_spy(1, *WAITING)}
-    logs_b = {2: _py_spy(2, *WAITING), 3: _py_spy(3, *WAITING)}
     t += timedelta(seconds=1)
-    beat(a, attempt, {0: None, 1: None}, logs=logs_a, now=t)
-    beat(b, attempt, {2: None, 3: None}, logs=logs_b, now=t)
+    beat(a, attempt, {0: None, 1: None}, logs={r: logs[r] for r in (0, 1)}, now=t)
+    beat(b, attempt, {2: None, 3: None}, logs={r: logs[r] for r in (2, 3)}, now=t)
     t += timedelta(seconds=3)
     beat(a, attempt, {0: None, 1: None}, now=t)
     beat(b, attempt, {2: None, 3: None}, now=t)
     run_pass(now=t)
-    failed = Event.objects.get(attempt=attempt, kind="attempt.failed")
+    return Event.objects.get(attempt=attempt, kind="attempt.failed")
+
+
+@pytest.mark.django_db
+def test_a_hang_names_the_odd_rank_and_strikes_only_its_node(setup, settings):
+    logs = {0: _py_spy(0, *STALLED), **{r: _py_spy(r, *WAITING) for r in (1, 2, 3)}}
+    failed = _hung_with_logs(setup, settings, logs)
     assert failed.data["odd_rank"] == 0 and failed.data["common_frame"] == "backward (__init__.py)"
     assert "rank 0 on node-0 is in stall (faults.py) while the other ranks wait in" in (
         failed.message
@@ -876,25 +881,9 @@ def test_a_hang_the_stacks_cannot_place_is_placed_by_the_flight_recorders(setup,
     """Every rank's stack is in the same backward pass (rank 3 computes its gradients while the
     others wait for them): the stacks name nobody. The flight recorders do: rank 3 never
     entered all-reduce #118, so its node alone is struck, and the summaries are in the event."""
-    settings.LOCKSTEP = {**settings.LOCKSTEP, "HANG_MIN_S": 20.0, "DUMP_WAIT_S": 3.0}
-    job, attempt, a, b, _ = _run(setup)
-    t0 = timezone.now()
-    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 3, rank=0), now=t0)
-    beat(b, attempt, {2: None, 3: None}, now=t0)
-    t = t0 + timedelta(seconds=21)
-    beat(a, attempt, {0: None, 1: None}, now=t)
-    beat(b, attempt, {2: None, 3: None}, now=t)
-    run_pass(now=t)
-    t += timedelta(seconds=1)
     logs = {r: _py_spy(r, *WAITING) + _flight_line(r, 118, 117) for r in range(3)}
     logs[3] = _py_spy(3, *WAITING) + _flight_line(3, 117, 117)
-    beat(a, attempt, {0: None, 1: None}, logs={r: logs[r] for r in (0, 1)}, now=t)
-    beat(b, attempt, {2: None, 3: None}, logs={r: logs[r] for r in (2, 3)}, now=t)
-    t += timedelta(seconds=3)
-    beat(a, attempt, {0: None, 1: None}, now=t)
-    beat(b, attempt, {2: None, 3: None}, now=t)
-    run_pass(now=t)
-    failed = Event.objects.get(attempt=attempt, kind="attempt.failed")
+    failed = _hung_with_logs(setup, settings, logs)
     assert failed.data["odd_rank"] == 3, failed.message
     assert "rank 3 on node-1 never entered collective #118 (nccl:all_reduce of [[4096]])" in (
         failed.message
