@@ -22,6 +22,7 @@ from typing import Any
 
 import requests
 
+from nodeagent import stack_sampler
 from nodeagent.attempt_report import RankTails, Tracked, attempt_report
 from nodeagent.container import Engine
 from nodeagent.contract import inheritable_env
@@ -29,8 +30,6 @@ from nodeagent.health_check import HealthChecker
 from nodeagent.leaving import Leaving, bearer, short_error
 from nodeagent.saves import SaveWatcher
 from nodeagent.scalars import ScalarTail
-from nodeagent.stack_sampler import DEFAULT_EVERY_S as DEFAULT_STACK_SAMPLE_S
-from nodeagent.stack_sampler import StackSampler
 from nodeagent.supervisor import WorkerSupervisor
 from nodeagent.tail import LogTail, MetricsTail
 from nodeagent.telemetry import Telemetry
@@ -107,7 +106,7 @@ class Agent(Leaving):
         pull_policy: str = "if-not-present",
         node_env: dict[str, str] | None = None,
         health_check_s: float = 0.0,
-        stack_sample_s: float = DEFAULT_STACK_SAMPLE_S,
+        stack_sample_s: float = stack_sampler.DEFAULT_EVERY_S,
     ) -> None:
         if gpus < 1:
             raise ValueError("gpus must be at least 1")
@@ -120,8 +119,7 @@ class Agent(Leaving):
         self.heartbeat_s = heartbeat_s
         self.http_timeout_s = http_timeout_s
         self.leave_timeout_s = max(0.0, leave_timeout_s)
-        # How often a step-less attempt's stacks are read for change (nodeagent/stack_sampler.py).
-        self.stack_sample_s = stack_sample_s
+        self.stack_sample_s = stack_sample_s  # how often a step-less attempt's stacks are read
         self.boot_id = uuid.uuid4().hex
         self.killed_orphans = 0
         self.node_id: int | None = None
@@ -572,7 +570,7 @@ class Agent(Leaving):
                 if launch.get("checkpoint_dir") and int(launch.get("group_rank", 0)) == 0
                 else None
             ),
-            stacks=StackSampler(self.stack_sample_s),
+            stacks=stack_sampler.StackSampler(self.stack_sample_s),
         )
 
     def _set_heartbeat_s(self, value: Any) -> None:
