@@ -517,8 +517,7 @@ class Agent(Leaving):
         return {
             host
             for attempt_id in self.supervisor.attempt_ids()
-            for _, host in self.supervisor.rank_pids(attempt_id).values()
-            if host is not None
+            for host in self.supervisor.live_host_pids(attempt_id).values()
         }
 
     def _launch(self, attempt_id: int, launch: Any) -> None:

@@ -52,14 +52,6 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _live_host_pids(supervisor: Any, attempt_id: int) -> dict[int, int]:
-    return {
-        rank: host
-        for rank, (_, host) in supervisor.rank_pids(attempt_id).items()
-        if host is not None
-    }
-
-
 def attempt_report(
     supervisor: Any, attempt_id: int, tracked: Tracked, log: Log
 ) -> tuple[dict[str, Any], list[tuple[Any, Any]], bool]:
@@ -112,7 +104,7 @@ def attempt_report(
         drained = drained and reader.at_eof
     if tracked.stacks is not None and not tracked.steps_seen and not all_exited:
         # A step-less script: a rank whose stack moved since the last reading is active.
-        changed = tracked.stacks.tick(lambda a=attempt_id: _live_host_pids(supervisor, a))
+        changed = tracked.stacks.tick(lambda a=attempt_id: supervisor.live_host_pids(a))
         for entry in ranks:
             if entry["rank"] in changed:
                 entry["stack_changed"] = True

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.flight_recorder import dump_path, pipe_path
+
 MARKER = "lockstep agent: flight recorder of rank"
 WAIT_S = 5.0  # NCCL's monitor reads its pipe about once a second; a dump of 2,000 entries is fast
 MAX_DUMP_BYTES = 32 << 20
-PIPE_STEM = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
-DUMP_STEMS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -135,18 +135,11 @@ def targets_of(workers: list[Any]) -> list[Target]:
     found = []
     for worker in workers:
         env = worker.env or {}
-        stem = next((env[name] for name in DUMP_STEMS if env.get(name)), None)
-        if not worker.alive or not stem:
-            continue
-        pipe = env.get(PIPE_STEM)
-        found.append(
-            Target(
-                worker.rank,
-                Path(f"{pipe}{worker.rank}.pipe") if pipe else None,
-                Path(f"{stem}{worker.rank}"),
-                worker.log_path,
+        dump, pipe = dump_path(worker.rank, env), pipe_path(worker.rank, env)
+        if worker.alive and dump:
+            found.append(
+                Target(worker.rank, Path(pipe) if pipe else None, Path(dump), worker.log_path)
             )
-        )
     return found
 
 

@@ -10,7 +10,6 @@ import contextlib
 import logging
 import os
 import signal
-from typing import Any
 
 from nodeagent.flight_recorder import FlightRecorderDump, targets_of
 from nodeagent.launch import catches
@@ -29,15 +28,13 @@ DUMP_SIGNAL = signal.SIGUSR1
 DUMP_SETTLE_S = 1.0
 
 
-def ask(attempt: AttemptWorkers, pids: dict[int, tuple[Any, Any]], log: Log) -> None:
+def ask(attempt: AttemptWorkers, host_pids: dict[int, int], log: Log) -> None:
     """Start everything at once: the readers run in the background, the signals return.
-    `pids`: rank -> (its own pid, its host pid or None once exited)."""
+    `host_pids`: rank -> host pid of the live ranks."""
     attempt.flight_dump = FlightRecorderDump(targets_of(attempt.workers))
     binary = py_spy()
     targets = [
-        (w.rank, pids[w.rank][1], w.log_path)
-        for w in attempt.workers
-        if pids.get(w.rank, (None, None))[1] is not None
+        (w.rank, host_pids[w.rank], w.log_path) for w in attempt.workers if w.rank in host_pids
     ]
     if binary is not None and targets:
         attempt.outside_dump = OutsideDump(binary, targets)

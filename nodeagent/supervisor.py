@@ -382,7 +382,7 @@ class WorkerSupervisor:
         attempt = self._attempts[attempt_id]
         if attempt.dump_sent_at is None:
             attempt.dump_sent_at = self._clock()
-            hang_evidence.ask(attempt, self.rank_pids(attempt_id), self._log)
+            hang_evidence.ask(attempt, self.live_host_pids(attempt_id), self._log)
 
     def refuse(
         self, attempt_id: int, launch: Mapping[str, Any], error: dict[str, str]
@@ -417,6 +417,12 @@ class WorkerSupervisor:
             if init:
                 attempt.host_pids.update(container_host_pids(init, missing))
         return {w.rank: (w.pid, attempt.host_pids.get(w.pid) if w.alive else None) for w in started}
+
+    def live_host_pids(self, attempt_id: int) -> dict[int, int]:
+        """rank -> host pid of the attempt's live ranks (what py-spy and /proc are given)."""
+        return {
+            rank: host for rank, (_, host) in self.rank_pids(attempt_id).items() if host is not None
+        }
 
     def dump_settled(self, attempt_id: int) -> bool:
         """True once the hang evidence asked for is written (or has had its time)."""

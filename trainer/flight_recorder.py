@@ -16,19 +16,26 @@ import contextlib
 import os
 import stat
 import threading
+from collections.abc import Mapping
 
-import torch.distributed as dist
-
-# NCCL's names; TORCH_FR_DUMP_TEMP_FILE is the newer alias of the dump file's stem.
+# NCCL's names; TORCH_FR_DUMP_TEMP_FILE is the newer alias of the dump file's stem. The names
+# and paths below are torch-free: the node agent reads them too (nodeagent/flight_recorder.py).
 PIPE_STEM = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
 DUMP_STEMS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 
-def dump_path(rank: int, env: dict[str, str] | None = None) -> str | None:
+def dump_path(rank: int, env: Mapping[str, str] | None = None) -> str | None:
     """Where this rank's dump goes: `<stem><rank>`, as PyTorch's DebugInfoWriter names it."""
     env = os.environ if env is None else env
     stem = next((env[name] for name in DUMP_STEMS if env.get(name)), None)
     return f"{stem}{rank}" if stem else None
+
+
+def pipe_path(rank: int, env: Mapping[str, str] | None = None) -> str | None:
+    """The named pipe that asks this rank for a dump: `<stem><rank>.pipe`, as NCCL's."""
+    env = os.environ if env is None else env
+    stem = env.get(PIPE_STEM)
+    return f"{stem}{rank}.pipe" if stem else None
 
 
 def write_dump(path: str) -> None:
@@ -47,10 +54,11 @@ def serve_dump_pipe(rank: int) -> threading.Thread | None:
     """Under gloo, with both stems set (the agent sets them): a daemon thread that writes a
     dump each time a byte arrives on `<pipe stem><rank>.pipe`. None where NCCL's watchdog
     serves the pipe itself, or where nothing asked for it."""
-    stem, out = os.environ.get(PIPE_STEM), dump_path(rank)
-    if not stem or not out or not dist.is_initialized() or dist.get_backend() != "gloo":
+    import torch.distributed as dist
+
+    pipe, out = pipe_path(rank), dump_path(rank)
+    if not pipe or not out or not dist.is_initialized() or dist.get_backend() != "gloo":
         return None
-    pipe = f"{stem}{rank}.pipe"
     try:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(pipe)  # an earlier attempt's, as NCCL does

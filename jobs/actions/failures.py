@@ -294,13 +294,13 @@ def do_end_hung_attempt(attempt: Attempt, *, now: datetime) -> Attempt:
     # Else the one rank the evidence singles out (jobs/health.py): stopped or stuck in the
     # kernel by its process state; else behind its peers by the flight recorders' sequence
     # numbers; else somewhere other than where all the others wait by its stacks.
-    odd = odd_rank_out({int(rank): text for rank, text in stacks.items()})
-    flight = flight_recorder_verdict(flights)
+    odd = flight = None
+    if not silent_ranks:
+        odd = odd_rank_out({int(rank): text for rank, text in stacks.items()})
+        flight = flight_recorder_verdict(flights)
     extra: dict = {"flight_recorder": {str(r): f for r, f in flights.items()}} if flights else {}
-    by_state = odd is not None and not odd[2]
-    if silent_ranks:
-        pass
-    elif odd is not None and (by_state or flight is None):
+    # odd[2] is empty when its process state named the rank, which outranks the recorders.
+    if odd is not None and (not odd[2] or flight is None):
         rank, frame, common = odd
         blame = attempt.allocations.select_related("node").get(rank=rank).node
         reason += (
