@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -517,6 +518,22 @@ def read_back(api: Any, stats: Stats, jobs: list[int]) -> None:
         stats.stored = stored
 
 
+def logged_errors(work: Path, keep: int = 20) -> dict[str, int]:
+    """The errors the cluster's processes logged (their logs die with the run's folder): each
+    error line, and for a traceback its last line (the exception), with how often it came."""
+    counts: dict[str, int] = defaultdict(int)
+    for log in sorted(work.glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            if " ERROR " in line or line.startswith("Traceback"):
+                end = i + 1
+                while end < len(lines) and (lines[end][:1].isspace() or lines[end] == ""):
+                    end += 1
+                last = lines[end] if line.startswith("Traceback") and end < len(lines) else ""
+                counts[f"{log.stem}: {(last or line)[-300:]}"] += 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:keep])
+
+
 def submit_backlog(live: Any, count: int) -> None:
     """`count` more jobs of the mix that find the cluster full and queue, so that every pass
     plans a queue of that length: through the submit action (what the API calls once a body
@@ -626,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
             vendor = "postgresql" if live.database.url.startswith("postgres") else "sqlite"
         finally:
             live.stop()
+            portal_errors = logged_errors(Path(work))
     grown = size.get("stop", 0) - size.get("start", 0)
     measured = summary(stats, elapsed)
     result = {
@@ -636,6 +654,8 @@ def main(argv: list[str] | None = None) -> int:
         "database_growth_bytes": grown,
         "database_growth_per_hour_bytes": round(grown * 3600 / max(1.0, args.seconds)),
         "processes": sampler.result(),
+        # What the portal's processes logged as errors: why a watcher was closed, say.
+        "portal_errors": portal_errors,
         "cores": os.cpu_count(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

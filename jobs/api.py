@@ -14,6 +14,7 @@ from rest_framework.throttling import ScopedRateThrottle
 
 from jobs import actions
 from jobs.metrics_query import gpu_history, metric_names, metric_series
+from jobs.metrics_spread import gpu_spread, metric_spread
 from jobs.models import Allocation, Attempt, LogChunk, ModelVersion, Node
 from jobs.serializers import (
     CheckpointSerializer,
@@ -139,6 +140,22 @@ class JobViewSet(
         max_points = _int_param(request, "max_points", 2000, lo=2, hi=100_000)
         rank = _int_param(request, "rank", None, hi=100_000)
         attempt = _int_param(request, "attempt", None, lo=1)
+        lines = _int_param(request, "lines", None, lo=1, hi=64)
+        if lines is not None and rank is not None:
+            raise ValidationError({"lines": ["Give either lines or rank, not both."]})
+        if lines is not None:
+            # A wide job's chart: the band across ranks and a few ranks' lines.
+            return Response(
+                metric_spread(
+                    job.id,
+                    name,
+                    lines=lines,
+                    since_step=since,
+                    until_step=until,
+                    max_points=max_points,
+                    attempt=attempt,
+                )
+            )
         return Response(
             metric_series(
                 job.id,
@@ -185,10 +202,16 @@ class JobViewSet(
     @action(detail=True, methods=["get"], url_path="gpus/history")
     def gpu_history(self, request, pk=None):
         """The job's GPU readings over its whole run (every attempt), per rank, averaged into
-        at most `points` time buckets; `since` (epoch seconds) narrows it."""
+        at most `points` time buckets; `since` (epoch seconds) narrows it. `lines`: the
+        latest attempt's band across ranks and at most that many ranks' lines (a wide job)."""
         job = self.get_object()
         points = _int_param(request, "points", 300, lo=1, hi=5000)
         since = _int_param(request, "since", None, lo=0, hi=2**62)
+        lines = _int_param(request, "lines", None, lo=1, hi=64)
+        if lines is not None and since is not None:
+            raise ValidationError({"lines": ["Give either lines or since, not both."]})
+        if lines is not None:
+            return Response(gpu_spread(job.id, lines=lines, max_points=points))
         return Response(gpu_history(job.id, max_points=points, since=since))
 
     @action(detail=True, methods=["get"])

@@ -33,9 +33,14 @@ def metric_series(
     max_points: int = 2000,
     rank: int | None = None,
     attempt: int | None = None,
+    ranks: list[int] | None = None,
 ) -> dict:
     """Points of one metric, per rank, as {"name", "ranks": {rank: {"step": [], "value": []}},
-    "downsampled": {rank: bool}}, for steps in (since_step, until_step]."""
+    "downsampled": {rank: bool}}, for steps in (since_step, until_step]. `rank` or `ranks`:
+    only that rank, or those (read together, one query for all of them, through the
+    points' (job, name, rank, step) index)."""
+    if ranks is not None:
+        rank = None
     points = MetricPoint.objects.filter(job_id=job_id, name=name)
     if since_step is not None:
         points = points.filter(step__gt=since_step)
@@ -43,6 +48,8 @@ def metric_series(
         points = points.filter(step__lte=until_step)
     if rank is not None:
         points = points.filter(rank=rank)
+    if ranks is not None:
+        points = points.filter(rank__in=ranks)
     if attempt is not None:
         points = points.filter(attempt__number=attempt)
     if _at_most(points, max_points):
@@ -53,7 +60,9 @@ def metric_series(
     hi = points.order_by("-step").values_list("step", flat=True).first()
     buckets = max(max_points // 2 - 1, 1)
     if since_step is None and until_step is None and attempt is None:
-        by_rank = _overview(points, job_id, name, rank, lo, hi, buckets)
+        by_rank = _overview(
+            points, job_id, name, ranks if ranks is not None else rank, lo, hi, buckets
+        )
     else:
         width = -(-(hi - lo + 1) // buckets)
         by_rank = _bucket_rows(points, width, lo)
@@ -148,19 +157,38 @@ def _line(rank_rows: list) -> tuple[list, list]:
     return steps, values
 
 
-def gpu_history(job_id: int, *, max_points: int = 300, since: int | None = None) -> dict:
+def gpu_bucket_s(first: int, last: int, max_points: int) -> int:
+    """The time bucket (seconds) that cuts readings from `first` to `last` into at most about
+    `max_points`, never finer than the nodes' sampling period."""
+    period = max(1, math.ceil(lockstep_setting("GPU_SAMPLE_S")))
+    return max(period, math.ceil((last - first + 1) / max(1, max_points)))
+
+
+def gpu_history(
+    job_id: int,
+    *,
+    max_points: int = 300,
+    since: int | None = None,
+    attempt: Attempt | None = None,
+    ranks: list[int] | None = None,
+) -> dict:
     """The job's kept GPU readings (`GpuSample`), per attempt and rank, as at most about
     `max_points` time buckets each: the mean utilization and memory of the samples in a bucket
     (one GROUP BY on the epoch seconds; GPU use is a level, not a curve with spikes to keep).
-    `since` (epoch seconds) narrows it to the samples from then on."""
+    `since` (epoch seconds) narrows it to the samples from then on; `attempt` and `ranks` to
+    those of one attempt and some of its ranks (a wide job's lines, `jobs/metrics_spread.py`),
+    bucketed as that attempt's readings are."""
     samples = GpuSample.objects.filter(job_id=job_id)
     if since is not None:
         samples = samples.filter(t__gte=since)
+    if attempt is not None:
+        samples = samples.filter(attempt=attempt)
     span = samples.aggregate(first=Min("t"), last=Max("t"))
     if span["first"] is None:
         return {"bucket_s": None, "series": []}
-    period = max(1, math.ceil(lockstep_setting("GPU_SAMPLE_S")))
-    width = max(period, math.ceil((span["last"] - span["first"] + 1) / max(1, max_points)))
+    width = gpu_bucket_s(span["first"], span["last"], max_points)
+    if ranks is not None:
+        samples = samples.filter(rank__in=ranks)
     rows = (
         samples.annotate(
             bucket=ExpressionWrapper(
@@ -175,11 +203,16 @@ def gpu_history(job_id: int, *, max_points: int = 300, since: int | None = None)
         .order_by("attempt_id", "rank", "bucket")
     )
     numbers = dict(Attempt.objects.filter(job_id=job_id).values_list("id", "number"))
+    allocations = Allocation.objects.filter(attempt__job_id=job_id)
+    if attempt is not None:
+        allocations = allocations.filter(attempt=attempt)
+    if ranks is not None:
+        allocations = allocations.filter(rank__in=ranks)
     places = {
         (attempt_id, rank): (node, gpu)
-        for attempt_id, rank, node, gpu in Allocation.objects.filter(
-            attempt__job_id=job_id
-        ).values_list("attempt_id", "rank", "node__name", "gpu__index")
+        for attempt_id, rank, node, gpu in allocations.values_list(
+            "attempt_id", "rank", "node__name", "gpu__index"
+        )
     }
     series: dict[tuple, dict] = {}
     for row in rows:

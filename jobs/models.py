@@ -330,7 +330,12 @@ class MetricPoint(models.Model):
     time = models.DateTimeField()
 
     class Meta:
-        indexes = [models.Index(fields=["job", "name", "step"])]
+        indexes = [
+            models.Index(fields=["job", "name", "step"]),
+            # One rank's points (or a few ranks'): a wide job's chart draws 8 of its 4,096
+            # ranks (jobs/metrics_spread.py); by step alone each read scanned every rank.
+            models.Index(fields=["job", "name", "rank", "step"], name="metricpoint_rank_step"),
+        ]
 
     def __str__(self) -> str:
         return f"job {self.job_id} rank {self.rank} step {self.step} {self.name}={self.value}"

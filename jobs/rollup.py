@@ -306,27 +306,33 @@ def _div(field: str, by: int):
     return ExpressionWrapper(F(field) / by, output_field=IntegerField())
 
 
-def buckets(job_id: int, name: str, width: int, rank: int | None = None) -> dict[int, list]:
+def buckets(job_id: int, name: str, width: int, rank=None) -> dict[int, list]:
     """Per rank, [bucket, first step, last step, min, max, count] for buckets of `width` steps
     (a power of two, at least LEVELS[0]) from step 0, in bucket order: what one GROUP BY over
-    the raw points would give, read from the widest level of at most `width`."""
+    the raw points would give, read from the widest level of at most `width`. `rank`: every
+    rank (None), one, or a collection of them."""
     _, Rollup = _models()
+    ranks = None if rank is None else {rank} if isinstance(rank, int) else set(rank)
     level = max(w for w in LEVELS if w <= width)
     if level == LEVELS[0] and coarse(_world(job_id)):
         # Only rank 0 has the finest level: the others come at the next (fewer points).
-        out = _buckets(Rollup, job_id, name, width, level, 0) if rank in (None, 0) else {}
-        if rank != 0:
+        out = (
+            _buckets(Rollup, job_id, name, width, level, {0}) if ranks is None or 0 in ranks else {}
+        )
+        if ranks != {0}:
             wider = max(width, LEVELS[1])
-            others = _buckets(Rollup, job_id, name, wider, LEVELS[1], rank)
+            others = _buckets(
+                Rollup, job_id, name, wider, LEVELS[1], None if ranks is None else ranks - {0}
+            )
             out.update((r, rows) for r, rows in others.items() if r != 0)
         return out
-    return _buckets(Rollup, job_id, name, width, level, rank)
+    return _buckets(Rollup, job_id, name, width, level, ranks)
 
 
-def _buckets(Rollup, job_id: int, name: str, width: int, level: int, rank) -> dict[int, list]:
+def _buckets(Rollup, job_id: int, name: str, width: int, level: int, ranks) -> dict[int, list]:
     rows = Rollup.objects.filter(job_id=job_id, name=name, width=level)
-    if rank is not None:
-        rows = rows.filter(rank=rank)
+    if ranks is not None:
+        rows = rows.filter(rank__in=sorted(ranks))
     fields = ("rank", "b", "first", "last", "lo", "hi", "n")
     if width == level:
         rows = rows.annotate(

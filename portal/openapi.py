@@ -76,6 +76,17 @@ class MetricSeriesSerializer(serializers.Serializer):
     downsampled = serializers.DictField(
         child=serializers.BooleanField(), help_text="Per rank: min/max downsampled or raw"
     )
+    spread = serializers.DictField(
+        required=False,
+        allow_null=True,
+        help_text="With lines: {step, low, high, ranks, bucket_steps}, the lowest and highest "
+        "value of any rank per bucket of steps",
+    )
+    lines = serializers.DictField(
+        child=serializers.CharField(),
+        required=False,
+        help_text='With lines: per drawn rank, why: "rank 0", "above" or "below" the median',
+    )
 
 
 class LogTailSerializer(serializers.Serializer):
@@ -189,6 +200,12 @@ extend_schema_view(
             _int("max_points", "Per rank; above it min/max downsampled (2-100000, default 2000)"),
             _int("rank", "Only this rank"),
             _int("attempt", "Only this attempt number"),
+            _int(
+                "lines",
+                "A wide job's chart (1-64, not with rank): the band across every rank per step "
+                "bucket (`spread`) and the lines of at most this many ranks, rank 0 and those "
+                "farthest from the rest over the range's last 64 steps (`lines` says which way)",
+            ),
         ],
         responses={200: MetricSeriesSerializer},
     ),
@@ -206,6 +223,11 @@ extend_schema_view(
     gpu_history=extend_schema(
         parameters=[
             _int("points", "Per attempt and rank, at most about this many (1-5000, default 300)"),
+            _int(
+                "lines",
+                "A wide job (1-64, not with since): the latest attempt's utilization band across "
+                "ranks (`spread`: t, low, mean, high) and at most this many ranks' series",
+            ),
             _int("since", "Only readings from this time on (epoch seconds)"),
         ],
         responses={200: GpuHistorySerializer},

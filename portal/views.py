@@ -227,6 +227,18 @@ def _timeline_kind(kind: str) -> str:
     return "other"
 
 
+PLACEMENT_LISTED = 16  # ranks an attempt's row lists one by one; a wider one is summarised
+
+
+def placement_text(allocations) -> str:
+    """An attempt's GPUs for its row: "node-a:0→0, node-a:1→1" for a few ranks; for a wide
+    gang (a whole-cluster job has 4,096) its rank and node counts and the first and last node."""
+    if len(allocations) <= PLACEMENT_LISTED:
+        return ", ".join(f"{a.node.name}:{a.gpu.index}→{a.rank}" for a in allocations)
+    nodes = sorted({a.node.name for a in allocations})
+    return f"{len(allocations):,} ranks on {len(nodes):,} nodes ({nodes[0]} … {nodes[-1]})"
+
+
 @login_required
 def job_page(request, job_id: int):
     job = _job_or_404(request.user, job_id)
@@ -244,6 +256,8 @@ def job_page(request, job_id: int):
         .order_by("-step")
     )
     world = max((len(a.allocations.all()) for a in attempts), default=job.gpus) or job.gpus
+    for a in attempts:
+        a.placement = placement_text(a.allocations.all())
     timeline = {
         "now": now.isoformat(),
         "attempts": [
@@ -293,6 +307,8 @@ def job_page(request, job_id: int):
                 # Wider jobs push rank 0 live only; the page fetches the rest (job.js).
                 "live_all_ranks": world <= lockstep_setting("LIVE_RANKS_MAX"),
                 "live_refresh_s": lockstep_setting("LIVE_REFRESH_S"),
+                # Rank lines a wider job's per-rank charts draw beside the band of all ranks.
+                "rank_lines": RANK_LINES,
                 "timeline": timeline,
                 "max_points": CHART_POINTS,
                 # Charts of their own for what the script logs besides the steps' metrics.
@@ -303,6 +319,7 @@ def job_page(request, job_id: int):
 
 
 CHART_POINTS = 2000  # points per rank a chart asks for; the server keeps each bucket's min/max
+RANK_LINES = 8  # a wide job's per-rank charts: rank 0 and the 7 ranks farthest from the rest
 
 
 @login_required

@@ -465,6 +465,80 @@ def test_a_token_made_on_the_tokens_page_works_once_shown_and_stops_when_revoked
     assert api.get("/api/v1/jobs/").status_code == 401
 
 
+# A finished 96-rank job of the demo team (wider than LIVE_RANKS_MAX, 64), made in one
+# transaction: step times of every rank over 120 steps, rank 41 twice as slow from step 60,
+# and ten minutes of GPU readings in which rank 77 idles. No allocations: its nodes are not
+# the cluster's. Prints the job's id.
+WIDE_JOB = """
+import math
+from datetime import timedelta
+from django.contrib.auth import get_user_model
+from django.db import transaction
+from django.utils import timezone
+from jobs import rollup
+from jobs.models import Attempt, GpuSample, Job, MetricPoint
+from teams.models import Team
+
+now = timezone.now()
+with transaction.atomic():
+    owner = get_user_model().objects.get(username="alice")
+    job = Job.objects.create(owner=owner, team=Team.objects.get(name="demo"), name="wide-run",
+        image="lockstep/trainer:latest", command=["python", "-m", "trainer"], gpus=96,
+        state="SUCCEEDED", submitted_at=now - timedelta(minutes=20),
+        first_started_at=now - timedelta(minutes=15), finished_at=now)
+    attempt = Attempt.objects.create(job=job, number=1, state="succeeded", master_addr="x",
+        master_port=29500, created_at=now - timedelta(minutes=15),
+        running_at=now - timedelta(minutes=15), ended_at=now, world_size=96, last_step=120)
+    points = [MetricPoint(job=job, attempt=attempt, rank=r, step=s, name="step_time_s",
+              value=(2.0 if r == 41 and s > 60 else 1.0) + 0.01 * math.sin(s + r), time=now)
+              for r in range(96) for s in range(1, 121)]
+    MetricPoint.objects.bulk_create(points)
+    rollup.record(job.id, points, world=96)
+    t0 = int(now.timestamp()) - 600
+    GpuSample.objects.bulk_create(GpuSample(job=job, attempt=attempt, rank=r, t=t0 + 10 * i,
+        util=5.0 if r == 77 else 90.0 + r % 5, mem_used=1 << 30, mem_total=16 << 30)
+        for r in range(96) for i in range(60))
+print(job.id)
+"""
+
+
+def test_a_wide_jobs_page_draws_the_band_of_every_rank_and_its_stragglers(cluster, page):
+    job = int(cluster.manage("shell", "-c", WIDE_JOB).strip().splitlines()[-1])
+    page.goto(f"{cluster.url}/jobs/{job}/")
+    page.wait_for_function(
+        "() => window.lockstepJob && window.lockstepJob.ready && window.lockstepJob.gpuReadyAt"
+    )
+    chart = page.evaluate(
+        "() => document.getElementById('step-time-chart').data.map("
+        "t => ({name: t.name, fill: t.fill || null, points: t.x.length, high: Math.max(...t.y)}))"
+    )
+    band = [t for t in chart if t["fill"] == "tonexty"]
+    lines = [t["name"] for t in chart if t["name"].startswith("rank ")]
+    # The band holds every rank (rank 41's doubled step time is its top), and the page draws
+    # 8 of the 96 ranks: rank 0 and the slowest among the farthest from the rest.
+    assert len(band) == 1 and "all 96 ranks" in band[0]["name"] and band[0]["high"] > 2.0
+    assert len(lines) == 8 and "rank 0" in lines and "rank 41 (above the rest)" in lines
+    requests = page.evaluate("() => window.lockstepJob.requests.map(r => r.url)")
+    assert any("name=step_time_s" in u and "lines=8" in u for u in requests)
+    assert not any("name=loss" in u and "lines=" in u for u in requests)  # rank 0's own chart
+    gpu = page.evaluate("() => document.getElementById('gpu-util-chart').data.map(t => t.name)")
+    assert "mean of all ranks" in gpu and "rank 77" in gpu and len(gpu) == 2 + 1 + 8
+    assert "96 ranks" in page.locator("#gpu-note").inner_text()
+    page.locator("#step-time-chart").scroll_into_view_if_needed()
+    page.wait_for_timeout(500)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.locator("#step-time-chart").screenshot(path=str(SCREENSHOTS / "portal-wide-job.png"))
+    # Zoomed to steps before rank 41 slowed down: the band is fetched again for that range.
+    page.evaluate("() => Plotly.relayout('step-time-chart', {'xaxis.range': [5, 50]})")
+    page.wait_for_function(
+        "() => window.lockstepJob.requests.some(r => r.name === 'step_time_s' && r.range)"
+    )
+    page.wait_for_function(
+        "() => { const d = document.getElementById('step-time-chart').data;"
+        " return d[1].fill === 'tonexty' && Math.max(...d[1].y) < 1.5; }"
+    )
+
+
 @pytest.mark.parametrize("path", ["/", "/jobs/new/", "job", "/models/", "/cluster/", "/tokens/"])
 def test_pages_fit_a_phone_without_horizontal_scrolling(cluster, page, path):
     page.set_viewport_size({"width": 390, "height": 844})

@@ -57,10 +57,17 @@
     step_time_s: {el: "step-time-chart", title: "Step time per rank (stragglers stand out)", y: "seconds"},
   };
 
+  // A job wider than LIVE_RANKS_MAX draws, per metric, the band every rank lies in and the
+  // lines of a few ranks (rank 0 and those farthest from the rest: jobs/metrics_spread.py):
+  // one line per rank of 4,096 would be 8 million points.
+  var LINES = page.live_all_ranks === false ? page.rank_lines : null;
+  state.lines = LINES;
+
   function metricsUrl(name, range) {
     var s = SERIES[name];
     var url = "/api/v1/jobs/" + jobId + "/metrics/?name=" + name + "&max_points=" + MAX_POINTS;
     if (s.rank !== undefined) url += "&rank=" + s.rank;
+    else if (LINES) url += "&lines=" + LINES;
     if (range) url += "&since_step=" + (Math.floor(range[0]) - 1) + "&until_step=" + Math.ceil(range[1]);
     return url;
   }
@@ -77,8 +84,42 @@
     });
   }
 
-  function traceFor(rank, steps, values) {
-    return {x: steps, y: values, type: traceType(steps.length), mode: "lines", name: "rank " + rank};
+  function traceFor(rank, steps, values, why) {
+    var label = "rank " + rank + (why === "above" || why === "below" ? " (" + why + " the rest)" : "");
+    return {x: steps, y: values, type: traceType(steps.length), mode: "lines", name: label};
+  }
+
+  // The band across every rank: its lowest values, then its highest filled down to them.
+  function bandTraces(x, low, high, label) {
+    var grey = "rgba(100, 116, 139, 0.55)";
+    return [
+      {x: x, y: low, type: "scatter", mode: "lines", line: {width: 0.5, color: grey}, name: label, legendgroup: "band", showlegend: false, hoverinfo: "x+y"},
+      {x: x, y: high, type: "scatter", mode: "lines", line: {width: 0.5, color: grey}, fill: "tonexty", fillcolor: "rgba(148, 163, 184, 0.3)", name: label, legendgroup: "band", hoverinfo: "x+y"},
+    ];
+  }
+
+  // A wide job's chart, drawn whole from one answer (the band changes with the range).
+  function drawSpread(name, data) {
+    var s = SERIES[name];
+    var chart = state.charts[name];
+    var spread = data.spread;
+    var traces = spread
+      ? bandTraces(spread.step, spread.low, spread.high, "all " + spread.ranks + " ranks: lowest to highest")
+      : [];
+    chart.ranks = {}; chart.full = {}; chart.last = {}; chart.points = 0;
+    Object.keys(data.ranks).forEach(function (rank) {
+      var series = data.ranks[rank];
+      chart.ranks[rank] = traces.length;
+      chart.full[rank] = {x: series.step.slice(), y: series.value.slice()};
+      chart.last[rank] = series.step.length ? series.step[series.step.length - 1] : -1;
+      chart.points += series.step.length;
+      traces.push(traceFor(rank, series.step, series.value, (data.lines || {})[rank]));
+    });
+    chart.downsampled = data.downsampled || {};
+    chart.spread = spread ? spread.step.length : 0;
+    // Nine legend entries wrap to rows: below the axis title, smaller.
+    var below = {legend: {orientation: "h", y: -0.4, font: {size: 10}}};
+    return Plotly.react(s.el, traces, layout(s.title, s.y, below), config);
   }
 
   function drawInitial(name) {
@@ -88,6 +129,7 @@
     // pending: live points that came before the chart was drawn, added once it is.
     var chart = (state.charts[name] = {ranks: {}, last: {}, full: {}, zoom: null, seq: 0, points: 0, pending: []});
     return subscribed.then(function () { return fetchSeries(name, null); }).then(function (data) {
+      if (data.spread !== undefined) return drawSpread(name, data);
       var traces = [];
       Object.keys(data.ranks).forEach(function (rank) {
         var series = data.ranks[rank];
@@ -127,6 +169,7 @@
     chart.zoom = range;
     return fetchSeries(name, range).then(function (data) {
       if (seq !== chart.seq) return; // a newer zoom won
+      if (data.spread !== undefined) return drawSpread(name, data);
       var xs = [], ys = [], idx = [];
       Object.keys(data.ranks).forEach(function (rank) {
         var series = data.ranks[rank];
@@ -246,16 +289,31 @@
   Plotly.newPlot("gpu-util-chart", [], gpuLayout("GPU utilization per rank", "%"), config);
   Plotly.newPlot("gpu-mem-chart", [], gpuLayout("GPU memory per rank", "GiB"), config);
 
-  function gpuPoints(attempt, rank, node, index, xs, utils, mems) {
-    var key = attempt + ":" + rank;
-    if (gpu.traces[key] === undefined) {
-      gpu.traces[key] = Object.keys(gpu.traces).length;
-      var name = "rank " + rank + " (" + node + ":" + index + ")" + (attempt > 1 ? ", attempt " + attempt : "");
-      Plotly.addTraces("gpu-util-chart", {x: xs, y: utils, type: "scatter", mode: "lines+markers", name: name});
-      Plotly.addTraces("gpu-mem-chart", {x: xs, y: mems, type: "scatter", mode: "lines+markers", name: name});
-    } else {
-      Plotly.extendTraces("gpu-util-chart", {x: [xs], y: [utils]}, [gpu.traces[key]], 20000);
-      Plotly.extendTraces("gpu-mem-chart", {x: [xs], y: [mems]}, [gpu.traces[key]], 20000);
+  // Every rank's new readings in one call per chart: Plotly redraws the chart on each
+  // addTraces/extendTraces, so one call per rank made a 128-rank page take minutes.
+  function gpuPoints(items) {
+    var added = {util: [], mem: []};
+    var grown = {util: {x: [], y: []}, mem: {x: [], y: []}, idx: []};
+    items.forEach(function (it) {
+      var key = it.attempt + ":" + it.rank;
+      if (gpu.traces[key] === undefined) {
+        gpu.traces[key] = Object.keys(gpu.traces).length;
+        var name = "rank " + it.rank + " (" + it.node + ":" + it.gpu + ")" + (it.attempt > 1 ? ", attempt " + it.attempt : "");
+        added.util.push({x: it.xs, y: it.utils, type: "scatter", mode: "lines+markers", name: name});
+        added.mem.push({x: it.xs, y: it.mems, type: "scatter", mode: "lines+markers", name: name});
+      } else {
+        grown.idx.push(gpu.traces[key]);
+        grown.util.x.push(it.xs); grown.util.y.push(it.utils);
+        grown.mem.x.push(it.xs); grown.mem.y.push(it.mems);
+      }
+    });
+    if (grown.idx.length) {
+      Plotly.extendTraces("gpu-util-chart", grown.util, grown.idx, 20000);
+      Plotly.extendTraces("gpu-mem-chart", grown.mem, grown.idx, 20000);
+    }
+    if (added.util.length) {
+      Plotly.addTraces("gpu-util-chart", added.util);
+      Plotly.addTraces("gpu-mem-chart", added.mem);
     }
   }
   function gpuNote(cpu) {
@@ -268,18 +326,55 @@
       : "";
     note.textContent = source + kept;
   }
+  // A wide job: the latest attempt's utilization band across ranks and a few ranks' lines,
+  // fetched again every live_refresh_s while it runs (no per-rank poll of 4,096 GPUs).
+  function loadGpuSpread() {
+    return fetch("/api/v1/jobs/" + jobId + "/gpus/history/?lines=" + LINES, {credentials: "same-origin"})
+      .then(function (r) { return r.ok ? r.json() : null; })
+      .then(function (data) {
+        gpu.history = data || {series: []};
+        var band = gpu.history.spread;
+        var util = [], mem = [];
+        var cpu = true;
+        if (band) {
+          var bx = band.t.map(function (t) { return new Date(t * 1000); });
+          util = bandTraces(bx, band.low, band.high, "all " + band.ranks + " ranks: lowest to highest");
+          util.push({x: bx, y: band.mean, type: "scatter", mode: "lines", line: {dash: "dot", color: "#475569"}, name: "mean of all ranks"});
+        }
+        gpu.history.series.forEach(function (s) {
+          cpu = cpu && !s.mem_total;
+          var xs = s.t.map(function (t) { return new Date(t * 1000); });
+          var name = "rank " + s.rank + (s.node ? " (" + s.node + ":" + s.gpu + ")" : "");
+          util.push({x: xs, y: s.util, type: "scatter", mode: "lines", name: name});
+          mem.push({x: xs, y: s.mem_used.map(function (m) { return s.mem_total && m !== null ? m / GIB : null; }), type: "scatter", mode: "lines", name: name});
+        });
+        gpu.traces = {spread: util.length};
+        Plotly.react("gpu-util-chart", util, gpuLayout("GPU utilization: every rank's band, a few ranks' lines", "%"), config);
+        Plotly.react("gpu-mem-chart", mem, gpuLayout("GPU memory of the drawn ranks", "GiB"), config);
+        if (band) {
+          gpuNote(cpu);
+          document.getElementById("gpu-note").textContent +=
+            " " + band.ranks + " ranks: the band is every rank's lowest to highest; lines for rank 0 and the ranks farthest from the rest.";
+        }
+      })
+      .catch(function () { gpu.history = {series: []}; });
+  }
   function loadGpuHistory() {
+    if (LINES) return loadGpuSpread();
     return fetch("/api/v1/jobs/" + jobId + "/gpus/history/", {credentials: "same-origin"})
       .then(function (r) { return r.ok ? r.json() : null; })
       .then(function (data) {
         gpu.history = data || {series: []};
         var cpu = true;
-        gpu.history.series.forEach(function (s) {
+        gpuPoints(gpu.history.series.map(function (s) {
           cpu = cpu && !s.mem_total;
-          var xs = s.t.map(function (t) { return new Date(t * 1000); });
-          var mems = s.mem_used.map(function (m) { return s.mem_total && m !== null ? m / GIB : null; });
-          gpuPoints(s.attempt, s.rank, s.node, s.gpu, xs, s.util, mems);
-        });
+          return {
+            attempt: s.attempt, rank: s.rank, node: s.node, gpu: s.gpu,
+            xs: s.t.map(function (t) { return new Date(t * 1000); }),
+            utils: s.util,
+            mems: s.mem_used.map(function (m) { return s.mem_total && m !== null ? m / GIB : null; }),
+          };
+        }));
         if (gpu.history.series.length) gpuNote(cpu);
       })
       .catch(function () { gpu.history = {series: []}; });
@@ -295,18 +390,23 @@
         }
         gpuNote(data.gpus.every(function (g) { return g.kind === "cpu"; }));
         var now = new Date();
-        data.gpus.forEach(function (g) {
-          var mem = g.mem_total ? g.mem_used / GIB : null;
-          gpuPoints(data.attempt, g.rank, g.node, g.gpu, [now], [g.util], [mem]);
-        });
+        gpuPoints(data.gpus.map(function (g) {
+          return {
+            attempt: data.attempt, rank: g.rank, node: g.node, gpu: g.gpu,
+            xs: [now], utils: [g.util], mems: [g.mem_total ? g.mem_used / GIB : null],
+          };
+        }));
       })
       .catch(function () {});
   }
   var gpuHistoryLoaded = loadGpuHistory();
+  gpuHistoryLoaded.then(function () { state.gpuReadyAt = performance.now(); });
   function watchGpus(jobState) {
     gpuHistoryLoaded.then(function () {
       var live = LIVE_STATES.indexOf(jobState) >= 0;
-      if (live && !gpu.timer) { pollGpus(); gpu.timer = setInterval(pollGpus, 5000); }
+      var poll = LINES ? loadGpuSpread : pollGpus;
+      var every = LINES ? 1000 * (page.live_refresh_s || 15) : 5000;
+      if (live && !gpu.timer) { if (!LINES) poll(); gpu.timer = setInterval(poll, every); }
       if (!live && gpu.timer) { clearInterval(gpu.timer); gpu.timer = null; }
       if (!live && !Object.keys(gpu.traces).length) {
         document.getElementById("gpu-note").textContent = "No GPU readings were kept for this job (it never ran).";

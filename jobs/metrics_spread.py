@@ -1,0 +1,171 @@
+"""A wide job's per-rank series, in a form a browser can draw: the band every rank's values lie
+in (the minimum and maximum across ranks per step bucket) and the lines of a few ranks only,
+rank 0 and the ranks farthest from the rest at the end of the asked range (a straggler, or a
+rank far ahead). Drawn per rank, a 4,096-rank job's step-time chart is 4,096 traces of up to
+2,000 points each (8 million points, tens of megabytes of JSON): no page draws that.
+
+The band comes from one GROUP BY across ranks: over the series' rollup (`jobs/rollup.py`) for
+the whole run once its buckets are at least the rollup's every-rank level wide, so it covers
+the run past the raw points' retention (`jobs/metric_store.py`), else over the raw points of
+the range. The lines are picked from the raw points of the range's last `PICK_WINDOW` steps
+(one GROUP BY per rank on a bounded slice) and read as `jobs/metrics_query.metric_series`
+reads any rank, so they are exact where they fit and min/max downsampled where they do not.
+The same picking serves the GPU charts' spread (`gpu_spread`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from django.db.models import Avg, BigIntegerField, F, IntegerField, Max, Min, Value
+from django.db.models.expressions import ExpressionWrapper
+
+from jobs import rollup
+from jobs.metrics_query import gpu_bucket_s, gpu_history, metric_series
+from jobs.models import Attempt, GpuSample, MetricPoint, MetricRollup
+
+PICK_WINDOW = 64  # steps at the end of the range whose per-rank means pick the lines
+BAND_BUCKETS = 500  # the band's resolution: a chart is ~1,000 px wide, two points a bucket
+
+
+def pick_ranks(means: dict[int, float], lines: int) -> list[int]:
+    """Rank 0 (when it has points), then the ranks whose mean is farthest from the median of
+    every rank's mean, either side, up to `lines` ranks in all; in rank order."""
+    if not means or lines <= 0:
+        return []
+    chosen = [0] if 0 in means else []
+    middle = statistics.median(means.values())
+    others = sorted((r for r in means if r != 0), key=lambda r: (-abs(means[r] - middle), r))
+    chosen += others[: max(0, lines - len(chosen))]
+    return sorted(chosen)
+
+
+def metric_spread(
+    job_id: int,
+    name: str,
+    *,
+    lines: int,
+    since_step: int | None = None,
+    until_step: int | None = None,
+    max_points: int = 2000,
+    attempt: int | None = None,
+) -> dict:
+    """`metric_series`' answer for at most `lines` ranks (`pick_ranks`), plus `spread`: the
+    band across every rank ({"step", "low", "high", "ranks"}) and `lines`: why each rank was
+    drawn ("rank 0", "above", "below": farther than the rest from the ranks' median)."""
+    points = MetricPoint.objects.filter(job_id=job_id, name=name)
+    if since_step is not None:
+        points = points.filter(step__gt=since_step)
+    if until_step is not None:
+        points = points.filter(step__lte=until_step)
+    if attempt is not None:
+        points = points.filter(attempt__number=attempt)
+    hi = points.order_by("-step").values_list("step", flat=True).first()
+    if hi is None:
+        return {"name": name, "ranks": {}, "downsampled": {}, "spread": None, "lines": {}}
+    lo = points.order_by("step").values_list("step", flat=True).first()
+    means = dict(
+        points.filter(step__gt=hi - PICK_WINDOW)
+        .order_by()
+        .values("rank")
+        .annotate(mean=Avg("value"))
+        .values_list("rank", "mean")
+    )
+    chosen = pick_ranks(means, lines)
+    result = metric_series(
+        job_id,
+        name,
+        since_step=since_step,
+        until_step=until_step,
+        max_points=max_points,
+        attempt=attempt,
+        ranks=chosen,
+    )
+    middle = statistics.median(means.values())
+    result["lines"] = {
+        str(r): "rank 0" if r == 0 else ("above" if means[r] >= middle else "below") for r in chosen
+    }
+    whole_run = since_step is None and until_step is None and attempt is None
+    result["spread"] = _band(points, job_id, name, lo, hi, whole_run) | {"ranks": len(means)}
+    return result
+
+
+def _band(points, job_id: int, name: str, lo: int, hi: int, whole_run: bool) -> dict:
+    """Per bucket of steps, the lowest and highest value of any rank."""
+    width = max(1, -(-(hi - lo + 1) // BAND_BUCKETS))
+    level = rollup.LEVELS[1]  # the finest level every rank of a wide job has
+    if whole_run and width >= level:
+        width = 1 << math.ceil(math.log2(width))  # rollup buckets nest in power-of-two widths
+        rows = (
+            MetricRollup.objects.filter(job_id=job_id, name=name, width=level)
+            .annotate(
+                b=ExpressionWrapper(
+                    F("bucket") / Value(width // level), output_field=BigIntegerField()
+                )
+            )
+            .values("b")
+            .annotate(first=Min("first_step"), low=Min("low"), high=Max("high"))
+            .order_by("b")
+            .values_list("first", "low", "high")
+        )
+    else:
+        rows = (
+            points.order_by()
+            .annotate(b=ExpressionWrapper((F("step") - lo) / width, output_field=IntegerField()))
+            .values("b")
+            .annotate(first=Min("step"), low=Min("value"), high=Max("value"))
+            .order_by("b")
+            .values_list("first", "low", "high")
+        )
+    steps, lows, highs = [], [], []
+    for first, low, high in rows:
+        steps.append(first)
+        lows.append(low)
+        highs.append(high)
+    return {"step": steps, "low": lows, "high": highs, "bucket_steps": width}
+
+
+def gpu_spread(job_id: int, *, lines: int, max_points: int = 300) -> dict:
+    """The GPU history of a wide job's latest attempt: per time bucket the lowest, mean and
+    highest utilization across its ranks, and `gpu_history`'s lines of at most `lines` ranks
+    (rank 0 and those farthest from the rest over the last three buckets)."""
+    latest = Attempt.objects.filter(job_id=job_id).order_by("-number").first()
+    samples = GpuSample.objects.filter(job_id=job_id, attempt=latest)
+    span = samples.aggregate(first=Min("t"), last=Max("t"))
+    if latest is None or span["first"] is None:
+        return {"bucket_s": None, "series": [], "spread": None}
+    width = gpu_bucket_s(span["first"], span["last"], max_points)
+    means = {
+        rank: util
+        for rank, util in samples.filter(t__gte=span["last"] - 3 * width)
+        .order_by()
+        .values("rank")
+        .annotate(util=Avg("util"))
+        .values_list("rank", "util")
+        if util is not None
+    }
+    history = gpu_history(
+        job_id, max_points=max_points, attempt=latest, ranks=pick_ranks(means, lines)
+    )
+    rows = (
+        samples.annotate(
+            bucket=ExpressionWrapper(
+                F("t") / Value(width, output_field=BigIntegerField()),
+                output_field=BigIntegerField(),
+            )
+        )
+        .values("bucket")
+        .annotate(t=Min("t"), low=Min("util"), mean=Avg("util"), high=Max("util"))
+        .order_by("bucket")
+        .values_list("t", "low", "mean", "high")
+    )
+    band: dict = {"t": [], "low": [], "mean": [], "high": []}
+    for t, low, mean, high in rows:
+        band["t"].append(t)
+        band["low"].append(low)
+        band["mean"].append(None if mean is None else round(mean, 2))
+        band["high"].append(high)
+    band["ranks"] = len(means)  # the ranks with readings in the last buckets
+    history["spread"] = band
+    return history
