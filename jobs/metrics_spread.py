@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from django.core.cache import cache
 from django.db.models import Avg, BigIntegerField, F, IntegerField, Max, Min, Value
 from django.db.models.expressions import ExpressionWrapper
 
@@ -27,6 +28,13 @@ from jobs.models import Attempt, GpuSample, MetricPoint, MetricRollup
 
 PICK_WINDOW = 64  # steps at the end of the range whose per-rank means pick the lines
 BAND_BUCKETS = 500  # the band's resolution: a chart is ~1,000 px wide, two points a bucket
+# Raw points the band may scan; past it the band reads the rollup's every-rank level (256-step
+# buckets). A 4,096-rank job two hours in has 29 million raw points per metric, and the page
+# of a job that wide asks again every LIVE_REFRESH_S.
+BAND_RAW_ROWS = 1_000_000
+# How long the whole-run answer is shared: every watcher of a wide job's page asks for it every
+# LIVE_REFRESH_S (15 s); 200 of them would each pay its reads.
+SHARED_S = 5.0
 
 
 def pick_ranks(means: dict[int, float], lines: int) -> list[int]:
@@ -53,7 +61,36 @@ def metric_spread(
 ) -> dict:
     """`metric_series`' answer for at most `lines` ranks (`pick_ranks`), plus `spread`: the
     band across every rank ({"step", "low", "high", "ranks"}) and `lines`: why each rank was
-    drawn ("rank 0", "above", "below": farther than the rest from the ranks' median)."""
+    drawn ("rank 0", "above", "below": farther than the rest from the ranks' median).
+    The whole run's answer is shared for `SHARED_S` seconds (the cache)."""
+    if since_step is None and until_step is None and attempt is None:
+        key = f"metric-spread:{job_id}:{name}:{lines}:{max_points}"
+        shared = cache.get(key)
+        if shared is None:
+            shared = _metric_spread(job_id, name, lines=lines, max_points=max_points)
+            cache.set(key, shared, SHARED_S)
+        return shared
+    return _metric_spread(
+        job_id,
+        name,
+        lines=lines,
+        since_step=since_step,
+        until_step=until_step,
+        max_points=max_points,
+        attempt=attempt,
+    )
+
+
+def _metric_spread(
+    job_id: int,
+    name: str,
+    *,
+    lines: int,
+    since_step: int | None = None,
+    until_step: int | None = None,
+    max_points: int = 2000,
+    attempt: int | None = None,
+) -> dict:
     points = MetricPoint.objects.filter(job_id=job_id, name=name)
     if since_step is not None:
         points = points.filter(step__gt=since_step)
@@ -86,19 +123,30 @@ def metric_spread(
     result["lines"] = {
         str(r): "rank 0" if r == 0 else ("above" if means[r] >= middle else "below") for r in chosen
     }
-    whole_run = since_step is None and until_step is None and attempt is None
-    result["spread"] = _band(points, job_id, name, lo, hi, whole_run) | {"ranks": len(means)}
+    # The rollup has no attempts: an attempt's band is read from its raw points.
+    from_rollup = attempt is None and (hi - lo + 1) * max(1, len(means)) > BAND_RAW_ROWS
+    result["spread"] = _band(points, job_id, name, lo, hi, from_rollup) | {"ranks": len(means)}
     return result
 
 
-def _band(points, job_id: int, name: str, lo: int, hi: int, whole_run: bool) -> dict:
-    """Per bucket of steps, the lowest and highest value of any rank."""
+def _band(points, job_id: int, name: str, lo: int, hi: int, from_rollup: bool) -> dict:
+    """Per bucket of steps, the lowest and highest value of any rank: from the raw points, or
+    from the rollup's buckets of at least 256 steps that overlap lo..hi (the first and last
+    may reach outside the range: a zoomed band is as wide as those buckets at its edges)."""
     width = max(1, -(-(hi - lo + 1) // BAND_BUCKETS))
-    level = rollup.LEVELS[1]  # the finest level every rank of a wide job has
-    if whole_run and width >= level:
-        width = 1 << math.ceil(math.log2(width))  # rollup buckets nest in power-of-two widths
+    if from_rollup:
+        # The widest level no wider than the band's buckets, from the finest every rank of a
+        # wide job keeps (256): a month-long run reads 4,096-step buckets, not 256-step ones.
+        width = max(rollup.LEVELS[1], 1 << math.ceil(math.log2(width)))
+        level = max(w for w in rollup.LEVELS[1:] if w <= width)
         rows = (
-            MetricRollup.objects.filter(job_id=job_id, name=name, width=level)
+            MetricRollup.objects.filter(
+                job_id=job_id,
+                name=name,
+                width=level,
+                bucket__gte=lo // level,
+                bucket__lte=hi // level,
+            )
             .annotate(
                 b=ExpressionWrapper(
                     F("bucket") / Value(width // level), output_field=BigIntegerField()

@@ -7,7 +7,9 @@ import random
 from datetime import timedelta
 
 import pytest
-from django.db import transaction
+from django.core.cache import cache
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from jobs import metrics_spread, rollup
@@ -21,6 +23,7 @@ SLOW = 37  # the straggler
 
 
 def _wide_job(team, user, *, steps: int, ranks: int = WORLD, seed: int = 3):
+    cache.clear()  # a rolled-back test's job id comes again: no answer shared from it
     job = submit(team, user, gpus=ranks)
     attempt = Attempt.objects.create(
         job=job,
@@ -107,8 +110,9 @@ def test_the_band_is_every_ranks_lowest_and_highest_and_the_straggler_is_drawn(s
 def test_the_whole_run_band_read_from_the_rollup_equals_the_raw_scan(setup, monkeypatch):
     team, user, _, _ = setup
     job, _, points = _wide_job(team, user, steps=2048, ranks=3)
-    # Four bands' buckets: 512 steps each, at least the rollup's every-rank level (256).
+    # Past the raw rows it may scan, the band reads the rollup: four buckets of 512 steps.
     monkeypatch.setattr(metrics_spread, "BAND_BUCKETS", 4)
+    monkeypatch.setattr(metrics_spread, "BAND_RAW_ROWS", 500)
     got = metric_spread(job.id, "step_time_s", lines=2)["spread"]
     assert got["bucket_steps"] == 512
     # The rollup's grid is anchored at step 0.
@@ -124,8 +128,27 @@ def test_the_whole_run_band_read_from_the_rollup_equals_the_raw_scan(setup, monk
             assert together["downsampled"][str(r)] == alone["downsampled"][str(r)]
     # Once the raw points of ranks other than 0 are gone (retention), the rollup still has them.
     MetricPoint.objects.filter(job=job).exclude(rank=0).delete()
+    cache.clear()  # the whole run's answer is shared for a few seconds
     kept = metric_spread(job.id, "step_time_s", lines=2)["spread"]
     assert (kept["low"], kept["high"]) == (got["low"], got["high"])
+    # Zoomed, the rollup's buckets that overlap the range (256 steps wide at its edges).
+    zoomed = metric_spread(job.id, "step_time_s", lines=2, since_step=600, until_step=1400)
+    assert zoomed["spread"]["bucket_steps"] == 256
+    assert zoomed["spread"]["step"][0] == 512 and zoomed["spread"]["step"][-1] == 1280
+
+
+@pytest.mark.django_db
+def test_the_whole_run_answer_is_shared_by_every_watcher_for_a_few_seconds(setup):
+    team, user, _, _ = setup
+    job, _, _ = _wide_job(team, user, steps=20, ranks=70)
+    cache.clear()
+    first = metric_spread(job.id, "step_time_s", lines=3)
+    with CaptureQueriesContext(connection) as queries:
+        again = metric_spread(job.id, "step_time_s", lines=3)
+    assert again == first and len(queries) == 0
+    with CaptureQueriesContext(connection) as queries:  # a zoom is the viewer's own
+        metric_spread(job.id, "step_time_s", lines=3, since_step=5, until_step=10)
+    assert len(queries) > 0
 
 
 @pytest.mark.django_db
