@@ -123,55 +123,66 @@ def _metric_spread(
     result["lines"] = {
         str(r): "rank 0" if r == 0 else ("above" if means[r] >= middle else "below") for r in chosen
     }
-    # The rollup has no attempts: an attempt's band is read from its raw points.
-    from_rollup = attempt is None and (hi - lo + 1) * max(1, len(means)) > BAND_RAW_ROWS
-    result["spread"] = _band(points, job_id, name, lo, hi, from_rollup) | {"ranks": len(means)}
+    result["spread"] = _band(points, job_id, name, lo, hi, len(means), attempt) | {
+        "ranks": len(means)
+    }
     return result
 
 
-def _band(points, job_id: int, name: str, lo: int, hi: int, from_rollup: bool) -> dict:
-    """Per bucket of steps, the lowest and highest value of any rank: from the raw points, or
-    from the rollup's buckets of at least 256 steps that overlap lo..hi (the first and last
-    may reach outside the range: a zoomed band is as wide as those buckets at its edges)."""
+def _band(points, job_id: int, name: str, lo: int, hi: int, ranks: int, attempt) -> dict:
+    """Per bucket of steps, the lowest and highest value of any rank. From the raw points while
+    the range holds at most about `BAND_RAW_ROWS` of them; past that, only its recent part
+    (from a rollup bucket's edge on) is read raw, and the steps before it from the rollup's
+    buckets, which are coarser (at least 256 steps). The rollup has no attempts: an attempt's
+    band is all raw."""
     width = max(1, -(-(hi - lo + 1) // BAND_BUCKETS))
-    if from_rollup:
-        # The widest level no wider than the band's buckets, from the finest every rank of a
-        # wide job keeps (256): a month-long run reads 4,096-step buckets, not 256-step ones.
-        width = max(rollup.LEVELS[1], 1 << math.ceil(math.log2(width)))
-        level = max(w for w in rollup.LEVELS[1:] if w <= width)
-        rows = (
-            MetricRollup.objects.filter(
-                job_id=job_id,
-                name=name,
-                width=level,
-                bucket__gte=lo // level,
-                bucket__lte=hi // level,
-            )
-            .annotate(
-                b=ExpressionWrapper(
-                    F("bucket") / Value(width // level), output_field=BigIntegerField()
-                )
-            )
-            .values("b")
-            .annotate(first=Min("first_step"), low=Min("low"), high=Max("high"))
-            .order_by("b")
-            .values_list("first", "low", "high")
+    level = rollup.LEVELS[1]  # the finest level every rank of a wide job keeps
+    split = lo
+    if attempt is None and (hi - lo + 1) * max(1, ranks) > BAND_RAW_ROWS:
+        split = max(lo, (hi - BAND_RAW_ROWS // max(1, ranks) + 1) // level * level)
+    rows = list(_rollup_band(job_id, name, lo, split, width)) if split > lo else []
+    raw = (
+        points.filter(step__gte=split)
+        .order_by()
+        .annotate(b=ExpressionWrapper((F("step") - lo) / width, output_field=IntegerField()))
+        .values("b")
+        .annotate(first=Min("step"), low=Min("value"), high=Max("value"))
+        .order_by("b")
+        .values_list("first", "low", "high")
+    )
+    rows += list(raw)
+    return {
+        "step": [r[0] for r in rows],
+        "low": [r[1] for r in rows],
+        "high": [r[2] for r in rows],
+        "bucket_steps": width,
+        "raw_from_step": split,
+    }
+
+
+def _rollup_band(job_id: int, name: str, lo: int, split: int, width: int):
+    """(first step, lowest, highest) across ranks per bucket of the rollup, for the steps from
+    lo's bucket up to `split` (a multiple of 256, so no bucket read reaches past it; the last
+    merged bucket may be narrower): the widest level no wider than the band's buckets, so a
+    month-long run reads 4,096-step buckets, not 256-step ones."""
+    wide = max(rollup.LEVELS[1], 1 << math.ceil(math.log2(width)))
+    level = max(w for w in rollup.LEVELS[1:] if w <= wide)
+    return (
+        MetricRollup.objects.filter(
+            job_id=job_id,
+            name=name,
+            width=level,
+            bucket__gte=lo // level,
+            bucket__lt=split // level,
         )
-    else:
-        rows = (
-            points.order_by()
-            .annotate(b=ExpressionWrapper((F("step") - lo) / width, output_field=IntegerField()))
-            .values("b")
-            .annotate(first=Min("step"), low=Min("value"), high=Max("value"))
-            .order_by("b")
-            .values_list("first", "low", "high")
+        .annotate(
+            b=ExpressionWrapper(F("bucket") / Value(wide // level), output_field=BigIntegerField())
         )
-    steps, lows, highs = [], [], []
-    for first, low, high in rows:
-        steps.append(first)
-        lows.append(low)
-        highs.append(high)
-    return {"step": steps, "low": lows, "high": highs, "bucket_steps": width}
+        .values("b")
+        .annotate(first=Min("first_step"), low=Min("low"), high=Max("high"))
+        .order_by("b")
+        .values_list("first", "low", "high")
+    )
 
 
 def gpu_spread(job_id: int, *, lines: int, max_points: int = 300) -> dict:

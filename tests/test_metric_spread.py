@@ -106,17 +106,28 @@ def test_the_band_is_every_ranks_lowest_and_highest_and_the_straggler_is_drawn(s
     assert max(early["ranks"][str(r)]["step"][-1] for r in early["ranks"]) == 90
 
 
+def _band_over(points, edges):
+    """(first step, lowest, highest) of every rank's points per span [edges[i], edges[i+1])."""
+    out = []
+    for a, b in zip(edges, edges[1:], strict=False):
+        inside = [p for p in points if a <= p.step < b]
+        if inside:
+            values = [p.value for p in inside]
+            out.append((min(p.step for p in inside), min(values), max(values)))
+    return out
+
+
 @pytest.mark.django_db
-def test_the_whole_run_band_read_from_the_rollup_equals_the_raw_scan(setup, monkeypatch):
+def test_past_its_raw_budget_the_band_reads_the_rollup_for_all_but_recent_steps(setup, monkeypatch):
     team, user, _, _ = setup
     job, _, points = _wide_job(team, user, steps=2048, ranks=3)
-    # Past the raw rows it may scan, the band reads the rollup: four buckets of 512 steps.
+    # Four band buckets of 512 steps; at most 500 raw points: 3 ranks x the last 167 steps,
+    # from the rollup bucket's edge before them (step 1792) on.
     monkeypatch.setattr(metrics_spread, "BAND_BUCKETS", 4)
     monkeypatch.setattr(metrics_spread, "BAND_RAW_ROWS", 500)
     got = metric_spread(job.id, "step_time_s", lines=2)["spread"]
-    assert got["bucket_steps"] == 512
-    # The rollup's grid is anchored at step 0.
-    want = _true_band(points, 512, 0)
+    assert got["bucket_steps"] == 512 and got["raw_from_step"] == 1792
+    want = _band_over(points, [0, 512, 1024, 1536, 1792, 2049])
     assert list(zip(got["step"], got["low"], got["high"], strict=True)) == want
     # A few ranks read together are what each rank read alone gives, from the rollup too.
     for max_points in (8, 2000):
@@ -126,15 +137,18 @@ def test_the_whole_run_band_read_from_the_rollup_equals_the_raw_scan(setup, monk
             alone = metric_series(job.id, "step_time_s", max_points=max_points, rank=r)
             assert together["ranks"][str(r)] == alone["ranks"][str(r)], (max_points, r)
             assert together["downsampled"][str(r)] == alone["downsampled"][str(r)]
-    # Once the raw points of ranks other than 0 are gone (retention), the rollup still has them.
+    # Once the raw points of ranks other than 0 are gone (retention), the rollup still has
+    # every rank's older steps.
     MetricPoint.objects.filter(job=job).exclude(rank=0).delete()
     cache.clear()  # the whole run's answer is shared for a few seconds
     kept = metric_spread(job.id, "step_time_s", lines=2)["spread"]
-    assert (kept["low"], kept["high"]) == (got["low"], got["high"])
-    # Zoomed, the rollup's buckets that overlap the range (256 steps wide at its edges).
+    assert kept["raw_from_step"] == 1536
+    assert list(zip(kept["step"], kept["low"], kept["high"], strict=True))[:3] == want[:3]
+    # Zoomed: the rollup bucket the range starts in, then the recent raw points.
     zoomed = metric_spread(job.id, "step_time_s", lines=2, since_step=600, until_step=1400)
-    assert zoomed["spread"]["bucket_steps"] == 256
-    assert zoomed["spread"]["step"][0] == 512 and zoomed["spread"]["step"][-1] == 1280
+    spread = zoomed["spread"]
+    assert spread["raw_from_step"] == 768 and spread["step"][0] == 512
+    assert (spread["low"][0], spread["high"][0]) == _band_over(points, [512, 768])[0][1:]
 
 
 @pytest.mark.django_db
