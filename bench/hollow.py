@@ -30,7 +30,6 @@ import os
 import sys
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,8 +37,14 @@ from typing import Any
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.hollow_probes import PassSampler, ProcessSampler, database_bytes  # noqa: E402
+from bench.hollow_probes import (  # noqa: E402
+    PassSampler,
+    ProcessSampler,
+    database_bytes,
+    logged_errors,
+)
 from bench.hollow_report import Stats, goals, summary  # noqa: E402
+from bench.hollow_watchers import Watcher  # noqa: E402
 from jobs.settings_table import DEFAULTS  # noqa: E402
 from nodeagent.agent import jittered  # noqa: E402
 
@@ -265,75 +270,6 @@ class HollowNode(threading.Thread):
                 }
 
 
-class Watcher(threading.Thread):
-    """One browser tab on a job page: its websocket, every metric point counted."""
-
-    def __init__(self, index: int, url: str, token: str, job_id: int, stats: Stats, stop):
-        super().__init__(name=f"watcher-{index}", daemon=True)
-        self.index, self.job_id, self.stats, self.stop = index, job_id, stats, stop
-        self.ws_url = url.replace("http", "ws", 1).rstrip("/") + f"/ws/jobs/{job_id}/"
-        self.token = token
-        self.connected = threading.Event()
-
-    def run(self) -> None:
-        from websockets.exceptions import ConnectionClosed
-        from websockets.sync.client import connect
-
-        try:
-            with connect(
-                self.ws_url,
-                additional_headers={"Authorization": f"Bearer {self.token}"},
-                open_timeout=30,
-            ) as ws:
-                # Connected means subscribed: the consumer's first message ("state") comes
-                # after it joined the job's group; pushes before that never reach this
-                # socket, so they are not this watcher's to count (a page fetches them).
-                try:
-                    first = json.loads(ws.recv(timeout=60))
-                except ConnectionClosed as exc:
-                    # Seen in 3 of 6 full-size runs, for 1-2 of 200 watchers: the close says
-                    # who closed and why.
-                    sent, received = exc.sent, exc.rcvd
-                    self.stats.error(
-                        "watcher: closed before subscribing "
-                        f"(received {received.code if received else None}, "
-                        f"sent {sent.code if sent else None})"
-                    )
-                    self.connected.set()
-                    return
-                if first.get("type") != "state":
-                    self.stats.error(f"watcher: first message {first.get('type')!r}")
-                self.connected.set()
-                while not self.stop.is_set():
-                    try:
-                        raw = ws.recv(timeout=0.5)
-                    except TimeoutError:
-                        continue
-                    except ConnectionClosed:
-                        self.stats.error("watcher: connection closed")
-                        return
-                    message = json.loads(raw)
-                    arrived = time.time()
-                    if "seq" in message:
-                        with self.stats.lock:
-                            self.stats.seqs[self.index][message.get("src")].add(message["seq"])
-                    if message.get("type") != "metrics":
-                        continue
-                    with self.stats.lock:
-                        counts = self.stats.received[self.index]
-                        for p in message["points"]:
-                            key = (self.job_id, p["attempt"], p["rank"], p["step"], p["name"])
-                            counts[key] += 1
-                            if p["name"] == "loss":
-                                self.stats.lags.append(arrived - float(p["value"]))
-                                sent = self.stats.sent_at.get(key[:4])
-                                if sent is not None:
-                                    self.stats.portal_lags.append(arrived - sent)
-        except Exception as exc:  # a refused or broken connection is a measured error
-            self.stats.error(f"watcher: {type(exc).__name__}")
-            self.connected.set()
-
-
 def run_load(
     url: str | list[str],
     cluster_token: str,
@@ -516,22 +452,6 @@ def read_back(api: Any, stats: Stats, jobs: list[int]) -> None:
                     )
     with stats.lock:
         stats.stored = stored
-
-
-def logged_errors(work: Path, keep: int = 20) -> dict[str, int]:
-    """The errors the cluster's processes logged (their logs die with the run's folder): each
-    error line, and for a traceback its last line (the exception), with how often it came."""
-    counts: dict[str, int] = defaultdict(int)
-    for log in sorted(work.glob("*.log")):
-        lines = log.read_text(errors="replace").splitlines()
-        for i, line in enumerate(lines):
-            if " ERROR " in line or line.startswith("Traceback"):
-                end = i + 1
-                while end < len(lines) and (lines[end][:1].isspace() or lines[end] == ""):
-                    end += 1
-                last = lines[end] if line.startswith("Traceback") and end < len(lines) else ""
-                counts[f"{log.stem}: {(last or line)[-300:]}"] += 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:keep])
 
 
 def submit_backlog(live: Any, count: int) -> None:

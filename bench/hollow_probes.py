@@ -130,3 +130,19 @@ def database_bytes(url: str, sqlite_path: Path | None) -> int:
         free = conn.execute("PRAGMA freelist_count").fetchone()[0]
         size = conn.execute("PRAGMA page_size").fetchone()[0]
     return (pages - free) * size
+
+
+def logged_errors(work: Path, keep: int = 20) -> dict[str, int]:
+    """The errors the cluster's processes logged (their logs die with the run's folder): each
+    error line, and for a traceback its last line (the exception), with how often it came."""
+    counts: dict[str, int] = defaultdict(int)
+    for log in sorted(work.glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        for i, line in enumerate(lines):
+            if " ERROR " in line or line.startswith("Traceback"):
+                end = i + 1
+                while end < len(lines) and (lines[end][:1].isspace() or lines[end] == ""):
+                    end += 1
+                last = lines[end] if line.startswith("Traceback") and end < len(lines) else ""
+                counts[f"{log.stem}: {(last or line)[-300:]}"] += 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:keep])

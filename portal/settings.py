@@ -238,7 +238,8 @@ CACHES = {
 
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        # channels-redis's layer with a pool that waits when busy (portal/channel_layer.py).
+        "BACKEND": "portal.channel_layer.BurstTolerantRedisChannelLayer",
         # redis-py 8 times reads out after 5 s by default, exactly channels-redis's blocking
         # receive (BZPOPMIN, 5 s): a longer socket timeout keeps idle websockets from dying.
         # Every websocket of one daphne process shares one Redis queue ("specific.<id>!"), and
