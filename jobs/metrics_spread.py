@@ -67,30 +67,13 @@ def metric_spread(
         key = f"metric-spread:{job_id}:{name}:{lines}:{max_points}"
         shared = cache.get(key)
         if shared is None:
-            shared = _metric_spread(job_id, name, lines=lines, max_points=max_points)
+            shared = _metric_spread(job_id, name, lines, None, None, max_points, None)
             cache.set(key, shared, SHARED_S)
         return shared
-    return _metric_spread(
-        job_id,
-        name,
-        lines=lines,
-        since_step=since_step,
-        until_step=until_step,
-        max_points=max_points,
-        attempt=attempt,
-    )
+    return _metric_spread(job_id, name, lines, since_step, until_step, max_points, attempt)
 
 
-def _metric_spread(
-    job_id: int,
-    name: str,
-    *,
-    lines: int,
-    since_step: int | None = None,
-    until_step: int | None = None,
-    max_points: int = 2000,
-    attempt: int | None = None,
-) -> dict:
+def _metric_spread(job_id, name, lines, since_step, until_step, max_points, attempt) -> dict:
     points = MetricPoint.objects.filter(job_id=job_id, name=name)
     if since_step is not None:
         points = points.filter(step__gt=since_step)

@@ -61,7 +61,6 @@
   // lines of a few ranks (rank 0 and those farthest from the rest: jobs/metrics_spread.py):
   // one line per rank of 4,096 would be 8 million points.
   var LINES = page.live_all_ranks === false ? page.rank_lines : null;
-  state.lines = LINES;
 
   function metricsUrl(name, range) {
     var s = SERIES[name];
@@ -89,6 +88,20 @@
     return {x: steps, y: values, type: traceType(steps.length), mode: "lines", name: label};
   }
 
+  // Each rank of a fetched answer as a trace appended to `traces`, remembered in `chart`
+  // (its trace index, its whole-run points and its last step, for live points and zooms).
+  function addRankTraces(chart, data, traces) {
+    Object.keys(data.ranks).forEach(function (rank) {
+      var series = data.ranks[rank];
+      chart.ranks[rank] = traces.length;
+      chart.full[rank] = {x: series.step.slice(), y: series.value.slice()};
+      chart.last[rank] = series.step.length ? series.step[series.step.length - 1] : -1;
+      chart.points += series.step.length;
+      traces.push(traceFor(rank, series.step, series.value, (data.lines || {})[rank]));
+    });
+    chart.downsampled = data.downsampled || {};
+  }
+
   // The band across every rank: its lowest values, then its highest filled down to them.
   function bandTraces(x, low, high, label) {
     var grey = "rgba(100, 116, 139, 0.55)";
@@ -107,16 +120,7 @@
       ? bandTraces(spread.step, spread.low, spread.high, "all " + spread.ranks + " ranks: lowest to highest")
       : [];
     chart.ranks = {}; chart.full = {}; chart.last = {}; chart.points = 0;
-    Object.keys(data.ranks).forEach(function (rank) {
-      var series = data.ranks[rank];
-      chart.ranks[rank] = traces.length;
-      chart.full[rank] = {x: series.step.slice(), y: series.value.slice()};
-      chart.last[rank] = series.step.length ? series.step[series.step.length - 1] : -1;
-      chart.points += series.step.length;
-      traces.push(traceFor(rank, series.step, series.value, (data.lines || {})[rank]));
-    });
-    chart.downsampled = data.downsampled || {};
-    chart.spread = spread ? spread.step.length : 0;
+    addRankTraces(chart, data, traces);
     // Nine legend entries wrap to rows: below the axis title, smaller.
     var below = {legend: {orientation: "h", y: -0.4, font: {size: 10}}};
     return Plotly.react(s.el, traces, layout(s.title, s.y, below), config);
@@ -131,15 +135,7 @@
     return subscribed.then(function () { return fetchSeries(name, null); }).then(function (data) {
       if (data.spread !== undefined) return drawSpread(name, data);
       var traces = [];
-      Object.keys(data.ranks).forEach(function (rank) {
-        var series = data.ranks[rank];
-        chart.ranks[rank] = traces.length;
-        chart.full[rank] = {x: series.step.slice(), y: series.value.slice()};
-        chart.last[rank] = series.step.length ? series.step[series.step.length - 1] : -1;
-        chart.points += series.step.length;
-        traces.push(traceFor(rank, series.step, series.value));
-      });
-      chart.downsampled = data.downsampled || {};
+      addRankTraces(chart, data, traces);
       return Plotly.newPlot(s.el, traces, layout(s.title, s.y), config);
     }, function () {
       return Plotly.newPlot(s.el, [], layout(s.title, s.y), config);
