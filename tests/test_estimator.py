@@ -81,6 +81,27 @@ def test_slow_estimates_move_beside_the_pass_and_refresh_at_most_every_interval(
         estimator.close()
 
 
+def test_a_leader_whose_plan_is_slow_sends_even_its_first_estimate_beside_the_pass():
+    # A leader starting on a large queue: plan() alone took longer than the budget, and the
+    # estimate replays plan() many times, so it is not run in the pass to learn its cost.
+    estimator = Estimator(inline_s=0.2, every_s=3600.0)
+    try:
+        snap = _busy_cluster()
+        assert (
+            estimator.estimates(snap, stop_grace_s=60.0, approval_delay_s=0.0, plan_s=0.35) == {}
+        )  # nothing known yet: the pass writes no estimate rather than wait for one
+        assert estimator.background == 1 and estimator.wait(90)
+        assert _ask(estimator, snap) == _expected(snap)  # the next pass has them
+        # Measured cheap, the later ones run in the pass again, whatever plan() took.
+        later = replace(snap, now=T0 + timedelta(seconds=30))
+        assert estimator.estimates(
+            later, stop_grace_s=60.0, approval_delay_s=0.0, plan_s=0.35
+        ) == _expected(later)
+        assert estimator.background == 1
+    finally:
+        estimator.close()
+
+
 def test_an_estimate_that_fails_beside_the_pass_keeps_the_last_ones(caplog):
     estimator = Estimator(inline_s=0.0, every_s=0.0)
     try:

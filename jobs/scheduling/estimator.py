@@ -10,6 +10,11 @@ priority, so a pass never waits on it), at most every ESTIMATE_EVERY_S, on the s
 pass that asked; each pass writes the latest finished ones for the jobs still queued. A cluster
 small enough to estimate within the budget gets them fresh every pass, as before.
 
+Before the first estimate has been measured, its cost is taken to be at least the pass's own
+plan(), which the estimate replays many times over: a leader that starts with 10,000 queued on
+512 nodes (plan 0.3-0.4 s) sends even its first estimate beside the pass, which otherwise took
+a pass over 1 s to learn what it costs (bench/hollow.py, docs/production.md).
+
 Importing this module imports no Django: the worker process loads only the pure scheduler.
 """
 
@@ -57,18 +62,25 @@ class Estimator:
         self.every_s = every_s
         self.on_ready = on_ready
         self.latest: dict[int, datetime] = {}
-        self.cost_s = 0.0  # how long the last estimate took
+        self.cost_s: float | None = None  # how long the last estimate took (None: not yet)
         self.started_at: float | None = None  # monotonic: when the latest was asked for
         self.background = 0  # estimates run in the worker process (for tests and reports)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._running: concurrent.futures.Future | None = None
 
     def estimates(
-        self, snapshot: Snapshot, *, stop_grace_s: float, approval_delay_s: float
+        self,
+        snapshot: Snapshot,
+        *,
+        stop_grace_s: float,
+        approval_delay_s: float,
+        plan_s: float = 0.0,
     ) -> dict[int, datetime]:
-        """Queued job id -> estimated start, for the pass that planned `snapshot`."""
+        """Queued job id -> estimated start, for the pass that planned `snapshot` in `plan_s`
+        seconds."""
         self._collect()
-        if self._running is None and self.cost_s <= self.inline_s:
+        expected_s = plan_s if self.cost_s is None else self.cost_s
+        if self._running is None and expected_s <= self.inline_s:
             self.started_at = time.monotonic()
             head = head_of_queue(snapshot)
             self.latest, self.cost_s = _timed(head, stop_grace_s, approval_delay_s)

@@ -189,7 +189,9 @@ def run_pass(
     if not decided.reasons:
         estimates = {}
     elif estimator is not None:
-        estimates = estimator.estimates(snapshot, stop_grace_s=grace, approval_delay_s=delay)
+        estimates = estimator.estimates(
+            snapshot, stop_grace_s=grace, approval_delay_s=delay, plan_s=phases["plan"]
+        )
     else:
         estimates = estimate_starts(
             head_of_queue(snapshot), stop_grace_s=grace, approval_delay_s=delay
