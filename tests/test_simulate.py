@@ -261,6 +261,34 @@ def test_lockstep_reclaims_borrowed_gpus_within_the_grace_period(tmp_path):
     assert m["preempted_gpu_hours"] > 0
 
 
+def test_a_reclaim_clock_stops_when_the_team_holds_its_whole_quota_again(tmp_path):
+    # a borrows all of b's quota; b1 asks for it back at 100 s, b2 at 200 s. Nothing is
+    # reclaimed (a planner that starts the latest submitted job first, without preemption):
+    # a2 ends at 1,000 s and b2 takes the GPUs. From then on b holds its whole quota, so b1's
+    # clock stops at 900 s; b1 then waits for its own team's b2 (until 6,000 s), which is no
+    # reclaim. Kept running, the clock read 5,900 s.
+    def latest_first(snapshot):
+        flipped = (  # FIFO with submit times mirrored: the latest submitted first
+            replace(j, submitted_at=snapshot.now + (snapshot.now - j.submitted_at))
+            for j in snapshot.queued
+        )
+        return fifo(replace(snapshot, queued=tuple(flipped)))
+
+    quotas = tmp_path / "quotas.csv"
+    quotas.write_text("team,quota,borrow_limit,weight\na,8,8,1\nb,8,8,1\n")
+    trace = jobs(
+        ("a1", 0, 8, 20_000, "a"),
+        ("a2", 0, 8, 1_000, "a"),
+        ("b1", 100, 8, 100, "b"),
+        ("b2", 200, 8, 5_000, "b"),
+    )
+    result = run(trace, latest_first, SimConfig(gpus=16, quotas=load_quotas(quotas)))
+    starts = {r[0]: r[3] for r in result.records}
+    assert starts["b2"] == 1_000 and starts["b1"] == 6_000  # the scenario happened
+    b = result.metrics["teams"]["b"]
+    assert b["reclaims"] == 1 and b["reclaim_max_s"] == 900
+
+
 def test_a_claimant_stops_one_victim_and_gets_its_gpu_though_passes_run_during_the_grace(
     tmp_path,
 ):

@@ -1,0 +1,132 @@
+"""Why a reclaim ran past its bound: replay a trace through `lockstep` and, at every plan while a
+queued job's reclaim clock is past the stop grace, keep what the plan said about it and what the
+cluster held (issue 17; docs/simulator.md, "The real traces with the new rules").
+
+    .venv/bin/python bench/reclaim_replay.py --trace msft_itp_2021.csv --gpus 1280
+    .venv/bin/python bench/reclaim_replay.py ... --checkpoint-on-stop
+
+Writes bench/results/reclaim-replay-<trace>-<gpus>.json: per claimant over the bound, its wait,
+and each change of its wait reason with the state behind it (free GPUs, the team's room, the
+teams beyond quota and their jobs: protected, exempt as a drained-for gang, fillers, stopping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from jobs.scheduling.policy import plan  # noqa: E402 (after the path insert)
+from jobs.scheduling.protection import is_protected, reclaim_exempt  # noqa: E402
+from jobs.scheduling.simulate import SimConfig, _at, _Engine  # noqa: E402
+from jobs.scheduling.trace import load_trace, traces_dir  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def _state(snap, job, reason) -> dict:
+    """What stood between `job` and its quota at this plan."""
+    teams = {t.id: t for t in snap.teams}
+    largest = max(n.total for n in snap.nodes)
+    team = teams[job.team_id]
+    free = {n.id: len(n.free) for n in snap.nodes if n.free}
+    borrowers = {}
+    for run in snap.running:
+        owner = teams[run.team_id]
+        if owner.used <= owner.quota:
+            continue
+        kinds = borrowers.setdefault(owner.name, {"used": owner.used, "quota": owner.quota})
+        key = (
+            "stopping"
+            if run.stopping
+            else "exempt_gang"
+            if reclaim_exempt(run, owner.quota, largest, snap.now, snap.gang_reclaim_exempt_s)
+            else "protected"
+            if is_protected(run, snap.now, snap.preempt_exempt_s)
+            else "takable"
+        )
+        if run.filler:
+            key += "_filler"
+        kinds[key] = kinds.get(key, 0) + run.gpus
+    return {
+        "reason": None if reason is None else {"code": reason.code, **_plain(reason.data)},
+        "team": team.name,
+        "team_used": team.used,
+        "quota": team.quota,
+        "gpus": job.gpus,
+        "free_gpus": sum(free.values()),
+        "largest_free_on_a_node": max(free.values(), default=0),
+        "claim_nodes": len(job.claim_nodes),
+        "borrowers": borrowers,
+    }
+
+
+def _plain(data: dict) -> dict:
+    return {
+        k: (list(v)[:8] if isinstance(v, tuple | list | frozenset | set) else v)
+        for k, v in data.items()
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", default="msft_itp_2021.csv")
+    parser.add_argument("--gpus", type=int, default=1280)
+    parser.add_argument("--checkpoint-on-stop", action="store_true")
+    parser.add_argument("--limit", type=int, default=None, help="first N jobs of the trace")
+    args = parser.parse_args()
+    trace = load_trace(str(traces_dir() / args.trace), limit=args.limit)
+    config = SimConfig(gpus=args.gpus, checkpoint_on_stop=args.checkpoint_on_stop)
+    seen: dict[int, dict] = {}  # job id -> its clock, its reasons over time
+    engine = None
+    t_zero = _at(0.0)
+
+    def traced(snap):
+        decided = plan(snap)
+        t = (snap.now - t_zero).total_seconds()
+        for job in snap.queued:
+            started = engine.reclaim_start[job.id - 1]
+            if started is None or t - started <= config.grace_s:
+                continue
+            entry = seen.setdefault(job.id, {"clock_from_s": started, "steps": []})
+            reason = decided.waits.get(job.id)
+            state = _state(snap, job, reason)
+            steps = entry["steps"]
+            if not steps or steps[-1]["state"] != state:
+                steps.append(
+                    {"t_s": round(t, 1), "waited_s": round(t - started, 1), "state": state}
+                )
+            entry["last_s"] = t
+        return decided
+
+    engine = _Engine(trace, traced, "lockstep", config, None)
+    began = time.perf_counter()
+    result = engine.run()
+    for job_id, entry in seen.items():
+        first = engine.first_start[job_id - 1]
+        entry["started_s"] = first
+        entry["trace_job"] = engine.jobs[job_id - 1].job_id
+    out = {
+        "trace": args.trace,
+        "gpus": args.gpus,
+        "checkpoint_on_stop": args.checkpoint_on_stop,
+        "wall_s": round(time.perf_counter() - began, 1),
+        "reclaims_over_bound": result.metrics["reclaims_over_bound"],
+        "reclaim_max_s": result.metrics["reclaim_max_s"],
+        "claimants": {str(k): v for k, v in seen.items()},
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    suffix = "-ckpt-on-stop" if args.checkpoint_on_stop else ""
+    path = RESULTS / f"reclaim-replay-{Path(args.trace).stem}-{args.gpus}{suffix}.json"
+    path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    print(f"{len(seen)} claimants past the bound; {out['reclaims_over_bound']} over; {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
