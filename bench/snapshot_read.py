@@ -50,6 +50,7 @@ def _ref_reader(ref: str):
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("reader_ref", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["reader_ref"] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -1,5 +1,5 @@
 """Bulk INSERTs from plain tuples, for the heartbeat's hot path (metric points and their rollup
-buckets).
+buckets), and bulk reads of many timestamps, for the scheduler's snapshot (`read_rows`).
 
 `bulk_create` builds and prepares a model instance per row, which cost more CPU than the
 database did. Instead:
@@ -14,8 +14,10 @@ database did. Instead:
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Sequence
 
+import psycopg
 from django.db import connection, models
 
 
@@ -67,3 +69,32 @@ def insert_rows(
             cursor.executemany(
                 f"{head}VALUES ({', '.join(['%s'] * len(columns))}){tail}", list(rows)
             )
+
+
+def read_rows(queryset: models.QuerySet) -> list[tuple]:
+    """The rows of a `values_list(..., named=True)` query, as the ORM gives them, with
+    PostgreSQL's timestamps parsed by psycopg's own loader.
+
+    Django loads every `timestamptz` through a Python subclass of psycopg's loader (to attach
+    the connection's time zone), which takes the C implementation out of the path: 10,000
+    queued jobs' submit times were 0.18 s of a 0.6 s snapshot read at the target's size, and
+    psycopg's C loader parses them 11 times faster (bench/snapshot_read.py --profile). The
+    session's time zone is UTC (Django sets it with USE_TZ), so the values are the same
+    aware datetimes. Only for fields without a `from_db_value` converter (dates, numbers,
+    text): nothing else of the ORM runs. Elsewhere, the ORM as it is."""
+    if connection.vendor != "postgresql":
+        return list(queryset)
+    sql, params = queryset.query.sql_with_params()
+    with connection.cursor() as cursor:
+        cursor.cursor.adapters.register_loader("timestamptz", _C_TIMESTAMPTZ)
+        cursor.execute(sql, params)
+        names = [column.name for column in cursor.description]
+        rows = cursor.fetchall()
+    row = namedtuple("Row", queryset.query.values_select or names)
+    return [row(*values) for values in rows]
+
+
+# Whatever psycopg registered for timestamptz (text): its C loader where psycopg[binary] is in.
+_C_TIMESTAMPTZ = psycopg.adapters.get_loader(
+    psycopg.adapters.types["timestamptz"].oid, psycopg.pq.Format.TEXT
+)

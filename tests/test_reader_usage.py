@@ -10,6 +10,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from jobs.bulk_sql import read_rows
 from jobs.models import GPU, Allocation, Attempt, Job
 from jobs.scheduling.reader import UsageMemo, take_snapshot
 
@@ -144,3 +145,33 @@ def test_the_leaders_memo_decays_released_usage_and_reads_only_what_changed(hist
         assert again == pytest.approx(
             {t.id: t.usage_history for t in take_snapshot(when).teams}, rel=1e-12
         )
+
+
+@pytest.mark.django_db
+def test_queued_rows_read_with_psycopgs_own_timestamp_loader_equal_the_orms(make_team, make_user):
+    # read_rows (jobs/bulk_sql.py) skips Django's Python timestamp loader on PostgreSQL: the
+    # rows must be the ORM's, to the microsecond and time zone, None included.
+    team = make_team("q", quota=8)
+    user = make_user("qu", team=team)
+    at = timezone.now().replace(microsecond=123457)
+    for k in range(3):
+        Job.objects.create(
+            name=f"q{k}",
+            team=team,
+            owner=user,
+            image="x",
+            command=["true"],
+            gpus=1,
+            submitted_at=at - timedelta(days=400 * k, microseconds=k),
+            first_started_at=None if k == 0 else at + timedelta(seconds=k),
+            state=Job.State.QUEUED,
+        )
+    query = Job.objects.filter(state=Job.State.QUEUED).order_by("id")
+    fields = ("id", "name", "submitted_at", "first_started_at", "time_limit_s")
+    rows = read_rows(query.values_list(*fields, named=True))
+    assert rows == list(query.values_list(*fields, named=True)) and len(rows) == 3
+    assert rows[1].submitted_at == at - timedelta(days=400, microseconds=1)
+    assert rows[0].first_started_at is None and rows[2].submitted_at.utcoffset() == timedelta(0)
+    # The snapshot takes them from there.
+    snapshot = take_snapshot(timezone.now())
+    assert sorted(j.submitted_at for j in snapshot.queued) == sorted(r.submitted_at for r in rows)
