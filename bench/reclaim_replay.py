@@ -4,6 +4,7 @@ cluster held (issue 17; docs/simulator.md, "The real traces with the new rules")
 
     .venv/bin/python bench/reclaim_replay.py --trace msft_itp_2021.csv --gpus 1280
     .venv/bin/python bench/reclaim_replay.py ... --checkpoint-on-stop
+    .venv/bin/python bench/reclaim_replay.py --generated 1.15,0   # bench/thrash.py's shape
 
 Writes bench/results/reclaim-replay-<trace>-<gpus>.json: per claimant over the bound, its wait,
 and each change of its wait reason with the state behind it (free GPUs, the team's room, the
@@ -79,9 +80,20 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=1280)
     parser.add_argument("--checkpoint-on-stop", action="store_true")
     parser.add_argument("--limit", type=int, default=None, help="first N jobs of the trace")
+    parser.add_argument("--generated", help="LOAD,SEED: bench/thrash.py's trace instead")
     args = parser.parse_args()
-    trace = load_trace(str(traces_dir() / args.trace), limit=args.limit)
-    config = SimConfig(gpus=args.gpus, checkpoint_on_stop=args.checkpoint_on_stop)
+    if args.generated:
+        from bench.thrash import _shape
+        from jobs.scheduling.generate import generate
+
+        load, seed = args.generated.split(",")
+        shape = _shape(int(seed), float(load))
+        trace, quotas = generate(shape), shape.quotas()
+        args.trace, args.gpus = f"generated-{load}-{seed}", shape.gpus
+    else:
+        trace = load_trace(str(traces_dir() / args.trace), limit=args.limit)
+        quotas = None
+    config = SimConfig(gpus=args.gpus, quotas=quotas, checkpoint_on_stop=args.checkpoint_on_stop)
     seen: dict[int, dict] = {}  # job id -> its clock, its reasons over time
     engine = None
     t_zero = _at(0.0)
@@ -111,8 +123,20 @@ def main() -> int:
         first = engine.first_start[job_id - 1]
         entry["started_s"] = first
         entry["trace_job"] = engine.jobs[job_id - 1].job_id
+    by_reason: dict[str, int] = {}
+    for entry in seen.values():  # what each claimant waited on last, over the bound
+        last = entry["steps"][-1]["state"]
+        code = (last["reason"] or {}).get("code", "started")
+        if last["team_used"] >= last["quota"]:
+            code = "team at its quota"
+        elif all(
+            not any(k.startswith("takable") for k in kinds) for kinds in last["borrowers"].values()
+        ):
+            code = f"{code}, no takable borrowed job"
+        by_reason[code] = by_reason.get(code, 0) + 1
     out = {
         "trace": args.trace,
+        "by_last_reason": by_reason,
         "gpus": args.gpus,
         "checkpoint_on_stop": args.checkpoint_on_stop,
         "wall_s": round(time.perf_counter() - began, 1),
