@@ -8,7 +8,9 @@ cluster held (issue 17; docs/simulator.md, "The real traces with the new rules")
 
 Writes bench/results/reclaim-replay-<trace>-<gpus>.json: per claimant over the bound, its wait,
 and each change of its wait reason with the state behind it (free GPUs, the team's room, the
-teams beyond quota and their jobs: protected, exempt as a drained-for gang, fillers, stopping).
+teams beyond quota and their jobs: protected, exempt as a drained-for gang, fillers, stopping;
+only the first and last state where more than 50 claimants ran over), and counts of what they
+waited on when first past the bound and at the end.
 """
 
 from __future__ import annotations
@@ -123,6 +125,19 @@ def main() -> int:
         first = engine.first_start[job_id - 1]
         entry["started_s"] = first
         entry["trace_job"] = engine.jobs[job_id - 1].job_id
+    by_first: dict[str, int] = {}
+    for entry in seen.values():  # what each claimant waited on when first past the bound
+        first = entry["steps"][0]["state"]
+        others = {
+            kind
+            for team, kinds in first["borrowers"].items()
+            if team != first["team"]
+            for kind in kinds
+            if kind.startswith("takable")
+        }
+        code = (first["reason"] or {}).get("code", "started")
+        key = f"{code}, {'a' if others else 'no'} takable job borrowed by another team"
+        by_first[key] = by_first.get(key, 0) + 1
     by_reason: dict[str, int] = {}
     for entry in seen.values():  # what each claimant waited on last, over the bound
         last = entry["steps"][-1]["state"]
@@ -136,17 +151,23 @@ def main() -> int:
         by_reason[code] = by_reason.get(code, 0) + 1
     out = {
         "trace": args.trace,
+        "by_first_reason": dict(sorted(by_first.items(), key=lambda kv: -kv[1])),
         "by_last_reason": by_reason,
         "gpus": args.gpus,
         "checkpoint_on_stop": args.checkpoint_on_stop,
         "wall_s": round(time.perf_counter() - began, 1),
         "reclaims_over_bound": result.metrics["reclaims_over_bound"],
         "reclaim_max_s": result.metrics["reclaim_max_s"],
-        "claimants": {str(k): v for k, v in seen.items()},
+        # Every change of state for a few claimants; the first and the last for many.
+        "claimants": {
+            str(k): v if len(seen) <= 50 else {**v, "steps": [v["steps"][0], v["steps"][-1]]}
+            for k, v in seen.items()
+        },
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     suffix = "-ckpt-on-stop" if args.checkpoint_on_stop else ""
-    path = RESULTS / f"reclaim-replay-{Path(args.trace).stem}-{args.gpus}{suffix}.json"
+    name = args.trace if args.generated else Path(args.trace).stem
+    path = RESULTS / f"reclaim-replay-{name}-{args.gpus}{suffix}.json"
     path.write_text(json.dumps(out, indent=1, default=str) + "\n")
     print(f"{len(seen)} claimants past the bound; {out['reclaims_over_bound']} over; {path}")
     return 0
