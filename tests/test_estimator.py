@@ -12,6 +12,7 @@ from jobs.models import Job
 from jobs.scheduling.estimate import estimate_starts, head_of_queue
 from jobs.scheduling.estimator import Estimator
 from jobs.scheduling.loop import run_pass
+from jobs.scheduling.policy import plan
 from tests.builders import T0, job, node, running, snapshot, team
 from tests.heartbeats import submit
 
@@ -183,3 +184,19 @@ def test_a_worker_that_dies_is_replaced_and_no_pass_fails(caplog):
         assert _ask(estimator, snap) == _expected(snap)
     finally:
         estimator.close()
+
+
+def test_the_head_of_the_queue_taken_from_the_plans_order_is_the_same_as_sorting_again():
+    # Teams of different usage, priorities and submit times: the policy's order is not the ids'.
+    heavy = team("heavy", quota=8, used=8)
+    light = team("light", quota=8)
+    nodes = [replace(node("n1"), free=frozenset())]
+    queued = [
+        job(i, 1 + i % 4, team_id=(heavy, light)[i % 2].id, prio=i % 3, submitted=(97 * i) % 50)
+        for i in range(1, 41)
+    ]
+    snap = snapshot(nodes, queued, [heavy, light])
+    order = plan(snap).order
+    assert sorted(order) == list(range(1, 41)) and list(order) != sorted(order)
+    for head in (5, 40, 100):
+        assert head_of_queue(snap, head, order=order) == head_of_queue(snap, head)

@@ -8,6 +8,7 @@ delay for a priority preemption), and no later plan of the replay takes it again
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 
@@ -21,10 +22,17 @@ DEFAULT_RUNTIME_S = 3600.0
 ESTIMATE_HEAD = 300  # queued jobs given a start estimate each pass (in policy order)
 
 
-def head_of_queue(snapshot: Snapshot, head: int = ESTIMATE_HEAD) -> Snapshot:
+def head_of_queue(
+    snapshot: Snapshot, head: int = ESTIMATE_HEAD, order: Sequence[int] = ()
+) -> Snapshot:
     """The snapshot with only the first `head` queued jobs: estimates replay plan() many
     times, so they are kept to the jobs people are waiting on first. The live scheduler and
-    the simulator's promises (jobs.scheduling.promises) both estimate on this."""
+    the simulator's promises (jobs.scheduling.promises) both estimate on this. `order`: the
+    queued job ids as the plan of this snapshot ordered them (`Plan.order`), which saves
+    ordering them again (0.03-0.1 s for 10,000 queued)."""
+    if order:
+        by_id = {job.id: job for job in snapshot.queued}
+        return replace(snapshot, queued=tuple(by_id[i] for i in order[:head] if i in by_id))
     teams = {t.id: t for t in snapshot.teams}
     ordered = sorted(snapshot.queued, key=lambda j: job_order_key(j, teams, snapshot.now))
     return replace(snapshot, queued=tuple(ordered[:head]))

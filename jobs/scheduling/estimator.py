@@ -26,7 +26,7 @@ import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from datetime import datetime
 
@@ -80,24 +80,25 @@ class Estimator:
         stop_grace_s: float,
         approval_delay_s: float,
         plan_s: float = 0.0,
+        order: Sequence[int] = (),
     ) -> dict[int, datetime]:
         """Queued job id -> estimated start, for the pass that planned `snapshot` in `plan_s`
-        seconds."""
+        seconds (`order`: that plan's order of the queue, `Plan.order`)."""
         self._collect()
         expected_s = plan_s if self.cost_s is None else self.cost_s
         self.beside = self.beside or expected_s > self.inline_s
         if self._running is None and not self.beside:
             self.started_at = time.monotonic()
-            head = head_of_queue(snapshot)
+            head = head_of_queue(snapshot, order=order)
             self.latest, self.cost_s = _timed(head, stop_grace_s, approval_delay_s)
             return self.latest
         due = self.started_at is None or time.monotonic() - self.started_at >= self.every_s
         if self._running is None and due:
             self.started_at = time.monotonic()
             try:
-                # The head is sorted only here: a pass that reuses the last estimates does not
-                # order 10,000 queued jobs for nothing.
-                head = head_of_queue(snapshot)
+                # The head is taken only here: a pass that reuses the last estimates does not
+                # pick it for nothing.
+                head = head_of_queue(snapshot, order=order)
                 self._running = self._worker().submit(_timed, head, stop_grace_s, approval_delay_s)
             except (BrokenProcessPool, RuntimeError):  # never a failed pass over advice
                 log.warning("start estimate worker unavailable; a new one next time")

@@ -190,11 +190,17 @@ def run_pass(
         estimates = {}
     elif estimator is not None:
         estimates = estimator.estimates(
-            snapshot, stop_grace_s=grace, approval_delay_s=delay, plan_s=phases["plan"]
+            snapshot,
+            stop_grace_s=grace,
+            approval_delay_s=delay,
+            plan_s=phases["plan"],
+            order=decided.order,
         )
     else:
         estimates = estimate_starts(
-            head_of_queue(snapshot), stop_grace_s=grace, approval_delay_s=delay
+            head_of_queue(snapshot, order=decided.order),
+            stop_grace_s=grace,
+            approval_delay_s=delay,
         )
     phase("estimates")
     result = apply_plan(

@@ -150,9 +150,8 @@ class SchedulingPass:
         self.reservations = Reservations(
             self.snapshot, self.nodes, self.free, self.taken, self.largest
         )
-        for job in sorted(
-            self.snapshot.queued, key=lambda j: job_order_key(j, self.teams, self.now)
-        ):
+        ordered = sorted(self.snapshot.queued, key=lambda j: job_order_key(j, self.teams, self.now))
+        for job in ordered:
             if job.id not in self.settled:
                 self.consider(job)
         self.starvation_claims()
@@ -165,6 +164,7 @@ class SchedulingPass:
             reservation=self.reservations.holder,
             preemptions=tuple(self.preemptions),
             grows=tuple(grow_back(self)) if everyone_placed else (),
+            order=tuple(job.id for job in ordered),
         )
 
     def wait(self, job: JobView, code: str, /, **data) -> None:

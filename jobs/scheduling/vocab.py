@@ -252,3 +252,6 @@ class Plan:
     # queued job id -> why it waits, as data (reasons[id] == waits[id].text()); the policy
     # fills it, the baselines do not.
     waits: dict[int, WaitReason] = field(default_factory=dict)
+    # Queued job ids in the policy's order (the policy fills it): start estimates take the
+    # head of the queue from it instead of ordering 10,000 jobs again (estimate.head_of_queue).
+    order: tuple[int, ...] = ()
