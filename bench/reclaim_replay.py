@@ -32,13 +32,15 @@ from jobs.scheduling.trace import load_trace, traces_dir  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 
 
-def _state(snap, job, reason) -> dict:
-    """What stood between `job` and its quota at this plan."""
+def _state(snap, job, reason, reserved=frozenset()) -> dict:
+    """What stood between `job` and its quota at this plan (`reserved`: the node ids of the
+    plan's reservation, held by another job)."""
     teams = {t.id: t for t in snap.teams}
     largest = max(n.total for n in snap.nodes)
     team = teams[job.team_id]
     free = {n.id: len(n.free) for n in snap.nodes if n.free}
     borrowers = {}
+    takable: dict[int, int] = {}
     for run in snap.running:
         owner = teams[run.team_id]
         if owner.used <= owner.quota:
@@ -56,6 +58,9 @@ def _state(snap, job, reason) -> dict:
         if run.filler:
             key += "_filler"
         kinds[key] = kinds.get(key, 0) + run.gpus
+        if key.startswith("takable") and owner.id != team.id:
+            for node_id, _ in run.slots:  # another team's GPUs a reclaim could take, by node
+                takable[node_id] = takable.get(node_id, 0) + 1
     return {
         "reason": None if reason is None else {"code": reason.code, **_plain(reason.data)},
         "team": team.name,
@@ -66,6 +71,15 @@ def _state(snap, job, reason) -> dict:
         "largest_free_on_a_node": max(free.values(), default=0),
         "claim_nodes": len(job.claim_nodes),
         "borrowers": borrowers,
+        # Another team's takable GPUs on the reservation's nodes and elsewhere, and the most a
+        # single node outside the reservation could offer (free + takable there).
+        "takable_on_reserved": sum(v for k, v in takable.items() if k in reserved),
+        "takable_elsewhere": sum(v for k, v in takable.items() if k not in reserved),
+        "best_node_elsewhere": max(
+            (free.get(n.id, 0) + takable.get(n.id, 0) for n in snap.nodes if n.id not in reserved),
+            default=0,
+        ),
+        "reservation_holder_within_quota": None,
     }
 
 
@@ -109,7 +123,14 @@ def main() -> int:
                 continue
             entry = seen.setdefault(job.id, {"clock_from_s": started, "steps": []})
             reason = decided.waits.get(job.id)
-            state = _state(snap, job, reason)
+            holder = decided.reservation
+            reserved = frozenset(holder[1]) if holder and holder[0] != job.id else frozenset()
+            state = _state(snap, job, reason, reserved)
+            if holder and holder[0] != job.id:
+                held = next((j for j in snap.queued if j.id == holder[0]), None)
+                owner = next((t for t in snap.teams if held and t.id == held.team_id), None)
+                if owner is not None:
+                    state["reservation_holder_within_quota"] = owner.used + held.gpus <= owner.quota
             steps = entry["steps"]
             if not steps or steps[-1]["state"] != state:
                 steps.append(

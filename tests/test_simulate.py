@@ -136,7 +136,11 @@ def test_idle_gpus_while_a_queued_job_fits_are_put_down_to_the_plans_reason():
     by_reason = m["idle_gpu_hours_while_fit_queued_by_reason"]
     assert m["idle_gpu_hours_while_fit_queued"] > 0 and by_reason
     assert set(by_reason) <= set(_TEXTS) | {"team_limit_paused"}
-    assert sum(by_reason.values()) == pytest.approx(m["idle_gpu_hours_while_fit_queued"], abs=0.1)
+    # Each figure is rounded to 0.1 GPU-hour: the sum may be off by half that per reason.
+    rounding = 0.05 * (len(by_reason) + 1) + 1e-9
+    assert sum(by_reason.values()) == pytest.approx(
+        m["idle_gpu_hours_while_fit_queued"], abs=rounding
+    )
     assert m["work_utilization"] <= m["utilization"]
     # A baseline gives its reasons as text only: its idle time is counted, not explained.
     fifo_m = run(HOL, "fifo", SimConfig(gpus=16)).metrics
