@@ -56,7 +56,10 @@ def _hung(workers: list[RankWorker], timeout_s: float = 60.0) -> None:
             w.log_path.read_text() for w in workers
         ]
         if all("entered the hang" in w.log_path.read_text() for w in workers):
-            time.sleep(1.0)  # the waiting ranks are inside their all-reduce by now
+            # The waiting ranks are inside their all-reduce by now; the recorder marks the
+            # earlier collectives completed from a thread of its own, which lagged past 1 s on
+            # a loaded machine (CI: "completed 2" for collectives long done).
+            time.sleep(3.0)
             return
         time.sleep(0.1)
     raise AssertionError("the gang did not reach its hang")
