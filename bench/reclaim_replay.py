@@ -32,9 +32,10 @@ from jobs.scheduling.trace import load_trace, traces_dir  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 
 
-def _state(snap, job, reason, reserved=frozenset()) -> dict:
+def _state(snap, job, reason, reserved=frozenset(), holder_within_quota=None) -> dict:
     """What stood between `job` and its quota at this plan (`reserved`: the node ids of the
-    plan's reservation, held by another job)."""
+    plan's reservation, held by another job, whose team it would keep within its quota or
+    not: `holder_within_quota`)."""
     teams = {t.id: t for t in snap.teams}
     largest = max(n.total for n in snap.nodes)
     team = teams[job.team_id]
@@ -79,7 +80,7 @@ def _state(snap, job, reason, reserved=frozenset()) -> dict:
             (free.get(n.id, 0) + takable.get(n.id, 0) for n in snap.nodes if n.id not in reserved),
             default=0,
         ),
-        "reservation_holder_within_quota": None,
+        "reservation_holder_within_quota": holder_within_quota,
     }
 
 
@@ -117,20 +118,23 @@ def main() -> int:
     def traced(snap):
         decided = plan(snap)
         t = (snap.now - t_zero).total_seconds()
+        holder = decided.reservation  # (job id, node ids): the same for every claimant
+        holder_within_quota = None
+        if holder:
+            held = next((j for j in snap.queued if j.id == holder[0]), None)
+            owner = next((team for team in snap.teams if held and team.id == held.team_id), None)
+            if owner is not None:
+                holder_within_quota = owner.used + held.gpus <= owner.quota
         for job in snap.queued:
             started = engine.reclaim_start[job.id - 1]
             if started is None or t - started <= config.grace_s:
                 continue
             entry = seen.setdefault(job.id, {"clock_from_s": started, "steps": []})
             reason = decided.waits.get(job.id)
-            holder = decided.reservation
-            reserved = frozenset(holder[1]) if holder and holder[0] != job.id else frozenset()
-            state = _state(snap, job, reason, reserved)
             if holder and holder[0] != job.id:
-                held = next((j for j in snap.queued if j.id == holder[0]), None)
-                owner = next((t for t in snap.teams if held and t.id == held.team_id), None)
-                if owner is not None:
-                    state["reservation_holder_within_quota"] = owner.used + held.gpus <= owner.quota
+                state = _state(snap, job, reason, frozenset(holder[1]), holder_within_quota)
+            else:
+                state = _state(snap, job, reason)
             steps = entry["steps"]
             if not steps or steps[-1]["state"] != state:
                 steps.append(

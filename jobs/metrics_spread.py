@@ -67,13 +67,15 @@ def metric_spread(
         key = f"metric-spread:{job_id}:{name}:{lines}:{max_points}"
         shared = cache.get(key)
         if shared is None:
-            shared = _metric_spread(job_id, name, lines, None, None, max_points, None)
+            shared = _metric_spread(job_id, name, lines, max_points=max_points)
             cache.set(key, shared, SHARED_S)
         return shared
     return _metric_spread(job_id, name, lines, since_step, until_step, max_points, attempt)
 
 
-def _metric_spread(job_id, name, lines, since_step, until_step, max_points, attempt) -> dict:
+def _metric_spread(
+    job_id, name, lines, since_step=None, until_step=None, max_points=2000, attempt=None
+) -> dict:
     points = MetricPoint.objects.filter(job_id=job_id, name=name)
     if since_step is not None:
         points = points.filter(step__gt=since_step)
