@@ -42,8 +42,9 @@ from bench.hollow_probes import (  # noqa: E402
     ProcessSampler,
     database_bytes,
     logged_errors,
+    metric_tiers,
 )
-from bench.hollow_report import Stats, goals, summary  # noqa: E402
+from bench.hollow_report import Stats, goals, metric_budget, summary  # noqa: E402
 from bench.hollow_watchers import Watcher  # noqa: E402
 from jobs.settings_table import DEFAULTS  # noqa: E402
 from nodeagent.agent import jittered  # noqa: E402
@@ -561,11 +562,12 @@ def main(argv: list[str] | None = None) -> int:
                 read_back=lambda stats, jobs: read_back(api, stats, jobs),
             )
             vendor = "postgresql" if live.database.url.startswith("postgres") else "sqlite"
+            tiers = metric_tiers(live.database.url)
         finally:
             live.stop()
             portal_errors = logged_errors(Path(work))
     grown = size.get("stop", 0) - size.get("start", 0)
-    measured = summary(stats, elapsed)
+    measured = summary(stats, elapsed) | metric_budget(tiers)
     result = {
         "args": vars(args),
         **measured,

@@ -132,6 +132,36 @@ def database_bytes(url: str, sqlite_path: Path | None) -> int:
     return (pages - free) * size
 
 
+def metric_tiers(url: str) -> dict | None:
+    """Rows and bytes on disk (indexes included, as the live run left them: no VACUUM) of
+    each metric tier (jobs/metric_store.py): rank 0's kept partition, every rank's raw time
+    partitions, the rollups. bench/metric_storage.project() takes it to the flagship's
+    month. PostgreSQL only (SQLite has no partitions): None elsewhere."""
+    if not url.startswith("postgres"):
+        return None
+    import psycopg
+
+    from jobs import metric_store
+
+    def tier(conn, table: str, *, partitioned: bool) -> dict:
+        rows = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+        if partitioned:  # the parent holds nothing itself: its partitions, each with indexes
+            sql = "SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree(%s)"
+        else:
+            sql = "SELECT pg_total_relation_size(%s)"
+        size = int(conn.execute(sql, [table]).fetchone()[0] or 0)
+        return {"rows": rows, "bytes": size, "bytes_per_row": round(size / max(1, rows), 1)}
+
+    with psycopg.connect(url.replace("postgres://", "postgresql://", 1)) as conn:
+        out = {
+            "kept": tier(conn, metric_store.KEPT, partitioned=False),
+            "raw": tier(conn, metric_store.RANKS, partitioned=True),
+            "rollup": tier(conn, "jobs_metricrollup", partitioned=False),
+        }
+    out["rollup_table_bytes_per_row"] = out["rollup"]["bytes_per_row"]
+    return out
+
+
 def logged_errors(work: Path, keep: int = 20) -> dict[str, int]:
     """The errors the cluster's processes logged (their logs die with the run's folder): each
     error line, and for a traceback its last line (the exception), with how often it came."""

@@ -143,7 +143,9 @@ def measure(ranks: int, steps: int) -> dict:
 
 
 def project(m: dict) -> dict:
-    """The flagship's 30 days from the measured bytes per row and rows per point."""
+    """The flagship's 30 days from the measured bytes per row of each tier (`kept`, `raw`:
+    {"bytes_per_row"}; `rollup_table_bytes_per_row`) and the rollups' rows per point. Also
+    what bench/hollow.py's live run measured (hollow_probes.metric_tiers), without `before`."""
     f = FLAGSHIP
     seconds = f["days"] * 86400
     points_per_s = f["ranks"] * f["metrics"] / f["step_s"]
@@ -161,14 +163,15 @@ def project(m: dict) -> dict:
     rows_per_point = (fine + (f["ranks"] - 1) * others) / f["ranks"]
     rollups = row * rows_per_point * points_per_s * seconds
     out = {"gpu_hours": gpu_hours, "rollup_rows_per_point": rows_per_point, "after": {}}
-    before_raw = m["before"]["bytes_per_row"] * points_per_s * seconds
-    before_rollups = row * fine * points_per_s * seconds
-    out["before"] = {
-        "raw_bytes": before_raw,
-        "rollup_bytes": before_rollups,
-        "total_bytes": before_raw + before_rollups,
-        "bytes_per_gpu_hour": (before_raw + before_rollups) / gpu_hours,
-    }
+    if "before" in m:  # the layout before the tiers, measured beside them (measure())
+        before_raw = m["before"]["bytes_per_row"] * points_per_s * seconds
+        before_rollups = row * fine * points_per_s * seconds
+        out["before"] = {
+            "raw_bytes": before_raw,
+            "rollup_bytes": before_rollups,
+            "total_bytes": before_raw + before_rollups,
+            "bytes_per_gpu_hour": (before_raw + before_rollups) / gpu_hours,
+        }
     for hours in RETENTIONS_H:
         window = m["raw"]["bytes_per_row"] * (points_per_s - rank0_per_s) * hours * 3600
         total = kept + rollups + window

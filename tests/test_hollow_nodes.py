@@ -17,7 +17,8 @@ from tests.live import Api, LiveCluster, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.hollow import STEP_NAMES, read_back, run_load  # noqa: E402
-from bench.hollow_report import live_points, summary  # noqa: E402
+from bench.hollow_probes import metric_tiers  # noqa: E402
+from bench.hollow_report import goals, live_points, metric_budget, summary  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -124,3 +125,44 @@ def test_hollow_nodes_load_the_real_portal_and_every_point_is_accounted_for(clus
         key for key in stats.acked if key[0] in stats.stored
     }
     assert result["lag_p99_s"] is not None and result["lag_p99_s"] < 30
+    # The lag goal is judged at production's beat (1 s, jittered up to 1.2 s), not this run's.
+    assert result["lag_at_production_beat_p99_s"] == pytest.approx(
+        1.2 + result["portal_lag_p99_s"], abs=1e-3
+    )
+    # What the full-size run projects its metric storage from: the tiers as the run left them
+    # on disk (PostgreSQL's partitions): rank 0's points kept, the other ranks' in the time
+    # partitions, each accepted point once.
+    tiers = metric_tiers(cluster.database.url)
+    if cluster.database.url.startswith("postgres"):
+        rank0 = sum(1 for key in stats.acked if key[2] == 0)
+        assert tiers["kept"]["rows"] == rank0, tiers
+        assert tiers["raw"]["rows"] == len(stats.acked) - rank0, tiers
+        assert tiers["rollup"]["rows"] > 0 and tiers["raw"]["bytes"] > 0, tiers
+        assert 0 < metric_budget(tiers)["metric_storage_kb_per_gpu_hour"] < 10_000
+    else:
+        assert tiers is None and metric_budget(tiers)["metric_storage_kb_per_gpu_hour"] is None
+
+
+def test_the_lag_goal_is_judged_at_production_beat_not_the_runs_own():
+    # A full-size run at 32 s a beat: a point waits up to 38 s for its beat, which production
+    # (1 s) does not; what the portal adds is what the goal has left to judge.
+    run = {
+        "errors": {},
+        "heartbeat_p99_s": 0.4,
+        "lag_p99_s": 36.2,
+        "lag_at_production_beat_p99_s": 1.2 + 0.36,
+        "scheduler_pass_max_s": 0.8,
+        "metric_storage_kb_per_gpu_hour": 49.0,
+    }
+    assert goals(run) == {
+        "no_errors": True,
+        "heartbeat_p99_s": True,
+        "lag_at_production_beat_p99_s": True,
+        "scheduler_pass_max_s": True,
+        "metric_storage_kb_per_gpu_hour": True,
+    }
+    unmeasured = {**run, "metric_storage_kb_per_gpu_hour": None}  # SQLite: no partitions
+    assert goals(unmeasured)["metric_storage_kb_per_gpu_hour"] is False
+    slow_portal = {**run, "lag_at_production_beat_p99_s": 1.2 + 0.9}
+    assert goals(slow_portal)["lag_at_production_beat_p99_s"] is False
+    assert goals({**run, "errors": {"timeout": 1}})["no_errors"] is False
