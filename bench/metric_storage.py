@@ -44,6 +44,19 @@ def _size(cursor, table: str) -> int:
     return cursor.fetchone()[0]
 
 
+def _parts(cursor, table: str) -> dict[str, int]:
+    """The table's heap and each of its indexes, in bytes: where a row's bytes go."""
+    cursor.execute(
+        "SELECT indexrelid::regclass::text, pg_relation_size(indexrelid) FROM pg_index"
+        " WHERE indrelid = %s::regclass ORDER BY 1",
+        [table],
+    )
+    out = {"heap": 0, **dict(cursor.fetchall())}
+    cursor.execute("SELECT pg_relation_size(%s)", [table])
+    out["heap"] = cursor.fetchone()[0]
+    return out
+
+
 def _count(cursor, sql: str, params=()) -> int:
     cursor.execute(sql, params)
     return cursor.fetchone()[0]
@@ -105,6 +118,10 @@ def measure(ranks: int, steps: int) -> dict:
                     ingest.ingest_records(locked, records, now=now)
         ingest_s = time.perf_counter() - began
         with connection.cursor() as cursor:
+            # As the heartbeats left it (autovacuum's pace), before the VACUUM below: what a
+            # live cluster's table looks like between vacuums (bench/hollow.py reads this).
+            rollup_live_bytes = _size(cursor, "jobs_metricrollup")
+            rollup_parts_live = _parts(cursor, "jobs_metricrollup")
             cursor.execute(
                 """
                 CREATE TABLE bench_before AS SELECT * FROM jobs_metricpoint;
@@ -121,6 +138,7 @@ def measure(ranks: int, steps: int) -> dict:
             raw_rows = _count(cursor, f"SELECT count(*) FROM {metric_store.RANKS}")
             rollup_rows = _count(cursor, "SELECT count(*) FROM jobs_metricrollup")
             rollup_bytes = _size(cursor, "jobs_metricrollup")
+            rollup_parts = _parts(cursor, "jobs_metricrollup")
             out = {
                 "ranks": ranks,
                 "steps": steps,
@@ -128,7 +146,14 @@ def measure(ranks: int, steps: int) -> dict:
                 "ingest_s": round(ingest_s, 1),
                 "kept": {"rows": kept_rows, "bytes": _size(cursor, metric_store.KEPT)},
                 "raw": {"rows": raw_rows, "bytes": sum(_size(cursor, p) for p in parts)},
-                "rollup": {"rows": rollup_rows, "bytes": rollup_bytes},
+                "rollup": {
+                    "rows": rollup_rows,
+                    "bytes": rollup_bytes,
+                    "parts": rollup_parts,
+                    "live_bytes": rollup_live_bytes,
+                    "live_parts": rollup_parts_live,
+                    "live_bytes_per_row": round(rollup_live_bytes / max(1, rollup_rows), 1),
+                },
                 "rollup_table_bytes_per_row": rollup_bytes / max(1, rollup_rows),
                 "before": {"rows": kept_rows + raw_rows, "bytes": _size(cursor, "bench_before")},
             }
@@ -253,6 +278,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=128)
     parser.add_argument("--steps", type=int, default=1800)
     parser.add_argument("--plot", action="store_true", help="redraw the figure from the results")
+    parser.add_argument("--out", default=str(RESULTS), help="results (figure: default only)")
     args = parser.parse_args()
     if args.plot:
         replot()
@@ -260,9 +286,11 @@ def main() -> int:
     os.environ.setdefault("LOCKSTEP_TEST_DB_NAME", f"metric_storage_{os.getpid()}")
     measured = measure(args.ranks, args.steps)
     result = {"measured": measured, "flagship": FLAGSHIP, "projection": project(measured)}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    if out.resolve() == RESULTS.resolve():
+        plot(result)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -539,7 +539,8 @@ class MetricRollup(models.Model):
     header (rank 0, bucket 0): its totals over every rank, and the row every change to the
     series' rollup locks first."""
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+")
+    # No index of its own: the bucket's unique key leads with the job (migration 0025).
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+", db_index=False)
     name = models.CharField(max_length=64)
     rank = models.PositiveIntegerField()
     width = models.PositiveIntegerField()

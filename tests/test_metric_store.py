@@ -174,3 +174,23 @@ def test_a_large_jobs_other_ranks_are_rolled_up_from_256_steps(lab):
     _steps(small_attempt, range(40), now)
     ranks = MetricRollup.objects.filter(job=small, name="loss", width=rollup.LEVELS[0])
     assert set(ranks.values_list("rank", flat=True)) == {0, 1}
+
+
+@_POSTGRES_ONLY
+@pytest.mark.django_db
+def test_rollup_pages_keep_room_for_the_heartbeats_updates():
+    """Every heartbeat upserts its buckets' rows (a new version of each per step): pages filled
+    to 70 % keep room for those versions on their own page (HOT updates, no index entries), and
+    the table has no index an upsert would have to extend but its key (migration 0025)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
+            [MetricRollup._meta.db_table],
+        )
+        assert cursor.fetchone()[0] == ["fillfactor=70"]
+        cursor.execute(
+            "SELECT pg_get_indexdef(indexrelid) FROM pg_index WHERE indrelid = %s::regclass",
+            [MetricRollup._meta.db_table],
+        )
+        indexes = sorted(row[0].split(" USING ")[1] for row in cursor.fetchall())
+    assert indexes == ["btree (id)", "btree (job_id, name, width, rank, bucket)"]
