@@ -42,6 +42,7 @@ from bench.hollow_probes import (  # noqa: E402
     ProcessSampler,
     database_bytes,
     logged_errors,
+    machine_probe_s,
     metric_tiers,
 )
 from bench.hollow_report import Stats, goals, metric_budget, summary  # noqa: E402
@@ -503,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     django.setup()
     from tests.live import Api, LiveCluster
 
+    probe_s = machine_probe_s()  # before anything of the run loads the machine
     with tempfile.TemporaryDirectory() as work:
         # Production's detectors and timings, not the suite's (tests/live.py): a node is lost
         # after 30 s of silence, a job is hung after a minute without a step (the suite's 12 s
@@ -579,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         # What the portal's processes logged as errors: why a watcher was closed, say.
         "portal_errors": portal_errors,
         "cores": os.cpu_count(),
+        "machine_probe_s": probe_s,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

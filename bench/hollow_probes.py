@@ -112,6 +112,19 @@ class PassSampler(threading.Thread):
                     self.stats.passes[last["at"]] = last
 
 
+def machine_probe_s(rounds: int = 3) -> float:
+    """Seconds one core takes for a fixed loop of pure Python (the best of `rounds`): this
+    shared machine's speed drifts by 1.5-2x within a day, so every run carries it and runs are
+    compared only at a like probe (docs/production.md)."""
+    best = float("inf")
+    for _ in range(rounds):
+        began, total = time.perf_counter(), 0
+        for i in range(5_000_000):
+            total += i
+        best = min(best, time.perf_counter() - began)
+    return round(best, 3)
+
+
 def database_bytes(url: str, sqlite_path: Path | None) -> int:
     """The cluster database's size: PostgreSQL's pg_database_size, or the SQLite pages in use."""
     if url.startswith("postgres"):
