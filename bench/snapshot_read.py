@@ -188,6 +188,22 @@ def _history(days: float, teams, user, rng: random.Random) -> dict:
     return {"history_days": days, "history_jobs": len(jobs), "history_allocations": rows}
 
 
+def _churn(count: int) -> None:
+    """Change `count` queued jobs' rows (a new version of each, as a priority change or an
+    edit makes) so a round's reads are not all of an unchanged queue: what a pass between
+    passes sees on a busy cluster."""
+    from django.db.models import F
+
+    from jobs.models import Job
+
+    ids = list(
+        Job.objects.filter(state=Job.State.QUEUED)
+        .order_by("?")
+        .values_list("id", flat=True)[:count]
+    )
+    Job.objects.filter(id__in=ids).update(min_gpus=F("min_gpus"))
+
+
 def _canonical(snapshot) -> str:
     """The snapshot as text, its teams in id order (the policy looks them up by id), each
     team's decayed usage to 9 significant digits: summing the same GPU-seconds in another
@@ -210,6 +226,9 @@ def main() -> int:
     parser.add_argument("--history-days", type=float, default=0.0, help="finished work first")
     parser.add_argument("--ref", help="also time the reader at this git ref, alternating")
     parser.add_argument("--profile", action="store_true", help="print a profile of one read")
+    parser.add_argument(
+        "--churn", type=int, default=50, help="queued jobs updated before each round"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "snapshot-read.json"))
     args = parser.parse_args()
 
@@ -223,9 +242,11 @@ def main() -> int:
     from jobs.scheduling import reader
 
     memo = reader.UsageMemo()  # the leader's, as run_forever keeps it over its term
+    usage, queue = reader.UsageMemo(), reader.QueueMemo()
     readers = {
         "this tree": reader.take_snapshot,
         "this tree, leader's memo": lambda now: reader.take_snapshot(now, memo),
+        "this tree, leader's memos": lambda now: reader.take_snapshot(now, usage, queue),
     }
     if args.ref:
         readers[f"at {args.ref}"] = _ref_reader(args.ref).take_snapshot
@@ -237,11 +258,17 @@ def main() -> int:
         snaps = {name: read(now) for name, read in readers.items()}
         same = len({_canonical(s) for s in snaps.values()}) == 1
         times: dict[str, list[float]] = {name: [] for name in readers}
-        for _ in range(args.rounds):
-            for name, read in readers.items():
+        for round_ in range(args.rounds):
+            _churn(args.churn)
+            order = list(readers.items())
+            for name, read in order if round_ % 2 else order[::-1]:
                 started = time.perf_counter()
                 read(timezone.now())
                 times[name].append(round(time.perf_counter() - started, 4))
+        # And after a last churn, as the memos have seen every round's: still one snapshot.
+        _churn(args.churn)
+        now = timezone.now()
+        same_after = len({_canonical(read(now)) for read in readers.values()}) == 1
         if args.profile:
             profile = cProfile.Profile()
             profile.runcall(reader.take_snapshot, timezone.now())
@@ -253,14 +280,20 @@ def main() -> int:
             "nodes": args.nodes,
             **filled,
             "rounds": args.rounds,
+            "churn": args.churn,
             "same_snapshot": same,
+            "same_snapshot_after_churn": same_after,
             "median_s": {name: statistics.median(t) for name, t in times.items()},
             "times_s": times,
             "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         }
     finally:
         connection.creation.destroy_test_db(test_db, verbosity=0)
-    print(json.dumps({k: result[k] for k in ("same_snapshot", "median_s")}))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("same_snapshot", "same_snapshot_after_churn", "median_s")}
+        )
+    )
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

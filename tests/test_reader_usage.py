@@ -6,13 +6,14 @@ PostgreSQL (DATABASE_URL)."""
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from jobs.bulk_sql import read_rows
-from jobs.models import GPU, Allocation, Attempt, Job
-from jobs.scheduling.reader import UsageMemo, take_snapshot
+from jobs.models import GPU, PRIORITY_RANK, Allocation, Attempt, Job, Priority
+from jobs.scheduling.reader import QueueMemo, UsageMemo, take_snapshot
+from tests.heartbeats import submit
 
 HALF_LIFE_S = 3600.0
 
@@ -175,3 +176,39 @@ def test_queued_rows_read_with_psycopgs_own_timestamp_loader_equal_the_orms(make
     # The snapshot takes them from there.
     snapshot = take_snapshot(timezone.now())
     assert sorted(j.submitted_at for j in snapshot.queued) == sorted(r.submitted_at for r in rows)
+
+
+@pytest.mark.skipif(
+    connection.vendor != "postgresql",
+    reason="the memo keys rows by PostgreSQL's xmin; on SQLite the queue is read whole (above)",
+)
+@pytest.mark.django_db(transaction=True)  # each change its own transaction, as in production
+def test_the_leaders_queue_memo_reads_only_new_and_changed_rows_and_equals_a_full_read(
+    make_team, make_user
+):
+    team = make_team("q", quota=8)
+    user = make_user("qu", team=team)
+    jobs = [submit(team, user, gpus=1, name=f"q{k}") for k in range(6)]
+    memo, now = QueueMemo(), timezone.now()
+    first = take_snapshot(now, queue=memo)
+    assert memo.reread == 6 and first == take_snapshot(now)
+    assert take_snapshot(now, queue=memo) == first and memo.reread == 0  # nothing changed
+    # A changed row, a job that left the queue, a new one: those two rows read, no other.
+    Job.objects.filter(pk=jobs[1].pk).update(priority=Priority.HIGH)
+    Job.objects.filter(pk=jobs[2].pk).update(state=Job.State.CANCELLED)
+    late = submit(team, user, gpus=2, name="late")
+    third = take_snapshot(now, queue=memo)
+    assert memo.reread == 2
+    assert third == take_snapshot(now)  # the same snapshot as a full read, in the same order
+    assert [j.id for j in third.queued] == sorted(
+        {j.id for j in jobs} - {jobs[2].id} | {late.id}, reverse=True
+    )
+    assert next(j for j in third.queued if j.id == jobs[1].id).priority == PRIORITY_RANK["high"]
+    # A row lock writes no new version: not a change.
+    with transaction.atomic():
+        Job.objects.select_for_update().get(pk=jobs[3].pk)
+    take_snapshot(now, queue=memo)
+    assert memo.reread == 0
+    # Past refresh_s everything is read again.
+    memo.refresh_s = 0.0
+    assert take_snapshot(now, queue=memo) == third and memo.reread == 6

@@ -3,9 +3,11 @@ one place where ORM rows become the policy's pure views."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from django.db import connection
 from django.db.models import Count, Max, Q
 
 from jobs.bulk_sql import read_rows
@@ -41,8 +43,77 @@ class UsageMemo:
     closed: dict[int, float] = field(default_factory=dict)
 
 
-def take_snapshot(now: datetime, usage: UsageMemo | None = None) -> Snapshot:
-    """Read the database into a Snapshot (a few queries, no per-row queries)."""
+# The columns of a queued job the snapshot reads (JobView's, and what its derived fields need).
+QUEUED_FIELDS = (
+    "id",
+    "team_id",
+    "gpus",
+    "priority",
+    "submitted_at",
+    "name",
+    "time_limit_s",
+    "first_started_at",
+    "min_gpus",
+    "checkpoint_interval_s",
+)
+# How long the leader's QueueMemo goes before it reads every queued row again.
+QUEUE_REFRESH_S = 300.0
+
+
+@dataclass
+class QueueMemo:
+    """The leader's copy of the queued jobs' rows, each with its version: PostgreSQL's `xmin`,
+    the transaction that wrote the row, which every UPDATE of it changes (a row lock does
+    not). A pass reads the queue's ids and versions, two numbers a row, and whole rows only of
+    the jobs new to it or changed since: with 10,000 queued most passes read a handful
+    (bench/snapshot_read.py). A version that differs for any other reason (a VACUUM FREEZE)
+    only costs a read again; a changed row always has a new version. Everything is read again
+    every `refresh_s` all the same. One per leadership term, like UsageMemo; PostgreSQL only
+    (elsewhere the queue is read whole each pass). `reread` is how many rows the last pass
+    read whole."""
+
+    refresh_s: float = QUEUE_REFRESH_S
+    at: float | None = None
+    rows: dict[int, tuple[str, tuple]] = field(default_factory=dict)
+    reread: int = 0
+
+
+def _queued_rows(memo: QueueMemo | None) -> list:
+    """The queued jobs' QUEUED_FIELDS rows, newest first (Job's ordering), as read_rows gives
+    them; through the memo where there is one."""
+    queued = Job.objects.filter(state=Job.State.QUEUED)
+    if memo is None or connection.vendor != "postgresql":
+        return read_rows(queued.values_list(*QUEUED_FIELDS, named=True))
+    if memo.at is None or time.monotonic() - memo.at > memo.refresh_s:
+        memo.rows.clear()
+        memo.at = time.monotonic()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT id, xmin::text FROM {Job._meta.db_table} WHERE state = %s",
+            [Job.State.QUEUED],
+        )
+        versions = dict(cursor.fetchall())
+    stale = [i for i, v in versions.items() if memo.rows.get(i, ("",))[0] != v]
+    # Many changed (the term's first pass, a burst of submissions): the queue in one read.
+    wanted = queued if len(stale) > len(versions) // 2 else queued.filter(id__in=stale)
+    fresh = read_rows(wanted.values_list(*QUEUED_FIELDS, named=True)) if stale else []
+    # Only what is queued now, as of the versions read: a job that left the queue since (or
+    # arrived since) is not in this pass, as if it had left (arrived) after the snapshot.
+    memo.rows = {i: row for i, row in memo.rows.items() if i in versions and i not in stale}
+    for row in fresh:
+        if row.id in versions:
+            # A row changed between the two reads is stored under the older version, so the
+            # next pass reads it again.
+            memo.rows[row.id] = (versions[row.id], row)
+    memo.reread = len(fresh)
+    return [memo.rows[i][1] for i in sorted(memo.rows, reverse=True)]
+
+
+def take_snapshot(
+    now: datetime, usage: UsageMemo | None = None, queue: QueueMemo | None = None
+) -> Snapshot:
+    """Read the database into a Snapshot (a few queries, no per-row queries); the leader
+    passes its term's memos of fair-share history and of the queue's rows."""
     live = list(
         Allocation.objects.filter(released_at__isnull=True).values_list(
             "gpu_id", "attempt_id", "node_id", "gpu__index"
@@ -68,21 +139,7 @@ def take_snapshot(now: datetime, usage: UsageMemo | None = None) -> Snapshot:
         )
     # Rows, not model instances: 10,000 queued jobs built as models were half the read
     # (bench/snapshot_read.py); their timestamps parsed by psycopg's C loader (read_rows).
-    queued_jobs = read_rows(
-        Job.objects.filter(state=Job.State.QUEUED).values_list(
-            "id",
-            "team_id",
-            "gpus",
-            "priority",
-            "submitted_at",
-            "name",
-            "time_limit_s",
-            "first_started_at",
-            "min_gpus",
-            "checkpoint_interval_s",
-            named=True,
-        )
-    )
+    queued_jobs = _queued_rows(queue)
     # A requeued job's limit is what is left of it (limits count run time, not wall time).
     ran = run_seconds([j.id for j in queued_jobs if j.time_limit_s and j.first_started_at], now=now)
     claim_nodes, claimant_of = _claims(now)
