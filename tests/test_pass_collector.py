@@ -54,7 +54,10 @@ def test_the_leader_collects_between_passes_and_freezes_what_its_first_left(coll
         assert collections and collections[0] == 2  # a full collection
         frozen = gc.get_freeze_count()
         assert frozen > 0  # the platform's code and settings: never scanned again
+        later = [{"alive": k} for k in range(5000)]  # objects of a later pass, still alive
         loop._collect_between_passes()
-        assert gc.get_freeze_count() == frozen  # frozen once per process, not every pass
+        # Frozen once per process, not every pass: the later objects stay collectable (the
+        # count may fall, as frozen objects are freed by their references).
+        assert gc.get_freeze_count() <= frozen and later
     finally:
         gc.unfreeze()
