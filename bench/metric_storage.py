@@ -119,7 +119,8 @@ def measure(ranks: int, steps: int) -> dict:
         ingest_s = time.perf_counter() - began
         with connection.cursor() as cursor:
             # As the heartbeats left it (autovacuum's pace), before the VACUUM below: what a
-            # live cluster's table looks like between vacuums (bench/hollow.py reads this).
+            # live cluster's table looks like between vacuums (bench/hollow.py measures the
+            # same live, through hollow_probes.metric_tiers).
             rollup_live_bytes = _size(cursor, "jobs_metricrollup")
             rollup_parts_live = _parts(cursor, "jobs_metricrollup")
             cursor.execute(

@@ -185,7 +185,8 @@ def _collect_between_passes() -> None:
     """The garbage collector's work, between passes rather than during them. A pass builds a
     view of every queued job (10,000 at the target's size), and the automatic collector ran
     several full collections in the middle of it: 0.05-0.13 s of a 0.3 s snapshot and plan
-    (docs/production.md, "The collector"). Paused for the pass, one collection after it
+    (docs/production.md, "The pass without the collector's pauses"; bench/pass_collector.py).
+    Paused for the pass, one collection after it
     does the same work where the scheduler would wait anyway; what the term's first pass
     left (the platform's code and settings) is frozen out of every later collection."""
     gc.collect()
