@@ -1,0 +1,264 @@
+"""Where lockstep's utilization goes against EASY backfill (issue 17), by ablation.
+
+The property test (tests/test_thrash_properties.py) runs 150-job traces at 128 GPUs: there the
+last few jobs decide a trace's makespan, so work utilization moves by up to 10 points from one
+seed to the next and whether lockstep comes out above or below EASY backfill on one trace is
+mostly which job happened to finish last. This benchmark runs the same shape with 1,200 jobs
+per trace (about 400 simulated hours each), where the tail weighs an eighth as much, and
+switches off one part of the policy at a time to see what each costs and buys:
+
+- `policy`: lockstep as shipped, checkpoint-first stops (the live platform's rule 6).
+- `free-stops`: a stop costs nothing (no grace, no restart): what preemptions cost.
+- `no-quotas`: every team may borrow the whole cluster and has no quota: no reclaims, no
+  guaranteed-before-borrowed order.
+- `one-priority`: every job at the normal priority: no priority order or preemption.
+- `submit-order`: the queue in priority, then submit order (no fair share, no
+  guaranteed-first, no aging): EASY's order with the rest of the policy.
+- `no-starvation-rules`: no reservations for starving jobs beside the head's and no
+  starvation claims.
+- `aging-cap-12h`: a borrowed job ages (goes first among guaranteed work) after at most 12 h.
+
+Each variant patches one module constant or function in its own worker process (the
+simulator and policy are pure; nothing is shared). EASY backfill runs once per trace.
+
+    .venv/bin/python bench/utilization_gap.py             # 24 seeds, about 8 min on 2 cores
+    .venv/bin/python bench/utilization_gap.py --seeds 6 --variants policy,free-stops
+
+Writes bench/results/utilization-gap.json and docs/figures/utilization-gap.png;
+docs/simulator.md ("Where the utilization goes, by ablation") summarises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "bench" / "results"
+FIGURES = ROOT / "docs" / "figures"
+LOADS = (0.8, 1.0, 1.15, 1.3, 1.5)  # the property test's loads, by seed
+VARIANTS = (
+    "policy",
+    "free-stops",
+    "no-quotas",
+    "one-priority",
+    "submit-order",
+    "no-starvation-rules",
+    "aging-cap-12h",
+)
+KEYS = (
+    "work_utilization",
+    "makespan_s",
+    "busy_gpu_hours",
+    "idle_gpu_hours_while_fit_queued",
+    "preempted_gpu_hours",
+    "jct_mean_s",
+    "starved",
+    "reclaims_over_bound",
+)
+
+
+def _shape(seed: int, jobs: int):
+    from jobs.scheduling.generate import TraceShape
+
+    return TraceShape(
+        gpus=128,
+        teams=4,
+        jobs=jobs,
+        load=LOADS[seed % len(LOADS)],
+        seed=seed,
+        duration_median_s=3600,
+    )
+
+
+def _ablate(variant: str):
+    """Patch this process's policy for `variant`; returns a function that adjusts one
+    (trace, config) pair."""
+    from jobs.scheduling import order, policy, reservations
+    from jobs.scheduling.trace import TeamQuota
+
+    def same(trace, config):
+        return trace, config
+
+    if variant == "policy":
+        return same
+    if variant == "free-stops":
+        return lambda trace, config: (trace, replace(config, restart_s=0.0, grace_s=0.0))
+    if variant == "no-quotas":
+        return lambda trace, config: (
+            trace,
+            replace(
+                config,
+                quotas={
+                    name: TeamQuota(quota=0, borrow_limit=config.gpus) for name in config.quotas
+                },
+            ),
+        )
+    if variant == "one-priority":
+        return lambda trace, config: ([replace(j, priority=1) for j in trace], config)
+    if variant == "submit-order":
+        policy.job_order_key = lambda job, teams=None, now=None: (
+            -job.priority,
+            job.submitted_at,
+            job.id,
+        )
+        return same
+    if variant == "no-starvation-rules":
+        reservations.MAX_STARVING_HOLDS = 0
+        policy.STARVING_CLAIM_STRETCH = float("inf")
+        return same
+    if variant == "aging-cap-12h":
+        aged = order.aged
+
+        def capped(job, now):
+            if now is not None and (now - job.submitted_at).total_seconds() > 12 * 3600:
+                return True
+            return aged(job, now)
+
+        order.aged = capped
+        return same
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def _run_variant(variant: str, seeds: list[int], jobs: int) -> dict:
+    """One variant on every seed (lockstep, checkpoint-first), or EASY backfill ("easy")."""
+    from jobs.scheduling.generate import generate
+    from jobs.scheduling.simulate import SimConfig, run
+
+    adjust = None if variant == "easy" else _ablate(variant)
+    t0 = time.perf_counter()
+    per_seed = {}
+    for seed in seeds:
+        shape = _shape(seed, jobs)
+        trace = generate(shape)
+        config = SimConfig(gpus=shape.gpus, quotas=shape.quotas())
+        if adjust is None:
+            metrics = run(trace, "backfill", config).metrics
+        else:
+            trace, config = adjust(trace, replace(config, checkpoint_on_stop=True))
+            metrics = run(trace, "lockstep", config).metrics
+        work = sum(j.gpus * j.duration_s for j in trace) / 3600.0
+        row = {k: metrics[k] for k in KEYS}
+        row["redone_gpu_hours"] = round(metrics["busy_gpu_hours"] - work, 1)
+        per_seed[seed] = row
+    return {"variant": variant, "jobs": jobs, "wall_s": time.perf_counter() - t0, "seeds": per_seed}
+
+
+def summarise(variant_run: dict, easy_run: dict) -> dict:
+    """Per-seed gaps to EASY backfill on the same traces: work utilization in points (+ is
+    better than EASY), mean JCT as a ratio (below 1 is better)."""
+    gaps, ratios, starved_worse = [], [], 0
+    for seed, row in variant_run["seeds"].items():
+        easy = easy_run["seeds"][seed]
+        gaps.append(100.0 * (row["work_utilization"] - easy["work_utilization"]))
+        ratios.append(row["jct_mean_s"] / easy["jct_mean_s"])
+        starved_worse += row["starved"] > easy["starved"]
+    return {
+        "variant": variant_run["variant"],
+        "jobs": variant_run["jobs"],
+        "seeds": len(gaps),
+        "below_easy": sum(g < 0 for g in gaps),
+        "gap_points_mean": round(statistics.fmean(gaps), 2),
+        "gap_points_min": round(min(gaps), 2),
+        "gap_points_max": round(max(gaps), 2),
+        "jct_ratio_mean": round(statistics.fmean(ratios), 3),
+        "jct_ratio_max": round(max(ratios), 3),
+        "jct_worse": sum(r > 1 for r in ratios),
+        "starved_worse": starved_worse,
+        "redone_gpu_hours_mean": round(
+            statistics.fmean(r["redone_gpu_hours"] for r in variant_run["seeds"].values()), 1
+        ),
+        "gaps": [round(g, 2) for g in gaps],
+    }
+
+
+def plot(summaries: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    labels = [f"{s['variant']}\n({s['jobs']} jobs)" for s in summaries]
+    ys = range(len(summaries))
+    for y, s in zip(ys, summaries, strict=True):
+        left.scatter(s["gaps"], [y] * len(s["gaps"]), s=14, alpha=0.6, color="tab:blue")
+        left.scatter([s["gap_points_mean"]], [y], marker="|", s=300, color="black")
+        right.barh(y, s["jct_ratio_mean"], color="tab:green", alpha=0.7)
+    left.axvline(0, color="grey", lw=1)
+    left.set_yticks(list(ys), labels, fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("work utilization minus EASY backfill's, points (dots: seeds; bar: mean)")
+    right.axvline(1, color="grey", lw=1)
+    right.set_xlabel("mean JCT / EASY backfill's (mean over seeds)")
+    fig.suptitle("lockstep against EASY backfill on the same traces, by ablation")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=24)
+    parser.add_argument("--jobs", type=int, default=1200, help="jobs per trace (default 1200)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS / "utilization-gap.json")
+    parser.add_argument("--figure", type=Path, default=FIGURES / "utilization-gap.png")
+    args = parser.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    seeds = list(range(args.seeds))
+    # The policy at the property test's 150 jobs too, to show the short traces' spread.
+    tasks = list(
+        dict.fromkeys([("easy", 150), ("policy", 150), ("easy", args.jobs)])
+        | dict.fromkeys((v, args.jobs) for v in variants)
+    )
+    t0 = time.perf_counter()
+    # One task per process: a variant's patches must not reach the next task.
+    with ProcessPoolExecutor(max_workers=args.workers, max_tasks_per_child=1) as pool:
+        futures = {task: pool.submit(_run_variant, task[0], seeds, task[1]) for task in tasks}
+        runs = {task: future.result() for task, future in futures.items()}
+    summaries = [
+        summarise(runs[(v, jobs)], runs[("easy", jobs)])
+        for v, jobs in tasks
+        if v != "easy"
+    ]
+    for s in summaries:
+        print(
+            f"{s['variant']:>20} {s['jobs']:>5} jobs: below EASY on {s['below_easy']:>2}/"
+            f"{s['seeds']}, gap {s['gap_points_mean']:+.2f} points "
+            f"[{s['gap_points_min']:+.2f}, {s['gap_points_max']:+.2f}]; mean JCT x"
+            f"{s['jct_ratio_mean']:.3f} (worst x{s['jct_ratio_max']:.3f}); starved worse on "
+            f"{s['starved_worse']}; redone {s['redone_gpu_hours_mean']:.0f} GPU-h"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "shape": "128 GPUs in nodes of 8, 4 equal teams, loads 0.8-1.5 by seed, "
+                "log-normal durations around 1 h (the property test's)",
+                "wall_s": round(time.perf_counter() - t0, 1),
+                "summaries": summaries,
+                "runs": {f"{v}-{jobs}": runs[(v, jobs)] for v, jobs in tasks},
+            },
+            indent=1,
+        )
+    )
+    plot(summaries, args.figure)
+    print(f"wrote {args.out} and {args.figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
