@@ -230,9 +230,7 @@ def main() -> int:
         futures = {task: pool.submit(_run_variant, task[0], seeds, task[1]) for task in tasks}
         runs = {task: future.result() for task, future in futures.items()}
     summaries = [
-        summarise(runs[(v, jobs)], runs[("easy", jobs)])
-        for v, jobs in tasks
-        if v != "easy"
+        summarise(runs[(v, jobs)], runs[("easy", jobs)]) for v, jobs in tasks if v != "easy"
     ]
     for s in summaries:
         print(
