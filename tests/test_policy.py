@@ -259,28 +259,59 @@ def test_easy_backfill_uses_reserved_nodes_only_for_jobs_that_end_before_they_fr
     assert "reservation held by job 1" in p.reasons[3]
 
 
-def test_a_job_that_would_delay_the_head_fills_its_draining_node_when_its_minimum_run_fits():
-    # The head (8 GPUs) waits for node a's 6-GPU job to end in an hour. Job 2 runs two
-    # hours: plain EASY backfill leaves a's 2 free GPUs idle for that hour; as a filler it
-    # runs there and is stopped for the head then. Job 3's minimum run (restart and one
-    # checkpoint) would outlast the hour, and job 4 was stopped as a filler today already.
+def test_a_job_that_would_delay_the_head_fills_its_draining_node():
+    # The head (8 GPUs) waits for node a's 4-GPU job to end in an hour. Job 2 runs two
+    # hours: plain EASY backfill leaves a's free GPUs idle for that hour; as a filler it
+    # runs there and is stopped for the head then. So does job 3, although its minimum run
+    # (restart and one checkpoint) outlasts the hour: the head then waits for that. Job 4
+    # was stopped as a filler today already.
     t = team()
-    a, b = node("a", 8, busy=6), node("b", 8, busy=8)
+    a, b = node("a", 8, busy=4), node("b", 8, busy=8)
     runs = [
-        running(10, a, range(6), team_id=t.id, ends_in=3600),
+        running(10, a, range(4), team_id=t.id, ends_in=3600),
         running(11, b, range(8), team_id=t.id, ends_in=7200),
     ]
     jobs = [
         job(1, 8, team_id=t.id, submitted=0, estimate=1000),
         job(2, 2, team_id=t.id, submitted=1, estimate=7200),
-        job(3, 2, team_id=t.id, submitted=2, estimate=7200, min_run=4000),
-        dataclasses.replace(job(4, 2, team_id=t.id, submitted=3, estimate=7200), filled=True),
+        job(3, 1, team_id=t.id, submitted=2, estimate=7200, min_run=4000),
+        dataclasses.replace(job(4, 1, team_id=t.id, submitted=3, estimate=7200), filled=True),
     ]
     p = plan(snapshot([a, b], jobs, [t], runs))
     assert p.reservation == (1, (a.id,))
-    assert [(pl.job_id, pl.node_ids, pl.filler) for pl in p.placements] == [(2, (a.id,), True)]
-    assert "reservation held by job 1" in p.reasons[3]
+    assert [(pl.job_id, pl.node_ids, pl.filler) for pl in p.placements] == [
+        (2, (a.id,), True),
+        (3, (a.id,), True),
+    ]
     assert "reservation held by job 1" in p.reasons[4]
+
+
+def test_fillers_are_admitted_against_the_drain_of_all_but_fillers_so_they_do_not_chain():
+    # Node a drains of job 10 in 20 minutes, so job 2 fills it although its minimum run
+    # (32 minutes) ends after that: the head then waits 12 minutes more, no longer.
+    t = team()
+    a, b = node("a", 8, busy=6), node("b", 8, busy=8)
+    others = [running(11, b, range(8), team_id=t.id, ends_in=7200)]
+    jobs = [
+        job(1, 8, team_id=t.id, submitted=0, estimate=1000),
+        job(2, 1, team_id=t.id, submitted=1, estimate=7200, min_run=1920),
+    ]
+    runs = [running(10, a, range(6), team_id=t.id, ends_in=1200), *others]
+    p = plan(snapshot([a, b], jobs, [t], runs))
+    assert [(pl.job_id, pl.filler) for pl in p.placements] == [(2, True)]
+    # Five minutes before job 10 ends a filler started earlier holds the node for 27 more
+    # minutes. Against that moving time each filler would admit the next, and the head
+    # would wait for ever; against the drain of all else (5 minutes, less than the least
+    # minimum run) job 2 waits behind the reservation.
+    filler = _filler(20, a, [6], team_id=t.id, protected_for=1620)
+    runs = [running(10, a, range(6), team_id=t.id, ends_in=300), filler, *others]
+    p = plan(snapshot([a, b], jobs, [t], runs))
+    assert p.placements == ()
+    assert "reservation held by job 1" in p.reasons[2]
+    # With job 10 still 20 minutes from its end, the same filler does not keep job 2 out.
+    runs = [running(10, a, range(6), team_id=t.id, ends_in=1200), filler, *others]
+    p = plan(snapshot([a, b], jobs, [t], runs))
+    assert [(pl.job_id, pl.filler) for pl in p.placements] == [(2, True)]
 
 
 def _filler(job_id, node_view, indices, *, team_id, protected_for=-60.0, preemptions=0):
@@ -1040,12 +1071,13 @@ def test_a_claimant_inside_its_team_waits_for_its_victim_instead_of_taking_anoth
 def test_the_free_gpus_a_wait_reason_counts_are_outside_every_reservation():
     # Job 2 takes n0 for a priority preemption, starving job 1 holds n1 of its own. Job 4
     # may backfill n1 (it ends before job 1 could start there); job 3, with no estimate, may
-    # use neither. Its count was cached by the id() of a list of nodes the pass had dropped,
-    # and a later list at the same address read that list's count (7).
+    # use neither (n0 drains in less than the least minimum run: no filler either). Its count
+    # was cached by the id() of a list of nodes the pass had dropped, and a later list at the
+    # same address read that list's count (7).
     a, b = team("a", quota=8, borrow=32, used=1), team("b", quota=8, borrow=32, used=4)
     n0, n1 = node("n0", busy=4), node("n1", busy=1)
     runs = [
-        running(1000, n0, range(4), team_id=b.id, prio=0, ends_in=600),
+        running(1000, n0, range(4), team_id=b.id, prio=0, ends_in=500),
         running(1001, n1, [0], team_id=a.id, prio=2, ends_in=7200),
     ]
     jobs = [

@@ -13,9 +13,10 @@ Rules (DESIGN.md section 6):
 4. No starvation: the highest-ordered job that cannot fit reserves the nodes it will need;
    later jobs may use them only if their runtime estimate ends before those nodes free up
    (EASY backfill); elsewhere they start freely. A later job that would outlast them may
-   still run there as a filler when its minimum run ends before they free up; the
-   reservation's holder stops it (checkpoint-first) once the rest has drained, and a job
-   is a filler at most once a day. Likewise inside a team: its first job blocked
+   still run there as a filler while they are expected to drain (of all but fillers) at
+   least the least minimum run from now; the reservation's holder stops it
+   (checkpoint-first) once the rest has drained and the filler's own minimum run is over,
+   and a job is a filler at most once a day. Likewise inside a team: its first job blocked
    by the team's cap holds the team's next freed GPUs, and the team's later jobs start only
    if they end before then.
 5. Reclaim: a guaranteed job that cannot fit takes back GPUs lent to other teams: victims on
