@@ -74,19 +74,20 @@ def _evidence(workers: list[RankWorker]) -> dict[int, dict]:
     return {w.rank: flight_records(w.log_path.read_text()) for w in workers}
 
 
-def _settled_evidence(workers: list[RankWorker], done: int, timeout_s: float = 30.0) -> dict:
-    """The recorders' summaries once every rank has its first `done` collectives marked
+def _settled_evidence(
+    workers: list[RankWorker], done: dict[int, int], timeout_s: float = 30.0
+) -> dict:
+    """The recorders' summaries once each rank has its first `done[rank]` collectives marked
     completed, asked again until then: the recorder marks them from a thread of its own, which
-    lagged by seconds on a loaded machine (CI, twice: "completed 2", then "completed 3" of 4
-    after a 3 s wait). The test's assertions on the summaries stay exact."""
+    lagged by seconds on a loaded machine (CI: "completed 2" after a 1 s wait)."""
     deadline = time.monotonic() + timeout_s
     while True:
         records = _evidence(workers)
-        completed = [
-            ((records[w.rank] or {}).get("groups") or {}).get("0", {}).get("completed", 0)
+        completed = {
+            w.rank: ((records[w.rank] or {}).get("groups") or {}).get("0", {}).get("completed", 0)
             for w in workers
-        ]
-        if min(completed) >= done or time.monotonic() > deadline:
+        }
+        if all(completed[r] >= n for r, n in done.items()) or time.monotonic() > deadline:
             return records
         time.sleep(0.5)
 
@@ -98,15 +99,22 @@ def test_the_rank_its_peers_wait_for_is_named_from_real_flight_recorders(tmp_pat
     workers = _gang(tmp_path, world, behind)
     try:
         _hung(workers)
-        records = _settled_evidence(workers, done=4)
+        # The ranks waiting in #5 have #1-#4 completed; the rank behind at least #1-#3 (below).
+        records = _settled_evidence(workers, {r: 3 if r == behind else 4 for r in range(world)})
     finally:
         for worker in workers:
             worker.popen.kill()
             worker.popen.wait()
     assert all(records[r] is not None for r in range(world)), records
     default = {r: records[r]["groups"]["0"] for r in range(world)}
-    # Three all-reduces and a broadcast done by everyone (#1-#4); the others entered #5.
-    assert default[behind]["entered"] == 4 and default[behind]["completed"] == 4
+    # Three all-reduces and a broadcast entered by everyone (#1-#4); the others entered #5.
+    # The rank behind, when it is the broadcast's root (rank 0) and then sleeps in Python, may
+    # keep #4 unmarked in its recorder: on a loaded machine it did, in both legs of CI on
+    # 2026-12-06 ("completed 3" after 30 s of asking again), unloaded it never has. Which of
+    # the two torch records is not this code's to decide; the verdict reads only what the
+    # ranks entered and whether the waiting ones completed.
+    assert default[behind]["entered"] == 4
+    assert default[behind]["completed"] in ((3, 4) if behind == 0 else (4,)), default
     for rank in set(range(world)) - {behind}:
         assert default[rank]["entered"] == 5 and default[rank]["completed"] == 4, default
         assert default[rank]["last"]["op"] == "gloo:all_reduce"
