@@ -162,8 +162,15 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str) -> int:
     import runpy
 
     os.setsid()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, signal.SIGUSR1):
+    # The dispositions a fresh interpreter starts with: Python ignores SIGPIPE and SIGXFSZ (a
+    # write to a closed socket raises BrokenPipeError instead of killing the process: with
+    # SIGPIPE at its default, a rank whose gloo peer died was killed by the signal and blamed
+    # for the peer's death) and turns SIGINT into KeyboardInterrupt.
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     null = os.open(os.devnull, os.O_RDONLY)
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(null, 0)

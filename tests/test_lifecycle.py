@@ -2,6 +2,7 @@
 placement, heartbeats, failure and restart from the latest checkpoint, max restarts, lost
 nodes, time limits, and the portal ignoring reports from attempts that are no longer live."""
 
+import signal
 from datetime import timedelta
 
 import pytest
@@ -294,6 +295,16 @@ def test_the_rank_killed_by_a_signal_is_blamed_not_the_one_that_raised_after_it(
     beat(a, attempt, {0: 1, 1: -9})
     attempt.refresh_from_db()
     assert attempt.end_reason == "rank 1 on node-0 exited with signal 9 (SIGKILL)"
+
+
+@pytest.mark.django_db
+def test_a_rank_killed_by_sigpipe_after_its_peer_died_is_not_blamed(setup):
+    """Rank 3 is SIGKILLed; rank 2 writes to its dead socket and takes SIGPIPE in the same poll
+    (a program that leaves SIGPIPE at its default): the SIGKILL is the cause."""
+    (a, b), job, attempt = _running_on_two_nodes(setup)
+    beat(b, attempt, {2: -signal.SIGPIPE, 3: -signal.SIGKILL})
+    attempt.refresh_from_db()
+    assert attempt.end_reason == "rank 3 on node-1 exited with signal 9 (SIGKILL)"
 
 
 @pytest.mark.django_db

@@ -19,11 +19,15 @@ from tests.test_nodeagent import launch_spec, process_alive, wait_until
 pytestmark = pytest.mark.timeout(120)
 
 PROBE = """
-import json, os, random, sys, time
+import json, os, random, signal, sys, time
 import numpy as np
+status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines())
 record = {"env": dict(os.environ), "pid": os.getpid(), "sid": os.getsid(0), "argv": sys.argv,
           "cwd": os.getcwd(), "name": __name__, "random": random.random(),
-          "numpy": float(np.random.rand()), "path0": sys.path[0]}
+          "numpy": float(np.random.rand()), "path0": sys.path[0],
+          "signals": {s.name: str(signal.getsignal(s)) for s in signal.Signals
+                      if s not in (signal.SIGKILL, signal.SIGSTOP)},
+          "masks": [status["SigBlk"].strip(), status["SigIgn"].strip()]}
 with open(os.environ["LOCKSTEP_METRICS_PATH"], "w") as f:
     f.write(json.dumps(record))
 print("stdout of rank", os.environ["RANK"], flush=True)
@@ -89,6 +93,10 @@ def test_a_forked_worker_gets_what_a_fresh_interpreter_would(supervisors, probe)
         assert (w["argv"], w["cwd"], w["name"], w["path0"]) == (
             c["argv"], c["cwd"], c["name"], c["path0"]
         )  # fmt: skip
+        # Signals as a fresh interpreter has them: SIGPIPE ignored (a write to a socket whose
+        # peer died raises instead of killing the rank), SIGINT a KeyboardInterrupt.
+        assert w["signals"] == c["signals"] and w["masks"] == c["masks"]
+        assert w["signals"]["SIGPIPE"] == str(signal.SIG_IGN)
         log = worker.log_path.read_text()
         assert f"stdout of rank {worker.rank}" in log and f"stderr of rank {worker.rank}" in log
     assert [w.exit_code for w in warm.workers] == [3, 4]

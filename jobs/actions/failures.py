@@ -3,6 +3,7 @@ by later reports, hangs (stacks first, then the end) and stragglers."""
 
 from __future__ import annotations
 
+import signal
 from dataclasses import asdict
 from datetime import datetime
 
@@ -36,14 +37,24 @@ from jobs.queries import stopped_state, world_size
 SIMULTANEOUS_EXITS_S = 1.0
 
 
+# Exits that follow from a peer's death rather than cause one: a Python error (exit 1, what a
+# broken collective raises) and SIGPIPE (a write to the socket of a peer that is gone, in a
+# program that does not ignore the signal).
+_CONSEQUENTIAL_EXITS = (1, -signal.SIGPIPE)
+
+
 def _culprit(failed: list[Allocation]) -> Allocation:
     """The rank to blame among those that failed: among the first exits, one killed by a signal
-    (SIGKILL, a segfault, the OOM killer) before one that exited with an error code, and a code
-    other than 1 before 1: when a rank dies, the others' collectives break and they raise and
-    exit 1 a moment later, often within the same poll of their agent."""
+    (SIGKILL, a segfault, the OOM killer) before one that exited with an error code, and either
+    before an exit that a peer's death causes (exit 1, SIGPIPE): when a rank dies, the others'
+    collectives break and they raise or take SIGPIPE a moment later, often within the same poll
+    of their agent."""
     first = min(a.exited_at for a in failed)
     near = [a for a in failed if (a.exited_at - first).total_seconds() <= SIMULTANEOUS_EXITS_S]
-    return min(near, key=lambda a: (a.exit_code >= 0, a.exit_code == 1, a.exited_at, a.rank))
+    return min(
+        near,
+        key=lambda a: (a.exit_code in _CONSEQUENTIAL_EXITS, a.exit_code >= 0, a.exited_at, a.rank),
+    )
 
 
 # How long after a failed attempt ended the other nodes' reports of its exits may still change
