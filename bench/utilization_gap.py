@@ -9,6 +9,8 @@ switches off one part of the policy at a time to see what each costs and buys:
 
 - `policy`: lockstep as shipped, checkpoint-first stops (the live platform's rule 6).
 - `free-stops`: a stop costs nothing (no grace, no restart): what preemptions cost.
+- `no-stops`: the policy never stops a running job (no reclaims, priority preemptions,
+  starvation claims or fillers): what the guarantees that stops keep are worth, and cost.
 - `no-quotas`: every team may borrow the whole cluster and has no quota: no reclaims, no
   guaranteed-before-borrowed order.
 - `one-priority`: every job at the normal priority: no priority order or preemption.
@@ -48,6 +50,7 @@ LOADS = (0.8, 1.0, 1.15, 1.3, 1.5)  # the property test's loads, by seed
 VARIANTS = (
     "policy",
     "free-stops",
+    "no-stops",
     "no-quotas",
     "one-priority",
     "submit-order",
@@ -82,7 +85,7 @@ def _shape(seed: int, jobs: int):
 def _ablate(variant: str):
     """Patch this process's policy for `variant`; returns a function that adjusts one
     (trace, config) pair."""
-    from jobs.scheduling import order, policy, reservations
+    from jobs.scheduling import order, policy, reservations, victims
     from jobs.scheduling.trace import TeamQuota
 
     def same(trace, config):
@@ -92,6 +95,11 @@ def _ablate(variant: str):
         return same
     if variant == "free-stops":
         return lambda trace, config: (trace, replace(config, restart_s=0.0, grace_s=0.0))
+    if variant == "no-stops":
+        victims.Victims.claim = lambda self, *args, **kwargs: None
+        victims.Victims.starvation = lambda self, *args, **kwargs: None
+        reservations.Reservations.fill = lambda self, *args, **kwargs: None
+        return same
     if variant == "no-quotas":
         return lambda trace, config: (
             trace,
@@ -132,6 +140,7 @@ def _run_variant(variant: str, seeds: list[int], jobs: int) -> dict:
     """One variant on every seed (lockstep, checkpoint-first), or EASY backfill ("easy")."""
     from jobs.scheduling.generate import generate
     from jobs.scheduling.simulate import SimConfig, run
+    from jobs.scheduling.trace import DEFAULT_PRIORITY
 
     adjust = None if variant == "easy" else _ablate(variant)
     t0 = time.perf_counter()
@@ -139,17 +148,26 @@ def _run_variant(variant: str, seeds: list[int], jobs: int) -> dict:
     for seed in seeds:
         shape = _shape(seed, jobs)
         trace = generate(shape)
+        # The trace's own high-priority jobs (one-priority flattens the copy it runs).
+        high = {j.job_id for j in trace if j.priority > DEFAULT_PRIORITY}
         config = SimConfig(gpus=shape.gpus, quotas=shape.quotas())
         if adjust is None:
-            metrics = run(trace, "backfill", config).metrics
+            result = run(trace, "backfill", config)
         else:
             trace, config = adjust(trace, replace(config, checkpoint_on_stop=True))
-            metrics = run(trace, "lockstep", config).metrics
+            result = run(trace, "lockstep", config)
+        metrics = result.metrics
         work = sum(j.gpus * j.duration_s for j in trace) / 3600.0
         row = {k: metrics[k] for k in KEYS}
         row["redone_gpu_hours"] = round(metrics["busy_gpu_hours"] - work, 1)
+        high_waits = [r[3] - r[1] for r in result.records if r[0] in high and r[3] is not None]
+        row["high_priority_wait_mean_s"] = round(statistics.fmean(high_waits or [0.0]), 1)
         per_seed[seed] = row
     return {"variant": variant, "jobs": jobs, "wall_s": time.perf_counter() - t0, "seeds": per_seed}
+
+
+def _mean_of(variant_run: dict, key: str) -> float:
+    return round(statistics.fmean(r[key] for r in variant_run["seeds"].values()), 1)
 
 
 def summarise(variant_run: dict, easy_run: dict) -> dict:
@@ -173,9 +191,12 @@ def summarise(variant_run: dict, easy_run: dict) -> dict:
         "jct_ratio_max": round(max(ratios), 3),
         "jct_worse": sum(r > 1 for r in ratios),
         "starved_worse": starved_worse,
-        "redone_gpu_hours_mean": round(
-            statistics.fmean(r["redone_gpu_hours"] for r in variant_run["seeds"].values()), 1
-        ),
+        "redone_gpu_hours_mean": _mean_of(variant_run, "redone_gpu_hours"),
+        "reclaims_over_bound_mean": _mean_of(variant_run, "reclaims_over_bound"),
+        "starved_mean": _mean_of(variant_run, "starved"),
+        "high_priority_wait_mean_s": _mean_of(variant_run, "high_priority_wait_mean_s"),
+        "easy_high_priority_wait_mean_s": _mean_of(easy_run, "high_priority_wait_mean_s"),
+        "easy_starved_mean": _mean_of(easy_run, "starved"),
         "gaps": [round(g, 2) for g in gaps],
     }
 
@@ -238,7 +259,10 @@ def main() -> int:
             f"{s['seeds']}, gap {s['gap_points_mean']:+.2f} points "
             f"[{s['gap_points_min']:+.2f}, {s['gap_points_max']:+.2f}]; mean JCT x"
             f"{s['jct_ratio_mean']:.3f} (worst x{s['jct_ratio_max']:.3f}); starved worse on "
-            f"{s['starved_worse']}; redone {s['redone_gpu_hours_mean']:.0f} GPU-h"
+            f"{s['starved_worse']}; redone {s['redone_gpu_hours_mean']:.0f} GPU-h; reclaims "
+            f"over 60 s {s['reclaims_over_bound_mean']:.0f}; starved {s['starved_mean']:.0f} "
+            f"({s['easy_starved_mean']:.0f}); high-priority wait "
+            f"{s['high_priority_wait_mean_s']:.0f} s ({s['easy_high_priority_wait_mean_s']:.0f})"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
