@@ -23,7 +23,7 @@ switches off one part of the policy at a time to see what each costs and buys:
 Each variant patches one module constant or function in its own worker process (the
 simulator and policy are pure; nothing is shared). EASY backfill runs once per trace.
 
-    .venv/bin/python bench/utilization_gap.py             # 24 seeds, about 8 min on 2 cores
+    .venv/bin/python bench/utilization_gap.py             # 24 seeds, 5-13 min on 2 cores
     .venv/bin/python bench/utilization_gap.py --seeds 6 --variants policy,free-stops
 
 Writes bench/results/utilization-gap.json and docs/figures/utilization-gap.png;
