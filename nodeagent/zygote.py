@@ -165,12 +165,13 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str) -> int:
     # The dispositions a fresh interpreter starts with: Python ignores SIGPIPE and SIGXFSZ (a
     # write to a closed socket raises BrokenPipeError instead of killing the process: with
     # SIGPIPE at its default, a rank whose gloo peer died was killed by the signal and blamed
-    # for the peer's death) and turns SIGINT into KeyboardInterrupt.
+    # for the peer's death), and SIGINT is what the zygote found when it started (the agent's
+    # children inherit an ignored SIGINT, e.g. under nohup; else KeyboardInterrupt).
     for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(sig, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _inherited_sigint)
     null = os.open(os.devnull, os.O_RDONLY)
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(null, 0)
@@ -294,10 +295,16 @@ def _send(sock: socket.socket, message: dict) -> None:
     sock.sendall(json.dumps(message).encode() + b"\n")
 
 
+# SIGINT's disposition as this interpreter started (the one a worker started cold would have).
+_inherited_sigint = signal.default_int_handler
+
+
 def main() -> None:
+    global _inherited_sigint
     sock = socket.socket(fileno=int(sys.argv[1]))
     # The agent's SIGINT (Ctrl-C in a terminal) reaches the whole process group; the zygote
     # ends when the agent closes the socket, not before.
+    _inherited_sigint = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(sock)
 
