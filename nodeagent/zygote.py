@@ -56,6 +56,9 @@ ROOM_VAR = "LOCKSTEP_ZYGOTE_ROOM"
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "trainer.train")
 REAP_EVERY_S = 0.05
+# SIGINT's disposition as this interpreter started, before main() ignores it: the one a worker
+# started cold would inherit from the agent.
+_INHERITED_SIGINT = signal.getsignal(signal.SIGINT)
 
 
 # -- the zygote process -----------------------------------------------------------------------
@@ -171,7 +174,7 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str) -> int:
         signal.signal(sig, signal.SIG_DFL)
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(sig, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, _inherited_sigint)
+    signal.signal(signal.SIGINT, _INHERITED_SIGINT)
     null = os.open(os.devnull, os.O_RDONLY)
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(null, 0)
@@ -295,16 +298,10 @@ def _send(sock: socket.socket, message: dict) -> None:
     sock.sendall(json.dumps(message).encode() + b"\n")
 
 
-# SIGINT's disposition as this interpreter started (the one a worker started cold would have).
-_inherited_sigint = signal.default_int_handler
-
-
 def main() -> None:
-    global _inherited_sigint
     sock = socket.socket(fileno=int(sys.argv[1]))
     # The agent's SIGINT (Ctrl-C in a terminal) reaches the whole process group; the zygote
     # ends when the agent closes the socket, not before.
-    _inherited_sigint = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(sock)
 

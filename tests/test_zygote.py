@@ -94,7 +94,7 @@ def test_a_forked_worker_gets_what_a_fresh_interpreter_would(supervisors, probe)
             c["argv"], c["cwd"], c["name"], c["path0"]
         )  # fmt: skip
         # Signals as a fresh interpreter has them: SIGPIPE ignored (a write to a socket whose
-        # peer died raises instead of killing the rank), SIGINT a KeyboardInterrupt.
+        # peer died raises instead of killing the rank), SIGINT as the agent's children inherit.
         assert w["signals"] == c["signals"] and w["masks"] == c["masks"]
         assert w["signals"]["SIGPIPE"] == str(signal.SIG_IGN)
         log = worker.log_path.read_text()
