@@ -1,6 +1,9 @@
 """Why a reclaim ran past its bound: replay a trace through `lockstep` and, at every plan while a
-queued job's reclaim clock is past the stop grace, keep what the plan said about it and what the
-cluster held (issue 17; docs/simulator.md, "The real traces with the new rules").
+queued job's reclaim clock is past its bound, keep what the plan said about it and what the
+cluster held (issue 17; docs/simulator.md, "The real traces with the new rules"). The bound is
+the clock's own (jobs.scheduling.sim_reclaims: the stop grace, or rule 5's longer one where only
+drained-for gangs held what a reclaim could take); `--past-grace` follows every clock past the
+grace instead, as this script did before 2026-12-06.
 
     .venv/bin/python bench/reclaim_replay.py --trace msft_itp_2021.csv --gpus 1280
     .venv/bin/python bench/reclaim_replay.py ... --checkpoint-on-stop
@@ -24,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jobs.scheduling.policy import plan  # noqa: E402 (after the path insert)
+from jobs.scheduling.order import aged  # noqa: E402 (after the path insert)
+from jobs.scheduling.policy import plan  # noqa: E402
 from jobs.scheduling.protection import is_protected, reclaim_exempt  # noqa: E402
 from jobs.scheduling.simulate import SimConfig, _at, _Engine  # noqa: E402
 from jobs.scheduling.trace import load_trace, traces_dir  # noqa: E402
@@ -98,6 +102,7 @@ def main() -> int:
     parser.add_argument("--checkpoint-on-stop", action="store_true")
     parser.add_argument("--limit", type=int, default=None, help="first N jobs of the trace")
     parser.add_argument("--generated", help="LOAD,SEED: bench/thrash.py's trace instead")
+    parser.add_argument("--past-grace", action="store_true", help="clocks past the grace")
     args = parser.parse_args()
     if args.generated:
         from bench.thrash import _shape
@@ -119,20 +124,33 @@ def main() -> int:
         decided = plan(snap)
         t = (snap.now - t_zero).total_seconds()
         holder = decided.reservation  # (job id, node ids): the same for every claimant
-        holder_within_quota = None
+        holder_within_quota = held = None
         if holder:
             held = next((j for j in snap.queued if j.id == holder[0]), None)
             owner = next((team for team in snap.teams if held and team.id == held.team_id), None)
             if owner is not None:
                 holder_within_quota = owner.used + held.gpus <= owner.quota
         for job in snap.queued:
-            started = engine.reclaim_start[job.id - 1]
-            if started is None or t - started <= config.grace_s:
+            started = engine.clocks.start[job.id - 1]
+            bound = config.grace_s if args.past_grace else engine.clocks.bound[job.id - 1]
+            if started is None or t - started <= bound:
                 continue
-            entry = seen.setdefault(job.id, {"clock_from_s": started, "steps": []})
+            entry = seen.setdefault(
+                job.id, {"clock_from_s": started, "bound_s": round(bound, 1), "steps": []}
+            )
             reason = decided.waits.get(job.id)
             if holder and holder[0] != job.id:
                 state = _state(snap, job, reason, frozenset(holder[1]), holder_within_quota)
+                if held is not None:  # why the holder goes first (rule 1's order)
+                    state["holder"] = {
+                        "priority": "higher"
+                        if held.priority > job.priority
+                        else "same"
+                        if held.priority == job.priority
+                        else "lower",
+                        "same_team": held.team_id == job.team_id,
+                        "aged": aged(held, snap.now),
+                    }
             else:
                 state = _state(snap, job, reason)
             steps = entry["steps"]
@@ -161,6 +179,15 @@ def main() -> int:
             if kind.startswith("takable")
         }
         code = (first["reason"] or {}).get("code", "started")
+        holder = first.get("holder")
+        if code == "behind_reservation" and holder:
+            whose = "its own team's" if holder["same_team"] else "another team's"
+            quota = (
+                "borrowing" if first["reservation_holder_within_quota"] is False else "guaranteed"
+            )
+            code += f" of {whose} {quota} job of {holder['priority']} priority" + (
+                ", aged" if holder["aged"] else ""
+            )
         key = f"{code}, {'a' if others else 'no'} takable job borrowed by another team"
         by_first[key] = by_first.get(key, 0) + 1
     by_reason: dict[str, int] = {}
@@ -181,7 +208,10 @@ def main() -> int:
         "gpus": args.gpus,
         "checkpoint_on_stop": args.checkpoint_on_stop,
         "wall_s": round(time.perf_counter() - began, 1),
+        "past": "grace" if args.past_grace else "their own bound",
         "reclaims_over_bound": result.metrics["reclaims_over_bound"],
+        "reclaims_over_their_bound": result.metrics["reclaims_over_their_bound"],
+        "reclaims_gang_bounded": result.metrics["reclaims_gang_bounded"],
         "reclaim_max_s": result.metrics["reclaim_max_s"],
         # Every change of state for a few claimants; the first and the last for many.
         "claimants": {
@@ -190,11 +220,16 @@ def main() -> int:
         },
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    suffix = "-ckpt-on-stop" if args.checkpoint_on_stop else ""
+    suffix = ("-ckpt-on-stop" if args.checkpoint_on_stop else "") + (
+        "-past-grace" if args.past_grace else ""
+    )
     name = args.trace if args.generated else Path(args.trace).stem
     path = RESULTS / f"reclaim-replay-{name}-{args.gpus}{suffix}.json"
     path.write_text(json.dumps(out, indent=1, default=str) + "\n")
-    print(f"{len(seen)} claimants past the bound; {out['reclaims_over_bound']} over; {path}")
+    print(
+        f"{len(seen)} claimants past the bound; {out['reclaims_over_their_bound']} clocks over"
+        f" their bound, {out['reclaims_over_bound']} over the grace; {path}"
+    )
     return 0
 
 

@@ -27,6 +27,7 @@ TABLE_KEYS = (
     "ftf_max",
     "reclaim_max_s",
     "reclaims_over_bound",
+    "reclaims_over_their_bound",
     "preempted_gpu_hours",
     "starved",
     "jobs",

@@ -19,7 +19,8 @@ def engine_metrics(self, t0: float, t_end: float, wall: float) -> dict:
     by_team: dict[int, list[float]] = {tid: [] for tid in self.quota}
     team_waits: dict[int, list[float]] = {tid: [] for tid in self.quota}
     starved = never_started = unfinished = 0
-    reclaims = {tid: list(rs) for tid, rs in self.reclaims.items()}
+    self.clocks.censor(t_end)  # clocks still open count until the end of the run
+    reclaims = self.clocks.lengths()
     for i, job in enumerate(self.jobs):
         tid = self.job_team[i]
         if self.first_start[i] is None:
@@ -27,8 +28,6 @@ def engine_metrics(self, t0: float, t_end: float, wall: float) -> dict:
         if self.finish[i] is None:
             unfinished += 1
             starved += 1
-            if self.reclaim_start[i] is not None:  # censored at the end of the run
-                reclaims[tid].append(t_end - self.reclaim_start[i])
             continue
         jct = self.finish[i] - job.submit_s
         wait = self.wait[i]
@@ -104,11 +103,13 @@ def engine_metrics(self, t0: float, t_end: float, wall: float) -> dict:
         "reclaim_bound_s": cfg.grace_s,
         "reclaims_over_bound": sum(1 for r in all_reclaims if r > cfg.grace_s + 1e-6),
         # GPUs lent to a young gang beyond its team's quota come back by the end of its
-        # exemption (protection rule 5): the bound of those reclaims, and reclaims past it.
+        # exemption (protection rule 5): each clock is held to the grace, or where a reclaim
+        # could not find its GPUs but in such gangs, to the end of their exemptions plus the
+        # grace (jobs.scheduling.sim_reclaims); clocks held to the longer bound, and clocks
+        # past their own bound.
         "reclaim_bound_gang_s": cfg.grace_s + cfg.gang_reclaim_exempt_s,
-        "reclaims_over_gang_bound": sum(
-            1 for r in all_reclaims if r > cfg.grace_s + cfg.gang_reclaim_exempt_s + 1e-6
-        ),
+        "reclaims_gang_bounded": self.clocks.gang_bounded(),
+        "reclaims_over_their_bound": self.clocks.over_their_bound(),
         "reclaims_total": len(all_reclaims),
         "preempted_gpu_hours": _r(self.lost_gpu_s / 3600),
         "preempted_gpu_hours_by_kind": {k: _r(v / 3600) for k, v in self.lost_by_kind.items()},

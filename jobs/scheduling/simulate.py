@@ -3,7 +3,8 @@ virtual clock (no processes, no database) and measures what users and admins wou
 
 The engine calls the planner only at event times (arrivals, completions and preemption stops,
 batched per timestamp) and only while jobs are queued; the planner sees only queued jobs. Metric
-definitions are in docs/simulator.md; the measurements themselves in sim_metrics.py.
+definitions are in docs/simulator.md; the measurements themselves in sim_metrics.py, the reclaim
+clocks in sim_reclaims.py.
 
 Over 600 lines because the engine is one state machine: its event handlers (start, preempt,
 approve, stop, complete) share the virtual cluster's state, and split across modules they would
@@ -26,6 +27,7 @@ from jobs.scheduling.policy import plan
 from jobs.scheduling.promises import PromiseBook
 from jobs.scheduling.protection import DEFAULT_RESTART_S, min_run_s
 from jobs.scheduling.sim_metrics import engine_metrics
+from jobs.scheduling.sim_reclaims import ReclaimClocks
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 from jobs.scheduling.trace import (
     SIZE_CLASSES,
@@ -188,7 +190,6 @@ class _Engine:
         self.reclaimed_at: list[float | None] = [None] * n
         self.filled_at: list[float] = [-INF] * n  # when a backfill claim last stopped it
         self.safety_stops: set[int] = set()  # jobs whose preemption the safety stop refused
-        self.reclaim_start: list[float | None] = [None] * n
 
         # Teams
         team_names = sorted({j.team for j in self.jobs})
@@ -205,8 +206,16 @@ class _Engine:
             tid: [] for tid in self.quota
         }
         self.team_sizes: dict[int, dict[int, int]] = {tid: {} for tid in self.quota}
-        self.unclocked = dict.fromkeys(self.quota, 0)  # queued jobs whose reclaim clock is off
         self.job_team = [self.team_id[j.team] for j in self.jobs]
+        self.clocks = ReclaimClocks(
+            {tid: q.quota for tid, q in self.quota.items()},
+            n,
+            self.team_queue,
+            self.team_sizes,
+            grace_s=cfg.grace_s,
+            gang_exempt_s=cfg.gang_reclaim_exempt_s,
+            largest_node=max(self.node_sizes),
+        )
 
         # Dynamic state
         self.queue: dict[int, JobView] = {}  # job id (index + 1) -> view, arrival order
@@ -236,7 +245,6 @@ class _Engine:
         self.last_waits: dict = {}  # the last plan's waits (job id -> WaitReason)
         self.lost_gpu_s = 0.0
         self.lost_by_kind: dict[str, float] = {}  # preemption kind -> GPU-seconds lost
-        self.reclaims: dict[int, list[float]] = {tid: [] for tid in self.quota}
         # proposed: in plans; duplicate: the victim already had an open request (or was gone);
         # withdrawn: the claimant no longer waited at approval; executed: stop begun;
         # stopped: victims requeued (the rest finished within their grace period).
@@ -311,7 +319,7 @@ class _Engine:
                     self.promises.arrived(arr + 1)
                 arr += 1
             if self.queue:
-                self._reclaim_clocks(t)
+                self.clocks.tick(t, self.used, self.cfg.gpus - self.busy)
                 self._plan(t)
             self.fit_queued = bool(self.queue) and self._queued_job_fits()
             self.fit_reason = self._fit_reason() if self.fit_queued else ""
@@ -377,7 +385,6 @@ class _Engine:
         bisect.insort(self.team_queue[tid], (-job.priority, job.submit_s, jid, job.gpus))
         sizes = self.team_sizes[tid]
         sizes[job.gpus] = sizes.get(job.gpus, 0) + 1
-        self.unclocked[tid] += 1
 
     def _queued_job_fits(self) -> bool:
         """Would some queued job's shape fit the idle GPUs now (ignoring team caps and
@@ -422,49 +429,6 @@ class _Engine:
         if reason.code == "team_limit" and reason.data.get("paused"):
             return "team_limit_paused"
         return reason.code
-
-    def _reclaim_clocks(self, t: float) -> None:
-        """Start the reclaim clock of each queued job its team's quota has room for.
-
-        Room is counted in the policy's order (priority, then submit time), greedily: GPUs in
-        use, plus the team's queued jobs ahead of it that fit, plus its own must stay within the
-        quota.
-        """
-        # Only while some team holds GPUs beyond its quota: with nothing lent there is nothing
-        # to reclaim (a job that waits then waits for free GPUs of the right shape, as it
-        # would on a cluster of its own).
-        if not any(self.used[tid] > q.quota for tid, q in self.quota.items()):
-            return
-        for tid, members in self.team_queue.items():
-            room = self.quota[tid].quota - self.used[tid]
-            if room <= 0 or not self.unclocked[tid]:
-                continue
-            smallest = min(self.team_sizes[tid])
-            for _, _, jid, gpus in members:
-                if room < smallest:
-                    break
-                if gpus > room:
-                    continue
-                room -= gpus
-                if self.reclaim_start[jid - 1] is None:
-                    self.reclaim_start[jid - 1] = t
-                    self.unclocked[tid] -= 1
-
-    def _quota_back(self, tid: int, t: float) -> None:
-        """The team holds its whole quota again: the reclaim clocks of its queued jobs stop
-        here, whichever of its jobs took the GPUs back. The promise is the team's quota, not a
-        start for each job: a job that then waits, waits behind its own team's work, and its
-        clock starts again only if the team falls below its quota while another team borrows.
-        (Replays of msft at 1,280 GPUs found every reclaim "over the bound" to be such a clock,
-        kept running while its team held 128 to 184 of its 128 GPUs: bench/reclaim_replay.py.)"""
-        if len(self.team_queue[tid]) == self.unclocked[tid]:
-            return
-        for _, _, jid, _ in self.team_queue[tid]:
-            started = self.reclaim_start[jid - 1]
-            if started is not None:
-                self.reclaims[tid].append(t - started)
-                self.reclaim_start[jid - 1] = None
-                self.unclocked[tid] += 1
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -589,13 +553,8 @@ class _Engine:
         self.wait[i] += t - self.queued_since[i]
         if self.first_start[i] is None:
             self.first_start[i] = t
-        if self.reclaim_start[i] is not None:
-            self.reclaims[tid].append(t - self.reclaim_start[i])
-            self.reclaim_start[i] = None
-        else:
-            self.unclocked[tid] -= 1
-        if self.used[tid] >= self.quota[tid].quota:
-            self._quota_back(tid, t)
+        self.clocks.started(jid, tid, t, self.used)
+        self.clocks.gang_started(jid, tid, view.gpus, t)
         attempt = self.attempt[i]
         cfg = self.cfg
         warmup = cfg.restart_s if attempt > 0 else 0.0
@@ -639,6 +598,7 @@ class _Engine:
         self.busy -= gpus
         self.used[run.view.team_id] -= gpus
         del self.running[jid]
+        self.clocks.released(jid)
         self.running_dirty = True
 
     def _complete(self, jid: int, attempt: int, t: float) -> None:
