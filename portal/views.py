@@ -298,7 +298,10 @@ def job_page(request, job_id: int):
             "layout": layout,
             "advice": checkpoint_advice(job),
             "protection": protection(job, now=now),
-            "ranks": list(range(world)),
+            # A list to choose from up to LOG_RANK_CHOICES_MAX ranks, a number field beyond:
+            # 4,096 options made the page 120 kB heavier and the list unusable.
+            "ranks": list(range(world)) if world <= LOG_RANK_CHOICES_MAX else None,
+            "world": world,
             "page_data": {
                 "job": job.id,
                 "name": job.name,
@@ -319,6 +322,7 @@ def job_page(request, job_id: int):
 
 
 CHART_POINTS = 2000  # points per rank a chart asks for; the server keeps each bucket's min/max
+LOG_RANK_CHOICES_MAX = 64  # the log panel's rank list; wider jobs get a number field
 RANK_LINES = 8  # a wide job's per-rank charts: rank 0 and the 7 ranks farthest from the rest
 
 

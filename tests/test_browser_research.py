@@ -524,6 +524,22 @@ def test_a_wide_jobs_page_draws_the_band_of_every_rank_and_its_stragglers(cluste
     gpu = page.evaluate("() => document.getElementById('gpu-util-chart').data.map(t => t.name)")
     assert "mean of all ranks" in gpu and "rank 77" in gpu and len(gpu) == 2 + 1 + 8
     assert "96 ranks" in page.locator("#gpu-note").inner_text()
+    # Its log panel asks for a rank number (a list of 96 or 4,096 is no way to find one) and
+    # offers the ranks the step-time chart singles out.
+    field = page.locator("#log-rank")
+    assert field.evaluate("e => e.tagName + ' ' + e.type + ' ' + e.max") == "INPUT number 95"
+    suggested = page.eval_on_selector_all("#log-rank-suggest option", "os => os.map(o => o.value)")
+    assert suggested[0] == "0" and "41" in suggested and len(suggested) == 8
+    asked: list[str] = []
+    page.on("request", lambda r: asked.append(r.url) if "/logs/" in r.url else None)
+    field.fill("96")
+    field.dispatch_event("change")
+    status = page.locator("#log-status")
+    assert status.inner_text() == "no rank 96: this job's ranks are 0 to 95; showing rank 0"
+    with page.expect_request(lambda r: "/logs/?rank=41&" in r.url):
+        field.fill("41")
+        field.dispatch_event("change")
+    assert not any("rank=96" in url for url in asked)
     page.locator("#step-time-chart").scroll_into_view_if_needed()
     page.wait_for_timeout(500)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)

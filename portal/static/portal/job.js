@@ -111,6 +111,19 @@
     ];
   }
 
+  // The ranks a wide job's step-time chart singles out, offered in the log panel's rank field.
+  function suggestRanks(lines) {
+    var list = document.getElementById("log-rank-suggest");
+    if (!list) return;
+    list.replaceChildren();
+    ["0"].concat(Object.keys(lines).filter(function (r) { return r !== "0"; })).forEach(function (rank) {
+      var option = document.createElement("option");
+      option.value = rank;
+      option.textContent = "rank " + rank + (lines[rank] === "above" || lines[rank] === "below" ? " (" + lines[rank] + " the rest)" : "");
+      list.appendChild(option);
+    });
+  }
+
   // A wide job's chart, drawn whole from one answer (the band changes with the range).
   function drawSpread(name, data) {
     var s = SERIES[name];
@@ -121,6 +134,7 @@
       : [];
     chart.ranks = {}; chart.full = {}; chart.last = {}; chart.points = 0;
     addRankTraces(chart, data, traces);
+    if (name === "step_time_s") suggestRanks(data.lines || {});
     // Nine legend entries wrap to rows: below the axis title, smaller.
     var below = {legend: {orientation: "h", y: -0.4, font: {size: 10}}};
     return Plotly.react(s.el, traces, layout(s.title, s.y, below), config);
@@ -481,7 +495,19 @@
           (page.live_all_ranks === false && logRank !== 0 ? "fetched again every " + page.live_refresh_s + " s" : "then live");
       });
   }
-  rankSelect.addEventListener("change", function () { logRank = Number(rankSelect.value); loadLogs(); });
+  // A wide job's rank is typed (a number field): one that is not a rank of the job says so
+  // and keeps the rank shown.
+  rankSelect.addEventListener("change", function () {
+    var n = Number(rankSelect.value);
+    if (rankSelect.value === "" || !Number.isInteger(n) || n < 0 || n >= page.ranks) {
+      document.getElementById("log-status").textContent =
+        "no rank " + rankSelect.value + ": this job's ranks are 0 to " + (page.ranks - 1) +
+        "; showing rank " + logRank;
+      return;
+    }
+    logRank = n;
+    loadLogs();
+  });
   follow.addEventListener("change", function () { if (follow.checked) logs.scrollTop = logs.scrollHeight; });
   // Scrolling up to read stops following; scrolling back to the end follows again.
   logs.addEventListener("scroll", function () {
