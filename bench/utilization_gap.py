@@ -19,6 +19,9 @@ switches off one part of the policy at a time to see what each costs and buys:
 - `no-starvation-rules`: no reservations for starving jobs beside the head's and no
   starvation claims.
 - `aging-cap-12h`: a borrowed job ages (goes first among guaranteed work) after at most 12 h.
+- `short-borrowed-first`: borrowed work that has not aged goes shortest runtime estimate first
+  (before fair share): GPUs lent to short jobs come back by themselves more often.
+- `reclaim-backoff-1h`: a team whose GPUs were reclaimed may not borrow for 1 h (300 s).
 
 Each variant patches one module constant or function in its own worker process (the
 simulator and policy are pure; nothing is shared). EASY backfill runs once per trace.
@@ -56,6 +59,8 @@ VARIANTS = (
     "submit-order",
     "no-starvation-rules",
     "aging-cap-12h",
+    "short-borrowed-first",
+    "reclaim-backoff-1h",
 )
 KEYS = (
     "work_utilization",
@@ -133,6 +138,19 @@ def _ablate(variant: str):
 
         order.aged = capped
         return same
+    if variant == "short-borrowed-first":
+        base = order.job_order_key
+
+        def shortest_borrowed(job, teams=None, now=None):
+            key = base(job, teams, now)
+            if key[1] == 1:  # borrowed and not aged
+                return (key[0], 1, job.runtime_estimate_s or float("inf"), *key[2:])
+            return key
+
+        policy.job_order_key = shortest_borrowed
+        return same
+    if variant == "reclaim-backoff-1h":
+        return lambda trace, config: (trace, replace(config, reclaim_backoff_s=3600.0))
     raise ValueError(f"unknown variant {variant!r}")
 
 
