@@ -1,6 +1,6 @@
 // Job page: the timeline of attempts and events, training charts that keep up live over the
 // websocket and fetch full detail for a zoomed range, GPU telemetry per rank, logs per rank
-// with follow, and new checkpoints as they commit.
+// with follow (job_logs.js) and new checkpoints as they commit (job_checkpoints.js), both loaded first.
 //
 // Charts ask GET /api/v1/jobs/{id}/metrics/ for at most max_points points per rank: the server
 // keeps each step bucket's minimum and maximum, so a million-point series arrives as about
@@ -111,19 +111,6 @@
     ];
   }
 
-  // The ranks a wide job's step-time chart singles out, offered in the log panel's rank field.
-  function suggestRanks(lines) {
-    var list = document.getElementById("log-rank-suggest");
-    if (!list) return;
-    list.replaceChildren();
-    ["0"].concat(Object.keys(lines).filter(function (r) { return r !== "0"; })).forEach(function (rank) {
-      var option = document.createElement("option");
-      option.value = rank;
-      option.textContent = "rank " + rank + (lines[rank] === "above" || lines[rank] === "below" ? " (" + lines[rank] + " the rest)" : "");
-      list.appendChild(option);
-    });
-  }
-
   // A wide job's chart, drawn whole from one answer (the band changes with the range).
   function drawSpread(name, data) {
     var s = SERIES[name];
@@ -134,7 +121,7 @@
       : [];
     chart.ranks = {}; chart.full = {}; chart.last = {}; chart.points = 0;
     addRankTraces(chart, data, traces);
-    if (name === "step_time_s") suggestRanks(data.lines || {});
+    if (name === "step_time_s") logPanel.suggest(data.lines || {});
     // Nine legend entries wrap to rows: below the axis title, smaller.
     var below = {legend: {orientation: "h", y: -0.4, font: {size: 10}}};
     return Plotly.react(s.el, traces, layout(s.title, s.y, below), config);
@@ -471,100 +458,11 @@
     }, config);
   }
 
-  // ---- Logs per rank, with follow ---------------------------------------------------------
-  var logs = document.getElementById("logs");
-  var rankSelect = document.getElementById("log-rank");
-  var follow = document.getElementById("log-follow");
-  var logRank = Number(rankSelect.value || 0);
-  var logSeq = 0;
-  function appendLog(text) {
-    logs.textContent = (logs.textContent + text).slice(-200000);
-    if (follow.checked) logs.scrollTop = logs.scrollHeight;
-  }
-  function loadLogs() {
-    var seq = ++logSeq;
-    logs.textContent = "";
-    document.getElementById("log-status").textContent = "loading…";
-    fetch("/api/v1/jobs/" + jobId + "/logs/?rank=" + logRank + "&tail=500", {credentials: "same-origin"})
-      .then(function (r) { return r.ok ? r.json() : {lines: [], attempt: null}; })
-      .then(function (d) {
-        if (seq !== logSeq) return;
-        appendLog(d.lines.join("\n") + (d.lines.length ? "\n" : ""));
-        document.getElementById("log-status").textContent =
-          !d.attempt ? "no logs yet" : "attempt " + d.attempt + ", last " + d.lines.length + " lines, " +
-          (page.live_all_ranks === false && logRank !== 0 ? "fetched again every " + page.live_refresh_s + " s" : "then live");
-      });
-  }
-  // A wide job's rank is typed (a number field): one that is not a rank of the job says so
-  // and keeps the rank shown.
-  rankSelect.addEventListener("change", function () {
-    var n = Number(rankSelect.value);
-    if (rankSelect.value === "" || !Number.isInteger(n) || n < 0 || n >= page.ranks) {
-      document.getElementById("log-status").textContent =
-        "no rank " + rankSelect.value + ": this job's ranks are 0 to " + (page.ranks - 1) +
-        "; showing rank " + logRank;
-      return;
-    }
-    logRank = n;
-    loadLogs();
-  });
-  follow.addEventListener("change", function () { if (follow.checked) logs.scrollTop = logs.scrollHeight; });
-  // Scrolling up to read stops following; scrolling back to the end follows again.
-  logs.addEventListener("scroll", function () {
-    follow.checked = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 5;
-  });
+  // ---- Logs per rank, with follow: job_logs.js -------------------------------------------
+  var logPanel = window.lockstepJobLogs;
 
-  // ---- Checkpoints as they commit ---------------------------------------------------------
-  function fmtBytes(n) {
-    var units = ["bytes", "KB", "MB", "GB", "TB"], i = 0;
-    while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
-    return (i ? n.toFixed(1) : n) + " " + units[i];
-  }
-  // A framework's own save (the agent saw it; docs/training.md) says which framework wrote it.
-  var FORMATS = {lightning: "Lightning .ckpt", hf: "Hugging Face checkpoint-N/", torch: "torch.save file"};
-  function addCheckpointRows() {
-    fetch("/api/v1/jobs/" + jobId + "/checkpoints/", {credentials: "same-origin"})
-      .then(function (r) { return r.ok ? r.json() : []; })
-      .then(function (list) {
-        var body = document.querySelector("#checkpoints tbody");
-        var csrf = document.querySelector("input[name=csrfmiddlewaretoken]");
-        var name = page.name || document.querySelector("#checkpoints input[name=name]")?.value || "";
-        list.slice().reverse().forEach(function (c) {
-          // By id: two saves may carry one step (a framework's save named without it).
-          if (body.querySelector('tr[data-id="' + c.id + '"]')) return;
-          var empty = body.querySelector("tr.empty");
-          if (empty) empty.remove();
-          var tr = document.createElement("tr");
-          tr.dataset.step = c.step;
-          tr.dataset.id = c.id;
-          tr.className = "fresh";
-          var attempts = page.timeline.attempts;
-          var number = attempts.length ? attempts[attempts.length - 1].number : "";
-          var step = c.format && c.format !== "dcp" ? c.step + " · " + (FORMATS[c.format] || c.format) : c.step;
-          var saved = c.save_s ? c.save_s.toFixed(2) + "s" : "—";
-          [step, number, fmtBytes(c.bytes), saved, new Date(c.created_at).toTimeString().slice(0, 8)]
-            .forEach(function (v, i) {
-              var cell = document.createElement("td");
-              cell.textContent = v;
-              cell.dataset.label = ["Step", "Attempt", "Size", "Save time", "Saved"][i];
-              tr.appendChild(cell);
-            });
-          var td = document.createElement("td");
-          td.dataset.label = "Register";
-          var form = document.createElement("form");
-          form.className = "inline-form register";
-          form.method = "post";
-          form.action = "/checkpoints/" + c.id + "/register/";
-          form.innerHTML = '<input type="hidden" name="csrfmiddlewaretoken"><input name="name" aria-label="model name" required>' +
-            '<input name="notes" placeholder="notes (optional)" aria-label="notes"><button type="submit">Register</button>';
-          form.elements.csrfmiddlewaretoken.value = csrf ? csrf.value : "";
-          form.elements.name.value = name;
-          td.appendChild(form);
-          tr.appendChild(td);
-          body.insertBefore(tr, body.firstChild);
-        });
-      });
-  }
+  // ---- Checkpoints as they commit: job_checkpoints.js --------------------------------------
+  var addCheckpointRows = window.lockstepJobCheckpoints.refresh;
 
   // ---- Websocket: metrics, state, logs, checkpoints ----------------------------------------
   // The socket opens at once; points that come before a chart is drawn wait for it. Each push
@@ -611,7 +509,7 @@
       // The overview first, then the zoomed detail again on top of it.
       refetch(name, null).then(function () { if (zoom) return refetch(name, zoom); });
     });
-    loadLogs();
+    logPanel.load();
     addCheckpointRows();
   }
   function onMessage(ev) {
@@ -641,8 +539,8 @@
       el.className = "state state-" + msg.state;
       document.getElementById("job-reason").textContent = msg.reason || "";
       watchGpus(msg.state);
-    } else if (msg.type === "log" && Number(msg.rank) === logRank) {
-      appendLog(msg.text);
+    } else if (msg.type === "log") {
+      logPanel.live(Number(msg.rank), msg.text);
     } else if (msg.type === "checkpoint") {
       addCheckpointRows();
     }
@@ -669,12 +567,12 @@
         var chart = state.charts[name];
         if (chart.drawn && SERIES[name].rank === undefined) refetch(name, chart.zoom);
       });
-      if (logRank !== 0) loadLogs();
+      if (logPanel.rank() !== 0) logPanel.load();
     }, 1000 * (page.live_refresh_s || 15));
   }
 
   connect();
-  loadLogs();
+  logPanel.load();
   watchGpus(page.state);
   var charts = Object.keys(SERIES).map(drawInitial).concat((page.scalars || []).map(addScalarSeries));
   Promise.all(charts).then(function () {
