@@ -22,6 +22,7 @@ switches off one part of the policy at a time to see what each costs and buys:
 - `short-borrowed-first`: borrowed work that has not aged goes shortest runtime estimate first
   (before fair share): GPUs lent to short jobs come back by themselves more often.
 - `reclaim-backoff-1h`: a team whose GPUs were reclaimed may not borrow for 1 h (300 s).
+- `no-reclaim-backoff`: a team whose GPUs were reclaimed may borrow again at once.
 
 Each variant patches one module constant or function in its own worker process (the
 simulator and policy are pure; nothing is shared). EASY backfill runs once per trace.
@@ -61,6 +62,7 @@ VARIANTS = (
     "aging-cap-12h",
     "short-borrowed-first",
     "reclaim-backoff-1h",
+    "no-reclaim-backoff",
 )
 KEYS = (
     "work_utilization",
@@ -151,6 +153,8 @@ def _ablate(variant: str):
         return same
     if variant == "reclaim-backoff-1h":
         return lambda trace, config: (trace, replace(config, reclaim_backoff_s=3600.0))
+    if variant == "no-reclaim-backoff":
+        return lambda trace, config: (trace, replace(config, reclaim_backoff_s=0.0))
     raise ValueError(f"unknown variant {variant!r}")
 
 
