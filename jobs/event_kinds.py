@@ -70,6 +70,10 @@ class EventKind(StrEnum):
     TEAM_REGISTRY_CREDENTIAL_SET = "team.registry_credential_set"
     TEAM_DATASET_PATHS_CHANGED = "team.dataset_paths_changed"
     TEAM_ISOLATION_CHANGED = "team.isolation_changed"
+    # A queued job its team's quota owes GPUs waited past the reclaim bound (an admin alert),
+    # and when that wait ended (jobs/scheduling/owed.py)
+    TEAM_QUOTA_OVERDUE = "team.quota_overdue"
+    TEAM_QUOTA_OVERDUE_ENDED = "team.quota_overdue_ended"
     TEAM_REGISTRY_CREDENTIAL_REMOVED = "team.registry_credential_removed"
     TOKEN_ISSUED = "token.issued"
     TOKEN_REVOKED = "token.revoked"

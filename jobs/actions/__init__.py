@@ -38,6 +38,7 @@ from jobs.actions.preemption import (
     do_propose_preemption,
     do_withdraw_stale_preemptions,
 )
+from jobs.actions.quota import do_note_quota_overdue, do_note_quota_overdue_ended
 from jobs.actions.registry import do_finish_model_export, do_register_model_version
 
 __all__ = [
@@ -58,6 +59,8 @@ __all__ = [
     "do_mark_attempt_running",
     "do_mark_node_lost",
     "do_node_leaving",
+    "do_note_quota_overdue",
+    "do_note_quota_overdue_ended",
     "do_propose_preemption",
     "do_record_health",
     "do_register_model_version",

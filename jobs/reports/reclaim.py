@@ -5,15 +5,24 @@ victims' stop grace, plus the approval delay for a priority preemption, plus one
 A claim is one wait of one claimant job: its preemption requests that the same start ended
 (several victims count once, from the earliest proposal). Its time is
 PreemptionRequest.reclaim_s of that earliest request: proposal to the claimant's start.
+
+Beside the claims, the waits no request measures: a job its team's quota owes GPUs (queued,
+within the quota's room, while another team borrows) is timed by the scheduler from the pass
+that first sees it owed (jobs/scheduling/owed.py); past the bound it writes
+`team.quota_overdue`, and `team.quota_overdue_ended` when the wait ends. Those count here as
+`owed_overdue` (ended in the window, with their longest) and `owed_overdue_now`.
 """
 
 from __future__ import annotations
 
 import statistics
-from datetime import datetime
+from datetime import datetime, timedelta
+
+from django.db.models import Max
 
 from jobs.conf import lockstep_setting
-from jobs.models import Job, PreemptionRequest
+from jobs.event_kinds import EventKind
+from jobs.models import Event, Job, PreemptionRequest
 
 # Every kind the model knows: a report that listed only some raised KeyError on the others.
 KINDS = tuple(PreemptionRequest.Kind)
@@ -42,8 +51,41 @@ def _empty(team_id: int, team: str, since: datetime) -> dict:
         "oldest_waiting_s": None,
         "by_kind": dict.fromkeys(KINDS, 0),
         "bound_s": {kind: reclaim_bound_s(kind) for kind in KINDS},
+        "owed_overdue": 0,
+        "owed_overdue_max_s": None,
+        "owed_overdue_now": 0,
+        "owed_oldest_s": None,
         "breached": False,
     }
+
+
+# An owed wait still open is looked for among the alerts of this many days before `now`.
+OPEN_OVERDUE_DAYS = 30
+
+
+def _owed_overdue(out: dict, *, since: datetime, now: datetime, team_ids) -> None:
+    """Add the scheduler's overdue owed waits (ended in [since, now], or still open) to `out`."""
+    events = Event.objects.filter(created_at__lte=now, team__isnull=False)
+    if team_ids is not None:
+        events = events.filter(team_id__in=list(team_ids))
+    ended = events.filter(kind=EventKind.TEAM_QUOTA_OVERDUE_ENDED, created_at__gte=since)
+    for team_id, team, data in ended.values_list("team_id", "team__name", "data"):
+        row = out.setdefault(team_id, _empty(team_id, team, since))
+        row["owed_overdue"] += 1
+        row["owed_overdue_max_s"] = max(row["owed_overdue_max_s"] or 0.0, data.get("owed_s", 0))
+    # Open: a job still queued whose latest overdue event is the alert, not its end.
+    recent = events.filter(
+        kind__in=[EventKind.TEAM_QUOTA_OVERDUE, EventKind.TEAM_QUOTA_OVERDUE_ENDED],
+        created_at__gte=now - timedelta(days=OPEN_OVERDUE_DAYS),
+        job__state=Job.State.QUEUED,
+    )
+    latest = recent.values("job_id").annotate(last=Max("id")).values_list("last", flat=True)
+    alerts = Event.objects.filter(id__in=list(latest), kind=EventKind.TEAM_QUOTA_OVERDUE)
+    for team_id, team, data in alerts.values_list("team_id", "team__name", "data"):
+        row = out.setdefault(team_id, _empty(team_id, team, since))
+        row["owed_overdue_now"] += 1
+        waited = (now - datetime.fromisoformat(data["since"])).total_seconds()
+        row["owed_oldest_s"] = round(max(row["owed_oldest_s"] or 0.0, waited), 1)
 
 
 def reclaim_summary(
@@ -55,7 +97,9 @@ def reclaim_summary(
     Per team: `claims` (ended by the claimant's start), their `median_s` and `max_s`,
     `breaches` (claims longer than their kind's bound), `waiting` (claimants still queued
     behind an open or executed request), `waiting_over_bound` (of those, older than their
-    bound: breaches in the making), `by_kind` (claims per kind), `bound_s` per kind, and
+    bound: breaches in the making), `by_kind` (claims per kind), `bound_s` per kind,
+    `owed_overdue` / `owed_overdue_max_s` (owed waits past the bound that ended in the
+    window, and the longest), `owed_overdue_now` / `owed_oldest_s` (still waiting), and
     `breached` (any breach, ended or still waiting). Rejected and withdrawn requests do not
     count: nothing was promised for them.
     """
@@ -99,11 +143,17 @@ def reclaim_summary(
         row["by_kind"][kind] += 1
         if took > bound:
             row["breaches"] += 1
+    _owed_overdue(out, since=since, now=now, team_ids=team_ids)
     for team_id, row in out.items():
         took = times.get(team_id, [])
         row["claims"] = len(took)
         if took:
             row["median_s"] = round(statistics.median(took), 1)
             row["max_s"] = round(max(took), 1)
-        row["breached"] = bool(row["breaches"] or row["waiting_over_bound"])
+        row["breached"] = bool(
+            row["breaches"]
+            or row["waiting_over_bound"]
+            or row["owed_overdue"]
+            or row["owed_overdue_now"]
+        )
     return out

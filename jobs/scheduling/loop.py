@@ -19,11 +19,13 @@ from django.utils import timezone
 from jobs import actions, metric_store, queries
 from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Job, Node, PreemptionRequest
+from jobs.reports.reclaim import reclaim_bound_s
 from jobs.scheduling.apply import ApplyResult, ReasonMemo, apply_plan
 from jobs.scheduling.detect import detect_exit_hangs, detect_hangs, detect_stragglers
 from jobs.scheduling.estimate import estimate_starts, head_of_queue
 from jobs.scheduling.estimator import Estimator
 from jobs.scheduling.leader import LeaderLease
+from jobs.scheduling.owed import OwedClocks, drained_for_gangs, owed_jobs
 from jobs.scheduling.policy import plan
 from jobs.scheduling.reader import QueueMemo, UsageMemo, take_snapshot
 from jobs.scheduling.wake import subscriber, wake_scheduler
@@ -165,17 +167,19 @@ def run_pass(
     estimator: Estimator | None = None,
     usage: UsageMemo | None = None,
     queue: QueueMemo | None = None,
+    owed: OwedClocks | None = None,
 ) -> tuple[PassReport, ApplyResult]:
     """One scheduling pass: housekeeping, snapshot, plan, estimates, apply. The loop passes
     its leadership term's `memo` of written wait reasons (apply.ReasonMemo), its `estimator`
     (jobs/scheduling/estimator.py: estimates beside the pass once they are slow) and its
     `usage` memo of fair-share history (reader.UsageMemo) and its `queue` memo of the queued
     jobs' rows (reader.QueueMemo); without them the pass reads and works everything out
-    itself."""
+    itself. With the term's `owed` clocks it also times the jobs their team's quota owes
+    GPUs (jobs/scheduling/owed.py) and writes an Event for each past the reclaim bound."""
     collecting = gc.isenabled()
     gc.disable()  # the leader collects after the pass instead (_collect_between_passes)
     try:
-        return _pass(now, memo, estimator, usage, queue)
+        return _pass(now, memo, estimator, usage, queue, owed)
     finally:
         if collecting:
             gc.enable()
@@ -194,7 +198,7 @@ def _collect_between_passes() -> None:
         gc.freeze()
 
 
-def _pass(now, memo, estimator, usage, queue) -> tuple[PassReport, ApplyResult]:
+def _pass(now, memo, estimator, usage, queue, owed=None) -> tuple[PassReport, ApplyResult]:
     started = time.monotonic()
     phases, mark = {}, started
 
@@ -237,6 +241,9 @@ def _pass(now, memo, estimator, usage, queue) -> tuple[PassReport, ApplyResult]:
         reason_budget_s=lockstep_setting("REASON_WRITE_S"),
     )
     phase("apply")
+    if owed is not None:
+        time_owed(owed, snapshot, result, now)
+        phase("owed")
     # The wait reasons' share of apply, as a phase of its own (gangs placed, then advice).
     phases["reasons"] = round(min(result.reasons_s, phases["apply"]), 4)
     phases["apply"] = round(phases["apply"] - phases["reasons"], 4)
@@ -251,6 +258,25 @@ def _pass(now, memo, estimator, usage, queue) -> tuple[PassReport, ApplyResult]:
     )
     record_pass(report, now)
     return report, result
+
+
+def time_owed(clocks: OwedClocks, snapshot, result: ApplyResult, now: datetime) -> None:
+    """The pass's owed jobs (less those it started) on the term's clocks; an Event for each
+    clock that ran past the reclaim bound and for each overdue one that ended."""
+    owed = {j: t for j, t in owed_jobs(snapshot).items() if j not in result.applied}
+    newly, ended = clocks.update(owed, now)
+    if newly:
+        gangs = drained_for_gangs(snapshot)
+        for overdue in newly:
+            actions.do_note_quota_overdue(overdue, bound_s=clocks.bound_s, gangs=gangs, now=now)
+    for overdue in ended:
+        actions.do_note_quota_overdue_ended(overdue)
+
+
+def owed_clocks() -> OwedClocks:
+    """A leadership term's owed clocks, held to the bound of a reclaim (the stop grace plus
+    one tick): a job its team's quota owes GPUs waits no longer than a reclaim's claimant."""
+    return OwedClocks(bound_s=reclaim_bound_s(PreemptionRequest.Kind.RECLAIM))
 
 
 LAST_PASS_KEY = "lockstep:scheduler:last_pass"
@@ -311,19 +337,19 @@ def _estimator() -> Estimator:
 def _loop(lease, tick_s: float, once: bool, pubsub) -> None:
     memo, estimator, usage, queue = ReasonMemo(), _estimator(), UsageMemo(), QueueMemo()
     try:
-        _lead(lease, tick_s, once, pubsub, memo, estimator, usage, queue)
+        _lead(lease, tick_s, once, pubsub, memo, estimator, usage, queue, owed_clocks())
     finally:
         estimator.close()
 
 
-def _lead(lease, tick_s: float, once: bool, pubsub, memo, estimator, usage, queue) -> None:
+def _lead(lease, tick_s: float, once: bool, pubsub, memo, estimator, usage, queue, owed) -> None:
     while True:
         close_old_connections()
         if not lease.acquire_or_renew():
             if once:
                 raise SystemExit(f"another scheduler leads ({lease.holder()}); no pass run")
             # Another leader writes meanwhile: a new term reads afresh.
-            memo, usage, queue = ReasonMemo(), UsageMemo(), QueueMemo()
+            memo, usage, queue, owed = ReasonMemo(), UsageMemo(), QueueMemo(), owed_clocks()
             pubsub = _wait_for_wake(pubsub, tick_s)
             continue
         wait_s = None
@@ -333,6 +359,7 @@ def _lead(lease, tick_s: float, once: bool, pubsub, memo, estimator, usage, queu
                 estimator=None if once else estimator,
                 usage=usage,
                 queue=queue,
+                owed=owed,
             )
             if report.reasons_deferred:
                 wait_s = REASON_CATCH_UP_S  # a backlog's reasons: written over the next passes

@@ -7,7 +7,8 @@ got its quota back:
 
 - it starts at an event at which some team holds GPUs beyond its quota and the job fits the
   team's room, counted greedily in the policy's order (priority, then submit time): GPUs in use,
-  plus the team's queued jobs ahead of it that fit, plus its own must stay within the quota;
+  plus the team's queued jobs ahead of it that fit, plus its own must stay within the quota
+  (`owed.fitting`, as the live scheduler's clocks count);
 - it stops when the job starts; when its team holds its whole quota again, whichever of the
   team's jobs took the GPUs back (the promise is the team's quota, not a start for each job);
   or when the job no longer fits the team's room because the team's own work took it (its
@@ -27,6 +28,8 @@ free GPUs, and per other team the GPUs beyond its quota that are not an exempt g
 from __future__ import annotations
 
 from collections.abc import Mapping
+
+from jobs.scheduling.owed import fitting
 
 
 class ReclaimClocks:
@@ -109,21 +112,17 @@ class ReclaimClocks:
     ) -> None:
         members, open_ = self.team_queue[tid], self.open[tid]
         room = self.quota[tid] - used[tid]
-        fitting: set[int] = set()
+        fits: set[int] = set()
         if room > 0 and members:
             smallest = min(self.team_sizes[tid])
-            for _, _, jid, gpus in members:
-                if room < smallest:
-                    break
-                if gpus > room:
-                    continue
-                room -= gpus
-                fitting.add(jid)
-                if lending and jid not in open_:
-                    self.start[jid - 1] = t
-                    self.bound[jid - 1] = self._bound_for(tid, gpus, t, used, free)
-                    open_.add(jid)
-        for jid in open_ - fitting:
+            fits = set(fitting(room, ((jid, gpus) for _, _, jid, gpus in members), smallest))
+            if lending:
+                for _, _, jid, gpus in members:
+                    if jid in fits and jid not in open_:
+                        self.start[jid - 1] = t
+                        self.bound[jid - 1] = self._bound_for(tid, gpus, t, used, free)
+                        open_.add(jid)
+        for jid in open_ - fits:
             self._close(jid, tid, t)
 
     def _close(self, jid: int, tid: int, t: float) -> None:

@@ -58,6 +58,8 @@ def preemptions(request, scope):
                     "median": duration(row["median_s"]),
                     "max": duration(row["max_s"]),
                     "oldest": duration(row["oldest_waiting_s"]),
+                    "owed_max": duration(row["owed_overdue_max_s"]),
+                    "owed_oldest": duration(row["owed_oldest_s"]),
                 }
                 for row in sorted(reclaim.values(), key=lambda r: r["team"])
             ],
