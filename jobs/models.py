@@ -429,6 +429,11 @@ class Event(models.Model):
 
     class Meta:
         ordering = ["id"]
+        indexes = [
+            # Alerts and records read by kind over a window (safety stops on the queue page,
+            # the reclaim report's overdue owed waits): months of events, a few of the kind.
+            models.Index(fields=["kind", "created_at"], name="event_kind_time"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.kind}: {self.message}"
