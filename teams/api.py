@@ -30,8 +30,9 @@ class TeamSerializer(serializers.ModelSerializer):
     used = serializers.IntegerField(read_only=True)
     goodput = serializers.SerializerMethodField()
     reclaim = serializers.SerializerMethodField(
-        help_text="Reclaim times of the team's claims over the last 7 days against their bound "
-        "(jobs.reports.reclaim.reclaim_summary)"
+        help_text="Reclaim times of the team's claims over the last 7 days against their bound, "
+        "and its jobs' waits for GPUs its quota owed past that bound, ended (owed_overdue) or "
+        "not (owed_overdue_now) (jobs.reports.reclaim.reclaim_summary)"
     )
 
     class Meta:
