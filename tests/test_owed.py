@@ -156,3 +156,7 @@ def test_the_preemptions_page_shows_owed_waits_past_the_bound(lent, make_user):
     html = client.get("/console/preemptions/").content.decode()
     row = html.split('data-team="owner"')[1].split("</tr>")[0]
     assert '<td class="owed"><strong>1 waiting</strong> (oldest' in row
+    # The alert heads the queue page beside the safety stop's.
+    queue = client.get("/console/queue/").content.decode()
+    alerts = queue.split('id="scheduler-alerts"')[1].split("</div>")[0]
+    assert "has waited 66s for GPUs within its team&#x27;s quota" in alerts

@@ -86,10 +86,14 @@ def queue(request, scope):
         failed, status = form, 400
     now = timezone.now()
     # The scheduler's alerts of the last day: preemptions its safety stop refused (a policy
-    # that would have looped). An admin should look at who claims the job and at quotas.
+    # that would have looped), and jobs their team's quota owed GPUs past the reclaim bound.
+    # An admin should look at who claims the job, at quotas and at what holds the lent GPUs.
     alerts = list(
         scope.events()
-        .filter(kind=EventKind.PREEMPTION_SAFETY_STOP, created_at__gte=now - SAFETY_WINDOW)
+        .filter(
+            kind__in=[EventKind.PREEMPTION_SAFETY_STOP, EventKind.TEAM_QUOTA_OVERDUE],
+            created_at__gte=now - SAFETY_WINDOW,
+        )
         .order_by("-created_at")[:20]
     )
     rows = list(jobs.select_related("team", "owner"))
