@@ -11,7 +11,7 @@ from django.utils import timezone
 from jobs.models import Event
 from jobs.reports.reclaim import reclaim_summary
 from jobs.scheduling.loop import owed_clocks, run_pass
-from jobs.scheduling.owed import OwedClocks, fitting, owed_jobs
+from jobs.scheduling.owed import Overdue, OwedClocks, fitting, lending, owed_jobs
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
 
@@ -51,9 +51,11 @@ def test_a_teams_quota_owes_the_queued_jobs_that_fit_its_room_while_another_team
         job(14, 2, 4, 40),  # the borrower's own: beyond its quota, owed nothing
     ]
     assert owed_jobs(snapshot([lender, borrower], queued)) == {10: 1, 12: 1, 13: 1}
-    # Nobody beyond its quota: nothing is lent, so nothing is owed.
+    assert lending(snapshot([lender, borrower], queued))
+    # Nobody beyond its quota: nothing is lent (clocks do not start), the room is the same.
     even = TeamView(2, "borrower", quota=16, borrow_limit=16, used=16)
-    assert owed_jobs(snapshot([lender, even], queued)) == {}
+    assert not lending(snapshot([lender, even], queued))
+    assert owed_jobs(snapshot([lender, even], queued)) == {10: 1, 12: 1, 13: 1}
     # A team at its whole quota is owed nothing more.
     full = TeamView(1, "lender", quota=16, borrow_limit=0, used=16)
     assert owed_jobs(snapshot([full, borrower], queued)) == {}
@@ -76,6 +78,25 @@ def test_a_clock_past_the_bound_is_overdue_once_and_ends_when_the_job_is_no_long
     clocks.update({12: 1, 16: 1}, NOW + timedelta(seconds=130))
     newly, ended = clocks.update({12: 1}, NOW + timedelta(seconds=200))
     assert newly == [] and [o.job_id for o in ended] == [16]
+
+
+def test_clocks_start_only_while_gpus_are_lent_and_run_on_after():
+    clocks = OwedClocks(bound_s=65.0)
+    clocks.update({10: 1}, NOW, lent=False)
+    assert clocks.since == {}  # nothing lent: nothing owed yet
+    clocks.update({10: 1}, NOW + timedelta(seconds=10))
+    newly, _ = clocks.update({10: 1, 11: 1}, NOW + timedelta(seconds=80), lent=False)
+    assert [o.job_id for o in newly] == [10] and 11 not in clocks.since
+
+
+def test_a_new_term_takes_over_the_overdue_clocks_without_a_second_alert():
+    clocks = OwedClocks(bound_s=65.0)
+    clocks.adopt([Overdue(10, 1, NOW - timedelta(seconds=300))])
+    assert clocks.update({10: 1}, NOW) == ([], [])
+    newly, ended = clocks.update({}, NOW + timedelta(seconds=5))
+    assert newly == [] and [(o.job_id, o.since) for o in ended] == [
+        (10, NOW - timedelta(seconds=300))
+    ]
 
 
 def test_drained_for_gangs_are_counted_for_the_alert():
@@ -137,6 +158,31 @@ def test_a_reclaim_past_its_bound_is_an_alert_and_its_end_is_counted_by_team(len
     assert row["breached"]
     # The guest, beyond its quota of 0, is owed nothing.
     assert guest.id not in reclaim_summary(since=t0, now=t0 + timedelta(seconds=70))
+
+
+@pytest.mark.django_db
+def test_a_restarted_scheduler_ends_the_overdue_wait_its_last_term_left_open(lent):
+    owner, olga, guest, gus, node = lent
+    clocks = owed_clocks()
+    t0 = timezone.now()
+    borrowed = submit(guest, gus, gpus=2)
+    run_pass(now=t0, owed=clocks)
+    beat(node, live_attempt(borrowed), {0: None, 1: None})
+    claimant = submit(owner, olga, gpus=2)
+    run_pass(now=t0 + timedelta(seconds=1), owed=clocks)
+    run_pass(now=t0 + timedelta(seconds=67), owed=clocks)  # the alert
+    # The scheduler restarts; meanwhile an admin takes the owner's quota away, so the job is
+    # owed nothing any more. The new term's first pass ends the wait its last term alerted.
+    Team = type(owner)
+    Team.objects.filter(pk=owner.pk).update(quota=0)
+    again = owed_clocks(now=t0 + timedelta(seconds=68))
+    assert again.overdue == {claimant.id}
+    run_pass(now=t0 + timedelta(seconds=69), owed=again)
+    assert Event.objects.filter(kind="team.quota_overdue").count() == 1
+    (ended,) = Event.objects.filter(kind="team.quota_overdue_ended")
+    assert ended.data["owed_s"] == 68.0 and ended.data["how"].startswith("still queued")
+    row = reclaim_summary(since=t0, now=t0 + timedelta(seconds=70))[owner.id]
+    assert (row["owed_overdue"], row["owed_overdue_now"]) == (1, 0)
 
 
 @pytest.mark.django_db

@@ -47,8 +47,8 @@ def do_note_quota_overdue_ended(overdue: Overdue) -> Event | None:
     owed_s = (overdue.ended - overdue.since).total_seconds()
     if job.state == Job.State.QUEUED:
         how = "still queued: its team's own work took the room, or no team borrows now"
-    elif job.state == Job.State.CANCELLED:
-        how = "cancelled"
+    elif job.state in (Job.State.CANCELLED, Job.State.FAILED):
+        how = job.state.lower()
     else:
         how = "started"
     with transaction.atomic():

@@ -73,19 +73,34 @@ def _owed_overdue(out: dict, *, since: datetime, now: datetime, team_ids) -> Non
         row = out.setdefault(team_id, _empty(team_id, team, since))
         row["owed_overdue"] += 1
         row["owed_overdue_max_s"] = max(row["owed_overdue_max_s"] or 0.0, data.get("owed_s", 0))
-    # Open: a job still queued whose latest overdue event is the alert, not its end.
-    recent = events.filter(
-        kind__in=[EventKind.TEAM_QUOTA_OVERDUE, EventKind.TEAM_QUOTA_OVERDUE_ENDED],
-        created_at__gte=now - timedelta(days=OPEN_OVERDUE_DAYS),
-        job__state=Job.State.QUEUED,
-    )
-    latest = recent.values("job_id").annotate(last=Max("id")).values_list("last", flat=True)
-    alerts = Event.objects.filter(id__in=list(latest), kind=EventKind.TEAM_QUOTA_OVERDUE)
-    for team_id, team, data in alerts.values_list("team_id", "team__name", "data"):
+    for _, team_id, team, owed_since in open_overdue(now, team_ids=team_ids):
         row = out.setdefault(team_id, _empty(team_id, team, since))
         row["owed_overdue_now"] += 1
-        waited = (now - datetime.fromisoformat(data["since"])).total_seconds()
+        waited = (now - owed_since).total_seconds()
         row["owed_oldest_s"] = round(max(row["owed_oldest_s"] or 0.0, waited), 1)
+
+
+def open_overdue(now: datetime, *, team_ids=None) -> list[tuple[int, int, str, datetime]]:
+    """Owed waits past the bound not yet ended: a job still queued whose latest overdue Event
+    (of the last OPEN_OVERDUE_DAYS) is the alert, not its end. (job id, team id, team name,
+    owed since) each. The scheduler's new leadership term takes these over (loop.owed_clocks)."""
+    recent = Event.objects.filter(
+        kind__in=[EventKind.TEAM_QUOTA_OVERDUE, EventKind.TEAM_QUOTA_OVERDUE_ENDED],
+        created_at__gte=now - timedelta(days=OPEN_OVERDUE_DAYS),
+        created_at__lte=now,
+        team__isnull=False,
+        job__state=Job.State.QUEUED,
+    )
+    if team_ids is not None:
+        recent = recent.filter(team_id__in=list(team_ids))
+    latest = recent.values("job_id").annotate(last=Max("id")).values_list("last", flat=True)
+    alerts = Event.objects.filter(id__in=list(latest), kind=EventKind.TEAM_QUOTA_OVERDUE)
+    return [
+        (job_id, team_id, team, datetime.fromisoformat(data["since"]))
+        for job_id, team_id, team, data in alerts.values_list(
+            "job_id", "team_id", "team__name", "data"
+        )
+    ]
 
 
 def reclaim_summary(

@@ -19,13 +19,13 @@ from django.utils import timezone
 from jobs import actions, metric_store, queries
 from jobs.conf import lockstep_setting
 from jobs.models import Attempt, Job, Node, PreemptionRequest
-from jobs.reports.reclaim import reclaim_bound_s
+from jobs.reports.reclaim import open_overdue, reclaim_bound_s
 from jobs.scheduling.apply import ApplyResult, ReasonMemo, apply_plan
 from jobs.scheduling.detect import detect_exit_hangs, detect_hangs, detect_stragglers
 from jobs.scheduling.estimate import estimate_starts, head_of_queue
 from jobs.scheduling.estimator import Estimator
 from jobs.scheduling.leader import LeaderLease
-from jobs.scheduling.owed import OwedClocks, drained_for_gangs, owed_jobs
+from jobs.scheduling.owed import Overdue, OwedClocks, drained_for_gangs, lending, owed_jobs
 from jobs.scheduling.policy import plan
 from jobs.scheduling.reader import QueueMemo, UsageMemo, take_snapshot
 from jobs.scheduling.wake import subscriber, wake_scheduler
@@ -262,21 +262,31 @@ def _pass(now, memo, estimator, usage, queue, owed=None) -> tuple[PassReport, Ap
 
 def time_owed(clocks: OwedClocks, snapshot, result: ApplyResult, now: datetime) -> None:
     """The pass's owed jobs (less those it started) on the term's clocks; an Event for each
-    clock that ran past the reclaim bound and for each overdue one that ended."""
-    owed = {j: t for j, t in owed_jobs(snapshot).items() if j not in result.applied}
-    newly, ended = clocks.update(owed, now)
-    if newly:
-        gangs = drained_for_gangs(snapshot)
-        for overdue in newly:
-            actions.do_note_quota_overdue(overdue, bound_s=clocks.bound_s, gangs=gangs, now=now)
-    for overdue in ended:
-        actions.do_note_quota_overdue_ended(overdue)
+    clock that ran past the reclaim bound and for each overdue one that ended. A failure here
+    is logged, not raised: the pass has been applied, and its report must still go out."""
+    try:
+        owed = {j: t for j, t in owed_jobs(snapshot).items() if j not in result.applied}
+        newly, ended = clocks.update(owed, now, lent=lending(snapshot))
+        if newly:
+            gangs = drained_for_gangs(snapshot)
+            for overdue in newly:
+                actions.do_note_quota_overdue(overdue, bound_s=clocks.bound_s, gangs=gangs, now=now)
+        for overdue in ended:
+            actions.do_note_quota_overdue_ended(overdue)
+    except Exception:
+        log.exception("timing the jobs their team's quota owes failed; scheduling goes on")
 
 
-def owed_clocks() -> OwedClocks:
+def owed_clocks(now: datetime | None = None) -> OwedClocks:
     """A leadership term's owed clocks, held to the bound of a reclaim (the stop grace plus
-    one tick): a job its team's quota owes GPUs waits no longer than a reclaim's claimant."""
-    return OwedClocks(bound_s=reclaim_bound_s(PreemptionRequest.Kind.RECLAIM))
+    one tick): a job its team's quota owes GPUs waits no longer than a reclaim's claimant.
+    They take over the overdue waits the last term left open (a restart or a new leader),
+    which the first pass continues or ends, so none stays open in the report for ever and
+    none is alerted twice."""
+    clocks = OwedClocks(bound_s=reclaim_bound_s(PreemptionRequest.Kind.RECLAIM))
+    left = open_overdue(now or timezone.now())
+    clocks.adopt([Overdue(job_id, team_id, since) for job_id, team_id, _, since in left])
+    return clocks
 
 
 LAST_PASS_KEY = "lockstep:scheduler:last_pass"
@@ -337,7 +347,7 @@ def _estimator() -> Estimator:
 def _loop(lease, tick_s: float, once: bool, pubsub) -> None:
     memo, estimator, usage, queue = ReasonMemo(), _estimator(), UsageMemo(), QueueMemo()
     try:
-        _lead(lease, tick_s, once, pubsub, memo, estimator, usage, queue, owed_clocks())
+        _lead(lease, tick_s, once, pubsub, memo, estimator, usage, queue, None)
     finally:
         estimator.close()
 
@@ -349,11 +359,13 @@ def _lead(lease, tick_s: float, once: bool, pubsub, memo, estimator, usage, queu
             if once:
                 raise SystemExit(f"another scheduler leads ({lease.holder()}); no pass run")
             # Another leader writes meanwhile: a new term reads afresh.
-            memo, usage, queue, owed = ReasonMemo(), UsageMemo(), QueueMemo(), owed_clocks()
+            memo, usage, queue, owed = ReasonMemo(), UsageMemo(), QueueMemo(), None
             pubsub = _wait_for_wake(pubsub, tick_s)
             continue
         wait_s = None
         try:
+            if owed is None:  # a term's first pass: the clocks the last term left, taken over
+                owed = owed_clocks()
             report, _ = run_pass(
                 memo=memo,
                 estimator=None if once else estimator,

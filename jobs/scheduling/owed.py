@@ -1,11 +1,14 @@
 """Which queued jobs their team's quota owes GPUs to, and for how long (DESIGN 6.4: "the time
 from 'team asks for its quota' to 'its job runs' is bounded and measured"). Pure.
 
-A job is owed while it is queued, some team holds GPUs beyond its quota, and its own team's
-quota has room for it, counted greedily in the team's priority and submit order: GPUs in use,
-plus the team's queued jobs ahead of it that fit, plus its own must stay within the quota.
-The live scheduler keeps a clock per owed job (`OwedClocks`, each pass) and says when one runs
-past the reclaim bound; the simulator counts the same way (sim_reclaims.py). Unlike a
+A job's clock starts when it is queued, some team holds GPUs beyond its quota, and its own
+team's quota has room for it, counted greedily in the team's priority and submit order: GPUs
+in use, plus the team's queued jobs ahead of it that fit, plus its own must stay within the
+quota. It runs while the job is queued and fits that room (also once nobody borrows: the job
+may still wait for the GPUs to come back in its shape), and stops when the job starts or the
+room no longer holds it. The live scheduler keeps these clocks (`OwedClocks`, each pass) and
+says when one runs past the reclaim bound; the simulator counts the same way
+(sim_reclaims.py). A team at its whole quota has no room: its clocks stop. Unlike a
 preemption request's `reclaim_s`, which starts at the request, this clock also runs for a job
 that waits with no request at all (behind another job's reservation, say), where a team's
 quota is as late.
@@ -36,10 +39,14 @@ def fitting(room: int, jobs: Iterable[tuple[int, int]], smallest: int = 1) -> li
     return taken
 
 
+def lending(snapshot: Snapshot) -> bool:
+    """Some team holds GPUs beyond its quota: GPUs are lent, and clocks may start."""
+    return any(team.used > team.quota for team in snapshot.teams)
+
+
 def owed_jobs(snapshot: Snapshot) -> dict[int, int]:
-    """Queued job id -> its team id, for each job its team's quota owes GPUs now."""
-    if not any(team.used > team.quota for team in snapshot.teams):
-        return {}
+    """Queued job id -> its team id, for each job its team's quota has room for now (whether
+    or not anyone borrows: `lending` says when a clock may start)."""
     by_team: dict[int, list] = {}
     for job in snapshot.queued:
         by_team.setdefault(job.team_id, []).append(job)
@@ -87,12 +94,23 @@ class OwedClocks:
     since: dict[int, tuple[int, datetime]] = field(default_factory=dict)  # job -> team, since
     overdue: set[int] = field(default_factory=set)
 
-    def update(self, owed: dict[int, int], now: datetime) -> tuple[list[Overdue], list[Overdue]]:
-        """One pass's owed jobs (those it started left out): the clocks that ran past the
-        bound at this pass, and the overdue ones that ended (the job started, left the queue,
-        or its team got its quota back some other way)."""
-        for job_id, team_id in owed.items():
-            self.since.setdefault(job_id, (team_id, now))
+    def adopt(self, overdue: list[Overdue]) -> None:
+        """A new term takes over the clocks the last one left overdue (their alerts are out,
+        their ends not): the first pass continues or ends them, without a second alert."""
+        for o in overdue:
+            self.since[o.job_id] = (o.team_id, o.since)
+            self.overdue.add(o.job_id)
+
+    def update(
+        self, owed: dict[int, int], now: datetime, *, lent: bool = True
+    ) -> tuple[list[Overdue], list[Overdue]]:
+        """One pass's jobs within their team's room (`owed_jobs`, those the pass started left
+        out), and whether GPUs are `lent` (`lending`): clocks start only then. Returns the
+        clocks that ran past the bound at this pass, and the overdue ones that ended (the job
+        started, left the queue, or its team's own work took the room)."""
+        if lent:
+            for job_id, team_id in owed.items():
+                self.since.setdefault(job_id, (team_id, now))
         ended = []
         for job_id in [j for j in self.since if j not in owed]:
             team_id, since = self.since.pop(job_id)
