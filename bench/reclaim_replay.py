@@ -103,6 +103,11 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=None, help="first N jobs of the trace")
     parser.add_argument("--generated", help="LOAD,SEED: bench/thrash.py's trace instead")
     parser.add_argument("--past-grace", action="store_true", help="clocks past the grace")
+    parser.add_argument(
+        "--pass-at-protection-end",
+        action="store_true",
+        help="a pass also when a job's protection ends (SimConfig.pass_at_protection_end)",
+    )
     args = parser.parse_args()
     if args.generated:
         from bench.thrash import _shape
@@ -115,7 +120,12 @@ def main() -> int:
     else:
         trace = load_trace(str(traces_dir() / args.trace), limit=args.limit)
         quotas = None
-    config = SimConfig(gpus=args.gpus, quotas=quotas, checkpoint_on_stop=args.checkpoint_on_stop)
+    config = SimConfig(
+        gpus=args.gpus,
+        quotas=quotas,
+        checkpoint_on_stop=args.checkpoint_on_stop,
+        pass_at_protection_end=args.pass_at_protection_end,
+    )
     seen: dict[int, dict] = {}  # job id -> its clock, its reasons over time
     engine = None
     t_zero = _at(0.0)
@@ -220,8 +230,10 @@ def main() -> int:
         },
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    suffix = ("-ckpt-on-stop" if args.checkpoint_on_stop else "") + (
-        "-past-grace" if args.past_grace else ""
+    suffix = (
+        ("-ckpt-on-stop" if args.checkpoint_on_stop else "")
+        + ("-past-grace" if args.past_grace else "")
+        + ("-protection-passes" if args.pass_at_protection_end else "")
     )
     name = args.trace if args.generated else Path(args.trace).stem
     path = RESULTS / f"reclaim-replay-{name}-{args.gpus}{suffix}.json"

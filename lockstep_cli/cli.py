@@ -44,7 +44,13 @@ def _print_simulation(m: dict) -> None:
         (
             "reclaim time max / p99",
             "{reclaim_max_s} / {reclaim_p99_s} s; {reclaims_over_bound} of {reclaims_total} "
-            "over the {reclaim_bound_s} s bound".format(**m),
+            "over the {reclaim_bound_s} s bound".format(**m)
+            + (
+                f" ({m['reclaims_over_their_bound']} past their own, rule 5's longer for "
+                f"{m['reclaims_gang_bounded']})"
+                if m.get("reclaims_gang_bounded")
+                else ""
+            ),
         ),
         (
             "preemptions",

@@ -176,6 +176,7 @@ def _config_metrics(self) -> dict:
         "preempt_exempt_s": cfg.preempt_exempt_s,
         "safety_stop": cfg.safety_stop,
         "gang_reclaim_exempt_s": cfg.gang_reclaim_exempt_s,
+        "pass_at_protection_end": cfg.pass_at_protection_end,
         "usage_half_life_s": cfg.usage_half_life_s,
     }
 

@@ -81,6 +81,12 @@ class SimConfig:
     # A gang beyond its team's quota is not reclaimed before this (protection rule 5; live:
     # RECLAIM_GANG_EXEMPT_S).
     gang_reclaim_exempt_s: float = 14400.0
+    # The live scheduler passes every tick; this engine passes at events only (arrivals, ends,
+    # stops). True adds a pass when a job's protection ends (its minimum run, and rule 5's
+    # exemption for a drained-for gang), so a claim waiting for it goes ahead then rather
+    # than at the next event. Off by default: every published result was measured without
+    # it (docs/simulator.md, "Each clock against its own bound", measures its effect).
+    pass_at_protection_end: bool = False
     # Record each job's start estimate at submit and an hour on as promises, and their error
     # (jobs.scheduling.promises; metrics "estimates"). Costly: an estimate replays plan().
     track_promises: bool = False
@@ -586,6 +592,11 @@ class _Engine:
         )
         self.running_dirty = True
         self._push(end, _COMPLETE, jid, attempt)
+        if cfg.pass_at_protection_end:
+            gang_end = t + cfg.gang_reclaim_exempt_s if jid in self.clocks.gangs else 0.0
+            for until in (t + protect, gang_end):
+                if t < until < end:
+                    self._push(until, _WAKE, 0, 0)
         interval = cfg.checkpoint_interval_s
         if interval > 0 and t + warmup + interval < end:
             heapq.heappush(self.checkpoints, (t + warmup + interval, jid, attempt, 1))
