@@ -6,7 +6,8 @@ it is (bench/results/thrash-their-bound.json, which must be from the same commit
     .venv/bin/python bench/aging_trial.py     # about 4 min on 2 cores
 
 Writes bench/results/aging-trial.json; docs/simulator.md ("Each clock against its own bound")
-summarises. The variant is a patch of `job_order_key` in this process only; nothing ships it.
+summarises. The variant is the AGED_BORROWED_FIRST setting turned off
+(`SimConfig.aged_borrowed_first`); the shipped default keeps aged borrowed work first.
 """
 
 from __future__ import annotations
@@ -30,34 +31,15 @@ KEYS = (
 )
 
 
-def _aged_after_guaranteed() -> None:
-    import jobs.scheduling.claimants as claimants
-    import jobs.scheduling.estimate as estimate
-    import jobs.scheduling.order as order
-    import jobs.scheduling.policy as policy
-
-    base = order.job_order_key
-
-    def key(job, teams=None, now=None):
-        k = base(job, teams, now)
-        team = (teams or {}).get(job.team_id)
-        # base() gives an aged borrowed job (prio, 0, -1 - stretch, ...): move it to 0.5
-        if team is not None and k[1] == 0 and k[2] < 0 and team.used + job.gpus > team.quota:
-            return (k[0], 0.5, *k[2:])
-        return k
-
-    for module in (order, policy, claimants, estimate):
-        module.job_order_key = key
-
-
 def one(args: tuple[int, float]) -> dict:
     seed, load = args
-    _aged_after_guaranteed()
     from bench.thrash import _shape, _simulate
     from jobs.scheduling.generate import generate
 
     shape = _shape(seed, load)
-    result = _simulate("lockstep", seed, load, generate(shape), shape.quotas(), save=True)
+    result = _simulate(
+        "lockstep", seed, load, generate(shape), shape.quotas(), save=True, aged_first=False
+    )
     result.pop("preemption_counts", None)
     result["variant"] = "aged-after-guaranteed"
     return result

@@ -107,7 +107,9 @@ def run_one(args: tuple[str, int, float]) -> dict:
     return result
 
 
-def _simulate(policy: str, seed: int, load: float, trace, quotas, save: bool = False) -> dict:
+def _simulate(
+    policy: str, seed: int, load: float, trace, quotas, save: bool = False, aged_first=True
+) -> dict:
     from jobs.scheduling.simulate import SimConfig, SimulationError, run
 
     began = time.perf_counter()
@@ -115,6 +117,10 @@ def _simulate(policy: str, seed: int, load: float, trace, quotas, save: bool = F
     config = SimConfig(gpus=1024, quotas=quotas)
     if save:  # only this run: the old simulator in "before" has no such field
         config = SimConfig(gpus=1024, quotas=quotas, checkpoint_on_stop=True)
+    if not aged_first:  # bench/aging_trial.py
+        config = SimConfig(
+            gpus=1024, quotas=quotas, checkpoint_on_stop=save, aged_borrowed_first=False
+        )
     try:
         result = run(trace, policy, config)
     except SimulationError as exc:  # the preemption loop the issue found

@@ -120,7 +120,7 @@ def _ablate(variant: str):
     if variant == "one-priority":
         return lambda trace, config: ([replace(j, priority=1) for j in trace], config)
     if variant == "submit-order":
-        policy.job_order_key = lambda job, teams=None, now=None: (
+        policy.job_order_key = lambda job, teams=None, now=None, aged_first=True: (
             -job.priority,
             job.submitted_at,
             job.id,
@@ -143,8 +143,8 @@ def _ablate(variant: str):
     if variant == "short-borrowed-first":
         base = order.job_order_key
 
-        def shortest_borrowed(job, teams=None, now=None):
-            key = base(job, teams, now)
+        def shortest_borrowed(job, teams=None, now=None, aged_first=True):
+            key = base(job, teams, now, aged_first)
             if key[1] == 1:  # borrowed and not aged
                 return (key[0], 1, job.runtime_estimate_s or float("inf"), *key[2:])
             return key

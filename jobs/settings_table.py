@@ -216,6 +216,14 @@ TABLE: tuple[Setting, ...] = (
         "for) is not reclaimed before it has run this long; 0 turns it off",
     ),
     Setting(
+        "AGED_BORROWED_FIRST",
+        True,
+        "a borrowed job that has waited three times its length goes first among the guaranteed "
+        "work of its priority, so no heavy team's gang starves; False puts it after that work "
+        "(before other borrowed work), so a team's quota comes back sooner, at some "
+        "utilization (docs/scheduling.md, rule 1)",
+    ),
+    Setting(
         "ELASTIC_GROW_AFTER_S",
         600.0,
         "a shrunk elastic job grows back to its full size only after this long at the smaller one",

@@ -1,6 +1,7 @@
 """A team's quota owed: which queued jobs it owes GPUs (jobs/scheduling/owed.py), the live
-scheduler's clocks on them, the Events past the reclaim bound, and the reclaim report and the
-console page that count them."""
+scheduler's clocks on them, the Events past the reclaim bound, the reclaim report and the
+console page that count them, and the setting that trades some utilization for them
+(AGED_BORROWED_FIRST)."""
 
 from datetime import UTC, datetime, timedelta
 
@@ -206,3 +207,12 @@ def test_the_preemptions_page_shows_owed_waits_past_the_bound(lent, make_user):
     queue = client.get("/console/queue/").content.decode()
     alerts = queue.split('id="scheduler-alerts"')[1].split("</div>")[0]
     assert "has waited 66s for GPUs within its team&#x27;s quota" in alerts
+
+
+@pytest.mark.django_db
+def test_the_aged_borrowed_first_setting_reaches_the_snapshot(settings):
+    from jobs.scheduling.reader import take_snapshot
+
+    assert take_snapshot(timezone.now()).aged_borrowed_first is True
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "AGED_BORROWED_FIRST": False}
+    assert take_snapshot(timezone.now()).aged_borrowed_first is False

@@ -173,6 +173,23 @@ def test_aging_puts_borrowed_work_that_waited_long_before_newer_guaranteed_work(
     assert list(placed(plan(snapshot([n], [old, urgent], [lender, borrower])))) == [3]
 
 
+def test_with_aged_borrowed_first_off_aged_borrowed_work_waits_for_guaranteed_work_only():
+    lender, borrower = team("lender", quota=8, used=0), team("borrower", quota=8, used=8, borrow=8)
+    n = node("n1", 8)
+    old = job(1, 8, team_id=borrower.id, submitted=-31 * 60, estimate=600)  # aged
+    new = job(2, 8, team_id=lender.id, submitted=-60)  # guaranteed
+    newer = job(3, 8, team_id=borrower.id, submitted=-120, estimate=600)  # borrowed, not aged
+    off = dataclasses.replace(
+        snapshot([n], [old, new], [lender, borrower]), aged_borrowed_first=False
+    )
+    assert list(placed(plan(off))) == [2]  # the team within its quota first
+    # Still ahead of borrowed work that has not aged.
+    only_borrowed = dataclasses.replace(
+        snapshot([n], [newer, old], [lender, borrower]), aged_borrowed_first=False
+    )
+    assert list(placed(plan(only_borrowed))) == [1]
+
+
 def test_aged_jobs_go_by_stretch_so_a_short_job_is_not_kept_behind_an_older_long_one():
     lender, borrower = team("lender", quota=8, used=0), team("borrower", quota=8, used=8, borrow=8)
     n = node("n1", 8)

@@ -36,7 +36,10 @@ def honour_claims(self) -> set[int]:
     # claimant whose own victims on the same node are still stopping.
     claimants = sorted(
         (j for j in self.snapshot.queued if j.claim_nodes),
-        key=lambda j: (j.id in pending, job_order_key(j, self.teams, self.now)),
+        key=lambda j: (
+            j.id in pending,
+            job_order_key(j, self.teams, self.now, self.snapshot.aged_borrowed_first),
+        ),
     )
     for job in claimants:
         team = self.teams.get(job.team_id)

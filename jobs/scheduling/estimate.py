@@ -34,7 +34,8 @@ def head_of_queue(
         by_id = {job.id: job for job in snapshot.queued}
         return replace(snapshot, queued=tuple(by_id[i] for i in order[:head] if i in by_id))
     teams = {t.id: t for t in snapshot.teams}
-    ordered = sorted(snapshot.queued, key=lambda j: job_order_key(j, teams, snapshot.now))
+    first = snapshot.aged_borrowed_first
+    ordered = sorted(snapshot.queued, key=lambda j: job_order_key(j, teams, snapshot.now, first))
     return replace(snapshot, queued=tuple(ordered[:head]))
 
 

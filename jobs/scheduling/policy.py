@@ -151,7 +151,10 @@ class SchedulingPass:
         self.reservations = Reservations(
             self.snapshot, self.nodes, self.free, self.taken, self.largest
         )
-        ordered = sorted(self.snapshot.queued, key=lambda j: job_order_key(j, self.teams, self.now))
+        first = self.snapshot.aged_borrowed_first
+        ordered = sorted(
+            self.snapshot.queued, key=lambda j: job_order_key(j, self.teams, self.now, first)
+        )
         for job in ordered:
             if job.id not in self.settled:
                 self.consider(job)

@@ -226,6 +226,7 @@ def take_snapshot(
         max_preemptions=lockstep_setting("PREEMPT_MAX_PER_DAY"),
         reclaim_hold_s=lockstep_setting("RECLAIM_HOLD_S"),
         gang_reclaim_exempt_s=lockstep_setting("RECLAIM_GANG_EXEMPT_S"),
+        aged_borrowed_first=bool(lockstep_setting("AGED_BORROWED_FIRST")),
         grow_after_s=lockstep_setting("ELASTIC_GROW_AFTER_S"),
     )
 

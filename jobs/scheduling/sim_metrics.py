@@ -177,6 +177,7 @@ def _config_metrics(self) -> dict:
         "safety_stop": cfg.safety_stop,
         "gang_reclaim_exempt_s": cfg.gang_reclaim_exempt_s,
         "pass_at_protection_end": cfg.pass_at_protection_end,
+        "aged_borrowed_first": cfg.aged_borrowed_first,
         "usage_half_life_s": cfg.usage_half_life_s,
     }
 

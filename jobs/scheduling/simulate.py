@@ -87,6 +87,8 @@ class SimConfig:
     # than at the next event. Off by default: every published result was measured without
     # it (docs/simulator.md, "Each clock against its own bound", measures its effect).
     pass_at_protection_end: bool = False
+    # Rule 1: aged borrowed work first among guaranteed work (live: AGED_BORROWED_FIRST).
+    aged_borrowed_first: bool = True
     # Record each job's start estimate at submit and an hour on as promises, and their error
     # (jobs.scheduling.promises; metrics "estimates"). Costly: an estimate replays plan().
     track_promises: bool = False
@@ -470,6 +472,7 @@ class _Engine:
             preempt_exempt_s=self.cfg.preempt_exempt_s,
             max_preemptions=self.cfg.safety_stop,
             gang_reclaim_exempt_s=self.cfg.gang_reclaim_exempt_s,
+            aged_borrowed_first=self.cfg.aged_borrowed_first,
         )
 
     def _due_checkpoints(self, t: float) -> None:

@@ -111,6 +111,9 @@ class Snapshot:
     # A gang of whole nodes beyond its team's quota is not reclaimed before it has run this
     # long (jobs.scheduling.protection, rule 5).
     gang_reclaim_exempt_s: float = 14400.0
+    # Rule 1: aged borrowed work goes first among guaranteed work (True) or after it
+    # (jobs.scheduling.order.job_order_key; the AGED_BORROWED_FIRST setting).
+    aged_borrowed_first: bool = True
     # A shrunk elastic job grows back (rule 8) only after running this long at its smaller
     # size: each grow costs a checkpoint and a restart.
     grow_after_s: float = 600.0
