@@ -1,7 +1,7 @@
-"""The communication-overlap benchmark (bench/overlap.py): its interval accounting on a trace
-whose answer is known, and a real 2-rank gloo run whose profiled steps must add up."""
+"""The communication-overlap benchmark (bench/overlap.py): its interval accounting
+(bench/overlap_trace.py) on a trace whose answer is known, and a real 2-rank gloo run whose
+profiled steps must add up."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,17 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench import overlap_trace as ov  # noqa: E402
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("overlap_bench", ROOT / "bench" / "overlap.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-ov = _bench()
 Ev = ov.Ev
 
 
