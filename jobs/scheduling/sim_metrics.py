@@ -137,6 +137,65 @@ def engine_metrics(self, t0: float, t_end: float, wall: float) -> dict:
     return out
 
 
+# While the engine runs: whether the idle GPUs would fit a queued job, and what kept them idle.
+
+
+def queued_job_fits(self) -> bool:
+    """Would some queued job's shape fit the idle GPUs now (ignoring team caps and
+    reservations)? One node's worth or less: the freest node; more: whole idle nodes."""
+    if self.busy >= self.cfg.gpus:
+        return False
+    gpn = self.cfg.gpus_per_node
+    sizes = [g for team_sizes in self.team_sizes.values() for g in team_sizes]
+    small = min((g for g in sizes if g <= gpn), default=None)
+    large = min((g for g in sizes if g > gpn), default=None)
+    if (
+        small is not None
+        and small <= self.cfg.gpus - self.busy
+        and _fits(self, small, max(len(f) for f in self.free), 0)
+    ):
+        return True
+    return large is not None and _fits(self, large, 0, _idle_nodes(self))
+
+
+def _idle_nodes(self) -> int:
+    return sum(1 for f, size in zip(self.free, self.node_sizes, strict=True) if len(f) == size)
+
+
+def _fits(self, gpus: int, most_free: int, idle_nodes: int) -> bool:
+    """A job of `gpus` fits the idle GPUs: one node's worth or less on the freest node
+    (`most_free` GPUs), more on whole idle nodes."""
+    gpn = self.cfg.gpus_per_node
+    return gpus <= most_free if gpus <= gpn else idle_nodes * gpn >= gpus
+
+
+def fit_reason(self) -> str:
+    """The wait reason of the first queued job (priority, then submit time) whose shape
+    fits the idle GPUs, as `queued_job_fits` counts them: what kept them idle."""
+    most_free, idle_nodes = max(len(f) for f in self.free), _idle_nodes(self)
+    first = None
+    for members in self.team_queue.values():  # each in (-priority, submit, id, GPUs) order
+        member = next((m for m in members if _fits(self, m[3], most_free, idle_nodes)), None)
+        if member is not None and (first is None or member < first):
+            first = member
+    if first is None:
+        return "none"
+    reason = self.last_waits.get(first[2])
+    if reason is None:  # a baseline (no reasons as data) or queued since the last pass
+        return "unexplained"
+    if reason.code == "team_limit" and reason.data.get("paused"):
+        return "team_limit_paused"
+    return reason.code
+
+
+def waits_by_class(self) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {c: [] for c in SIZE_CLASSES}
+    for i, job in enumerate(self.jobs):
+        if self.finish[i] is not None:
+            out[size_class(job.gpus)].append(self.wait[i])
+    return out
+
+
 def _preemptions_per_job(self) -> dict:
     """How often one job was stopped: the thrash measure (issue 17)."""
     counts = sorted(self.preempted)

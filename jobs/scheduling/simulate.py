@@ -6,9 +6,10 @@ batched per timestamp) and only while jobs are queued; the planner sees only que
 definitions are in docs/simulator.md; the measurements themselves in sim_metrics.py, the reclaim
 clocks in sim_reclaims.py.
 
-Over 600 lines because the engine is one state machine: its event handlers (start, preempt,
-approve, stop, complete) share the virtual cluster's state, and split across modules they would
-pass that state back and forth. Its inputs are in trace.py (and generate.py).
+The engine is one state machine: its event handlers (start, preempt, approve, stop, complete)
+share the virtual cluster's state, which is why it stays one class (~680 lines) rather than
+handlers in several modules passing that state back and forth. Its inputs are in trace.py (and generate.py), its
+configuration and result in sim_config.py.
 """
 
 from __future__ import annotations
@@ -19,87 +20,44 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass, replace
 
-from jobs.scheduling.baselines import backfill, fifo
-from jobs.scheduling.policy import plan
 from jobs.scheduling.promises import PromiseBook
-from jobs.scheduling.protection import DEFAULT_RESTART_S, min_run_s
-from jobs.scheduling.sim_metrics import engine_metrics
+from jobs.scheduling.protection import min_run_s
+from jobs.scheduling.sim_config import (
+    EPOCH,
+    POLICIES,
+    PlanFn,
+    SimConfig,
+    SimResult,
+    SimulationError,
+    _at,
+    resolve_policy,
+)
+from jobs.scheduling.sim_metrics import engine_metrics, fit_reason, queued_job_fits, waits_by_class
 from jobs.scheduling.sim_reclaims import ReclaimClocks
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
-from jobs.scheduling.trace import (
-    SIZE_CLASSES,
-    TeamQuota,
-    TraceJob,
-    equal_quotas,
-    size_class,
-)
+from jobs.scheduling.trace import TeamQuota, TraceJob, equal_quotas
 from jobs.scheduling.vocab import AUTOMATIC_KINDS, PreemptionKind
 
-EPOCH = datetime(2021, 3, 4, tzinfo=UTC)  # t = 0 of the virtual clock (any aware time works)
+# The simulator's public names: its entry points and what they take and give (sim_config.py).
+__all__ = [
+    "EPOCH",
+    "POLICIES",
+    "PlanFn",
+    "SimConfig",
+    "SimResult",
+    "SimulationError",
+    "resolve_policy",
+    "run",
+    "simulate",
+]
+
 INF = math.inf
-
-POLICIES = ("fifo", "backfill", "lockstep")
-PlanFn = Callable[[Snapshot], object]
-
-
-def resolve_policy(policy: str | PlanFn) -> tuple[str, PlanFn]:
-    if callable(policy):
-        return getattr(policy, "__name__", "custom"), policy
-    if policy == "fifo":
-        return policy, fifo
-    if policy == "backfill":
-        return policy, backfill
-    if policy == "lockstep":
-        return policy, plan
-    raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    gpus: int
-    gpus_per_node: int = 8
-    racks: int | None = None  # default: one rack per 32 nodes
-    quotas: dict[str, TeamQuota] | None = None  # default: equal_quotas over the trace's teams
-    checkpoint_interval_s: float = 1800.0  # of run time; <= 0: never checkpoints
-    grace_s: float = 60.0  # a victim stops this long after its preemption is carried out
-    checkpoint_on_stop: bool = False  # True: the victim saves when told to stop (loses nothing)
-    approval_delay_s: float = 300.0  # priority preemptions auto-approve after this (reclaims: 0)
-    reclaim_backoff_s: float = 300.0  # a team whose GPUs were reclaimed may not borrow for this
-    estimate_noise: float = 0.0  # sigma of a log-normal factor on runtime estimates
-    seed: int = 0
-    usage_half_life_s: float = 86400.0  # decay of TeamView.usage_history (LOCKSTEP setting)
-    starve_factor: float = 10.0  # starved: waited more than this many times its duration
-    max_preemptions: int = 100  # of one job: more means the policy is in a preemption loop
-    # What a restart costs a preempted job (start-up, restore), run again before its work
-    # resumes; first starts are not charged, so the baselines' results stay comparable.
-    restart_s: float = DEFAULT_RESTART_S
-    preempt_exempt_s: float = 600.0  # the least minimum run (LOCKSTEP PREEMPT_EXEMPT_S)
-    safety_stop: int = 5  # preemptions of one job in a day before no one may take it (live too)
-    # A gang beyond its team's quota is not reclaimed before this (protection rule 5; live:
-    # RECLAIM_GANG_EXEMPT_S).
-    gang_reclaim_exempt_s: float = 14400.0
-    # The live scheduler passes every tick; this engine passes at events only (arrivals, ends,
-    # stops). True adds a pass when a job's protection ends (its minimum run, and rule 5's
-    # exemption for a drained-for gang), so a claim waiting for it goes ahead then rather
-    # than at the next event. Off by default: every published result was measured without
-    # it (docs/simulator.md, "Each clock against its own bound", measures its effect).
-    pass_at_protection_end: bool = False
-    # Rule 1: aged borrowed work first among guaranteed work (live: AGED_BORROWED_FIRST).
-    aged_borrowed_first: bool = True
-    # Record each job's start estimate at submit and an hour on as promises, and their error
-    # (jobs.scheduling.promises; metrics "estimates"). Costly: an estimate replays plan().
-    track_promises: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
 # The engine
-
-
-class SimulationError(RuntimeError):
-    """The planner drove the simulation somewhere it cannot finish (e.g. a preemption loop)."""
 
 
 @dataclass
@@ -116,31 +74,7 @@ class _Run:
     warmup: float = 0.0  # restart cost of this attempt, before its work resumes
 
 
-@dataclass
-class SimResult:
-    policy: str
-    metrics: dict
-    series: tuple[list[float], list[int], list[int]]  # t, busy GPUs, queued jobs (step values)
-    waits: dict[str, list[float]] = field(default_factory=dict)  # size class -> waits (s)
-    # per job, in submit order: (trace job id, submit, gpus, first start, finish, preemptions)
-    records: list[tuple[str, float, int, float | None, float | None, int]] = field(
-        default_factory=list
-    )
-    # with track_promises: (job index, GPUs, promise at submit, after 1 h, first start)
-    promises: list[tuple] = field(default_factory=list)
-
-    def starts(self) -> dict[str, float | None]:
-        return {r[0]: r[3] for r in self.records}
-
-    def to_json(self) -> dict:
-        return self.metrics
-
-
 _COMPLETE, _STOP, _APPROVE, _WAKE = 0, 1, 2, 3
-
-
-def _at(t: float) -> datetime:
-    return EPOCH + timedelta(seconds=t)
 
 
 class _Engine:
@@ -177,6 +111,22 @@ class _Engine:
         self.nodes_dirty: set[int] = set()
         self.nodes_tuple = tuple(self.node_views)
 
+        self._init_jobs(trace)
+        self._init_teams()
+        # Dynamic state
+        self.queue: dict[int, JobView] = {}  # job id (index + 1) -> view, arrival order
+        self.running: dict[int, _Run] = {}
+        self.running_dirty = True
+        self.running_tuple: tuple[RunningView, ...] = ()
+        self.events: list[tuple[float, int, int, int, int]] = []  # t, seq, kind, job id, attempt
+        self.checkpoints: list[tuple[float, int, int, int]] = []  # t, job id, attempt, number
+        self.seq = 0
+        self.busy = 0
+        self.queued_gpus = 0
+        self._init_accounting()
+
+    def _init_jobs(self, trace: Sequence[TraceJob]) -> None:
+        cfg = self.cfg
         # Jobs: the ones larger than the cluster are dropped; the rest in submit order.
         fits = [j for j in trace if j.gpus <= cfg.gpus]
         self.dropped = len(trace) - len(fits)
@@ -199,6 +149,8 @@ class _Engine:
         self.filled_at: list[float] = [-INF] * n  # when a backfill claim last stopped it
         self.safety_stops: set[int] = set()  # jobs whose preemption the safety stop refused
 
+    def _init_teams(self) -> None:
+        cfg = self.cfg
         # Teams
         team_names = sorted({j.team for j in self.jobs})
         quotas = dict(cfg.quotas) if cfg.quotas else equal_quotas(team_names, cfg.gpus)
@@ -217,7 +169,7 @@ class _Engine:
         self.job_team = [self.team_id[j.team] for j in self.jobs]
         self.clocks = ReclaimClocks(
             {tid: q.quota for tid, q in self.quota.items()},
-            n,
+            len(self.jobs),
             self.team_queue,
             self.team_sizes,
             grace_s=cfg.grace_s,
@@ -225,17 +177,8 @@ class _Engine:
             largest_node=max(self.node_sizes),
         )
 
-        # Dynamic state
-        self.queue: dict[int, JobView] = {}  # job id (index + 1) -> view, arrival order
-        self.running: dict[int, _Run] = {}
-        self.running_dirty = True
-        self.running_tuple: tuple[RunningView, ...] = ()
-        self.events: list[tuple[float, int, int, int, int]] = []  # t, seq, kind, job id, attempt
-        self.checkpoints: list[tuple[float, int, int, int]] = []  # t, job id, attempt, number
-        self.seq = 0
-        self.busy = 0
-        self.queued_gpus = 0
-
+    def _init_accounting(self) -> None:
+        cfg = self.cfg
         # Accounting
         self.busy_gpu_s = 0.0
         self.backlog_s = 0.0
@@ -329,8 +272,8 @@ class _Engine:
             if self.queue:
                 self.clocks.tick(t, self.used, self.cfg.gpus - self.busy)
                 self._plan(t)
-            self.fit_queued = bool(self.queue) and self._queued_job_fits()
-            self.fit_reason = self._fit_reason() if self.fit_queued else ""
+            self.fit_queued = bool(self.queue) and queued_job_fits(self)
+            self.fit_reason = fit_reason(self) if self.fit_queued else ""
             self._record(t)
         return self._result(t0, t_prev, time.perf_counter() - wall)
 
@@ -393,50 +336,6 @@ class _Engine:
         bisect.insort(self.team_queue[tid], (-job.priority, job.submit_s, jid, job.gpus))
         sizes = self.team_sizes[tid]
         sizes[job.gpus] = sizes.get(job.gpus, 0) + 1
-
-    def _queued_job_fits(self) -> bool:
-        """Would some queued job's shape fit the idle GPUs now (ignoring team caps and
-        reservations)? One node's worth or less: the freest node; more: whole idle nodes."""
-        if self.busy >= self.cfg.gpus:
-            return False
-        gpn = self.cfg.gpus_per_node
-        sizes = [g for team_sizes in self.team_sizes.values() for g in team_sizes]
-        small = min((g for g in sizes if g <= gpn), default=None)
-        large = min((g for g in sizes if g > gpn), default=None)
-        if (
-            small is not None
-            and small <= self.cfg.gpus - self.busy
-            and self._fits(small, max(len(f) for f in self.free), 0)
-        ):
-            return True
-        return large is not None and self._fits(large, 0, self._idle_nodes())
-
-    def _idle_nodes(self) -> int:
-        return sum(1 for f, size in zip(self.free, self.node_sizes, strict=True) if len(f) == size)
-
-    def _fits(self, gpus: int, most_free: int, idle_nodes: int) -> bool:
-        """A job of `gpus` fits the idle GPUs: one node's worth or less on the freest node
-        (`most_free` GPUs), more on whole idle nodes."""
-        gpn = self.cfg.gpus_per_node
-        return gpus <= most_free if gpus <= gpn else idle_nodes * gpn >= gpus
-
-    def _fit_reason(self) -> str:
-        """The wait reason of the first queued job (priority, then submit time) whose shape
-        fits the idle GPUs, as `_queued_job_fits` counts them: what kept them idle."""
-        most_free, idle_nodes = max(len(f) for f in self.free), self._idle_nodes()
-        first = None
-        for members in self.team_queue.values():  # each in (-priority, submit, id, GPUs) order
-            member = next((m for m in members if self._fits(m[3], most_free, idle_nodes)), None)
-            if member is not None and (first is None or member < first):
-                first = member
-        if first is None:
-            return "none"
-        reason = self.last_waits.get(first[2])
-        if reason is None:  # a baseline (no reasons as data) or queued since the last pass
-            return "unexplained"
-        if reason.code == "team_limit" and reason.data.get("paused"):
-            return "team_limit_paused"
-        return reason.code
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -732,7 +631,7 @@ class _Engine:
             policy=self.name,
             metrics=self.metrics(t0, t_end, wall),
             series=(self.series_t, self.series_busy, self.series_queued),
-            waits=self._waits_by_class(),
+            waits=waits_by_class(self),
             records=[
                 (
                     j.job_id,
@@ -748,13 +647,6 @@ class _Engine:
             if self.promises
             else [],
         )
-
-    def _waits_by_class(self) -> dict[str, list[float]]:
-        out: dict[str, list[float]] = {c: [] for c in SIZE_CLASSES}
-        for i, job in enumerate(self.jobs):
-            if self.finish[i] is not None:
-                out[size_class(job.gpus)].append(self.wait[i])
-        return out
 
     def metrics(self, t0: float, t_end: float, wall: float) -> dict:
         """All numbers the CLI prints (jobs.scheduling.sim_metrics)."""
