@@ -105,3 +105,8 @@ def snapshot(nodes, jobs, teams, runs=()) -> Snapshot:
     return Snapshot(
         now=T0, nodes=tuple(nodes), queued=tuple(jobs), teams=tuple(teams), running=tuple(runs)
     )
+
+
+def placed(plan):
+    """A plan's placements by job id."""
+    return {pl.job_id: pl for pl in plan.placements}

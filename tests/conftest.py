@@ -9,6 +9,10 @@ from django.utils import timezone
 from jobs import actions
 from teams.actions import do_add_member, do_create_team, do_issue_token
 
+# Fixtures shared from a plain module keep pytest's detailed assertion messages (before any
+# test file imports it).
+pytest.register_assert_rewrite("tests.nodeagent_helpers")
+
 # Agents the suite starts run jobs as plain processes (their test jobs use the suite's own
 # interpreter), whatever engine the machine has; tests/test_container_runtime.py asks for
 # containers by name.
@@ -33,9 +37,19 @@ ONE_LEG = {
     "test_flops.py": "FLOP counts and the MFU benchmark; no database",
     "test_zygote.py": "the agent's fork server; no database",
     "test_nodeagent.py": "the agent against a stub portal; no database",
+    "test_nodeagent_launch.py": "the agent against a stub portal; no database",
+    "test_nodeagent_stop.py": "the agent against a stub portal; no database",
+    "test_nodeagent_tails.py": "the agent against a stub portal; no database",
+    "test_nodeagent_diagnostics.py": "the agent against a stub portal; no database",
+    "test_nodeagent_cli.py": "the agent against a stub portal; no database",
     "test_framework_outputs.py": "the agent's readers of framework files; no database",
     "test_planner.py": "the memory planner's arithmetic and its read-only endpoint",
     "test_policy.py": "the pure policy",
+    "test_policy_backfill.py": "the pure policy",
+    "test_policy_preemption.py": "the pure policy",
+    "test_policy_claims.py": "the pure policy",
+    "test_policy_reasons.py": "the pure policy",
+    "test_policy_elastic.py": "the pure policy",
     "test_policy_properties.py": "the pure policy",
     "test_simulate.py": "the pure simulator",
     "test_protection.py": "the pure policy's preemption protection",

@@ -14,7 +14,7 @@ import pytest
 
 from nodeagent.supervisor import WorkerSupervisor
 from nodeagent.zygote import ForkedWorker, Zygote, can_fork
-from tests.test_nodeagent import launch_spec, process_alive, wait_until
+from tests.nodeagent_helpers import launch_spec, process_alive, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
