@@ -12,6 +12,7 @@ from teams.actions import do_add_member, do_create_team, do_issue_token
 # Fixtures shared from a plain module keep pytest's detailed assertion messages (before any
 # test file imports it).
 pytest.register_assert_rewrite("tests.nodeagent_helpers")
+pytest.register_assert_rewrite("tests.container_runtime_helpers")
 
 # Agents the suite starts run jobs as plain processes (their test jobs use the suite's own
 # interpreter), whatever engine the machine has; tests/test_container_runtime.py asks for
@@ -56,6 +57,8 @@ ONE_LEG = {
     "test_thrash_properties.py": "the pure policy on generated workloads",
     "test_estimate_accuracy.py": "the pure simulator's start promises",
     "test_container_runtime.py": "jobs in podman containers; the database part is e2e's",
+    "test_container_runtime_images.py": "jobs in podman containers; the database part is e2e's",
+    "test_container_runtime_recovery.py": "jobs in podman containers; the database part is e2e's",
     "test_up.py": "lockstep up on its embedded defaults (SQLite, its own Redis) in any leg",
     "test_layers.py": "the code's own imports",
     "test_cli_layers.py": "the CLI package's imports",

@@ -132,7 +132,7 @@ class LiveCluster:
             LOCKSTEP_GPU_SAMPLE_S="1",
             LOCKSTEP_ELASTIC_GROW_AFTER_S="3",
             # Detectors tuned for seconds-long tests; strikes never cordon a node mid-suite
-            # (cordoning is covered in test_failures.py).
+            # (cordoning is covered in test_failures_nodes.py).
             LOCKSTEP_HANG_MIN_S="12",
             LOCKSTEP_DUMP_WAIT_S="3",
             LOCKSTEP_STRAGGLER_WINDOW_STEPS="20",

@@ -18,6 +18,9 @@ What each expectation checks:
 Every denial changes nothing (every table's rows, Events included, are compared before and
 after), and for a caller who may not see alpha's objects the denial is exactly the answer for
 an object that does not exist (same status, same body).
+
+The world, the roles and `snapshot` are in tests/role_matrix_world.py; the websocket (not an
+operation of the schema) has its matrix in tests/test_role_matrix_stream.py.
 """
 
 from __future__ import annotations
@@ -29,42 +32,27 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import pytest
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
-from channels.testing import WebsocketCommunicator
-from django.apps import apps
-from django.conf import settings
-from django.contrib.auth import get_user_model
 from django.utils import timezone
 from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
-from rest_framework.throttling import ScopedRateThrottle
 
 from jobs import actions
-from jobs.models import (
-    Checkpoint,
-    Job,
-    LogChunk,
-    ModelVersion,
-    Node,
-    PreemptionRequest,
-    WhatIfRun,
+from jobs.models import Job, LogChunk, ModelVersion, Node, PreemptionRequest, WhatIfRun
+from teams.models import ApiToken, RegistryCredential
+from tests.heartbeats import live_attempt
+from tests.role_matrix_world import (
+    GHOST_ID,
+    NO_USER,
+    ROLES,
+    SEEING,
+    USERS,
+    World,
+    shared_world_fixture,  # noqa: F401 (fixture)
+    snapshot,
+    world_fixture,  # noqa: F401 (fixture)
 )
-from jobs.notify import job_group
-from jobs.scheduling.loop import run_pass
-from teams.actions import do_add_member, do_create_team, do_issue_token
-from teams.models import ApiToken, Membership, RegistryCredential
-from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
 
-ROLES = ["admin", "lead", "member", "stranger", "outsider", "anonymous", "agent", "node"]
-USERS = ["admin", "lead", "member", "stranger", "outsider"]
-# Roles that know alpha's objects exist; for every other role a denial must not tell.
-SEEING = {"admin", "lead", "member"}
-NO_USER = ["anonymous", "agent", "node"]
-
-GHOST_ID = 2_000_000_000  # an id no row has
 GHOST_TEAM = "ghost-team"
-AGENT_TOKEN = "matrix-agent-secret"
 
 OK, BLIND, FORBIDDEN, HIDDEN, UNKNOWN, UNAUTH = (
     "ok",
@@ -88,147 +76,6 @@ def _schema_operations() -> list[tuple[str, str, str]]:
 
 
 OPERATIONS = _schema_operations()
-
-
-# --- the world: alpha's objects, and a caller for each role ----------------------------------
-
-
-# Failed credentials count per client address in the shared cache (teams/throttle.py): the
-# matrix's hundred or so 401s count against an address of its own, not against 127.0.0.1,
-# which live portals started by other tests (with the production limit) serve.
-CLIENT_ADDRESS = "203.0.113.77"
-
-
-class World:
-    def client(self, role: str) -> APIClient:
-        api = APIClient(REMOTE_ADDR=CLIENT_ADDRESS)
-        if role in self.tokens:
-            api.credentials(HTTP_AUTHORIZATION=f"Bearer {self.tokens[role]}")
-        return api
-
-
-def _user(username: str, *, team=None, role: str = Membership.Role.MEMBER, staff=False):
-    # No password: hashing one per user per case would cost more than the case.
-    user = get_user_model().objects.create_user(username=username, is_staff=staff)
-    if team is not None:
-        do_add_member(team, user, role=role)
-    return user
-
-
-def build_world(tmp_path) -> World:
-    w = World()
-    now = timezone.now()
-    w.alpha = do_create_team("alpha", quota=8)
-    w.beta = do_create_team("beta", quota=8)
-    w.users = {
-        "admin": _user("root", staff=True),
-        "lead": _user("lee", team=w.alpha, role=Membership.Role.LEAD),
-        "member": _user("ann", team=w.alpha),
-        "stranger": _user("sam", team=w.beta),
-        "outsider": _user("olga"),
-    }
-    nodes = {}
-    for i in range(3):
-        node, raw = actions.do_register_node(
-            name=f"n{i}", gpus=2, address="127.0.0.1", boot_id=f"boot-{i}", now=now
-        )
-        nodes[node.id] = (node, raw)
-
-    ann = w.users["member"]
-    w.job = submit(w.alpha, ann, gpus=2)
-    run_pass()
-    attempt = live_attempt(w.job)
-    w.node = attempt.allocations.first().node  # runs alpha's job; the node role's own node
-    others = [n for n, _ in nodes.values() if n.id != w.node.id]
-    w.spare = others[0]
-    w.cordoned = actions.do_cordon_node(others[1], actor=None, reason="matrix", now=now)
-    root = tmp_path / "ckpt"
-    telemetry = [{"index": i, "kind": "cuda", "util": 55.0 + i} for i in range(2)]
-    beat(w.node, attempt, {0: None, 1: None}, telemetry=telemetry)
-    step = {"kind": "step", "rank": 0, "step": 30, "loss": 1.5, "step_time_s": 0.1}
-    beat(w.node, attempt, {0: None, 1: None}, records=[commit_checkpoint(root, w.job, 30), step])
-    LogChunk.objects.create(attempt=attempt, rank=0, text="step 30 loss 1.5\n", created_at=now)
-    w.checkpoint = Checkpoint.objects.get(job=w.job)
-    w.model = actions.do_register_model_version(
-        name="alpha-model", checkpoint=w.checkpoint, actor=ann, now=now
-    )
-    w.queued = submit(w.alpha, ann, gpus=4)
-    w.beta_job = submit(w.beta, w.users["stranger"], gpus=1)
-    w.preemption = PreemptionRequest.objects.create(
-        victim=w.job,
-        claimant=w.queued,
-        kind=PreemptionRequest.Kind.PRIORITY,
-        reason="a higher priority job waits",
-        created_at=now,
-        auto_approve_at=now + timedelta(minutes=5),
-    )
-    w.whatif = WhatIfRun.objects.create(
-        created_by=w.users["admin"],
-        created_at=now,
-        since=now - timedelta(days=1),
-        until=now,
-        state=WhatIfRun.State.DONE,
-    )
-    w.credential = RegistryCredential.objects.create(
-        team=w.alpha, registry="registry.example.org", username="bot", secret="matrix-secret"
-    )
-    w.tokens = {role: do_issue_token(user)[1] for role, user in w.users.items()}
-    w.member_token = do_issue_token(ann, name="spare")[0]
-    w.tokens["agent"] = AGENT_TOKEN
-    w.tokens["node"] = nodes[w.node.id][1]
-    return w
-
-
-@pytest.fixture(scope="module")
-def shared_world(django_db_setup, django_db_blocker, tmp_path_factory):
-    """The world, built once for the module inside a transaction that is rolled back at the
-    end; each test runs in a savepoint inside it (pytest-django's own transaction), so each
-    case still starts from this world, whatever the case before it changed."""
-    from django.db import transaction
-    from django.test import override_settings
-
-    from jobs.scheduling import loop
-
-    tmp_path = tmp_path_factory.mktemp("matrix")
-    lockstep = {
-        **settings.LOCKSTEP,
-        "CHECKPOINT_ROOT": str(tmp_path / "ckpt"),
-        "MODEL_ROOT": str(tmp_path / "models"),
-        "AGENT_TOKEN": AGENT_TOKEN,
-    }
-    with (
-        django_db_blocker.unblock(),
-        override_settings(LOCKSTEP=lockstep),
-        pytest.MonkeyPatch.context() as patch,
-    ):
-        # The submit throttle counts per user id in the shared cache, where ids repeat from
-        # run to run: no case here submits more than once, and this rate keeps old counts away.
-        patch.setattr(ScopedRateThrottle, "THROTTLE_RATES", {"submit": "100000/min"})
-        patch.setattr(loop, "intake", loop.HeartbeatIntake(timezone.now() - timedelta(hours=1)))
-        with transaction.atomic():
-            world = build_world(tmp_path)
-            world.pristine = snapshot()
-            yield world
-            transaction.set_rollback(True)
-
-
-@pytest.fixture
-def world(shared_world, db) -> World:
-    return shared_world
-
-
-def snapshot() -> dict:
-    """Every row of the jobs and teams tables (the platform's state, Events included), tokens
-    without their last use, and the users."""
-    rows = {}
-    for app in ("jobs", "teams"):
-        for model in apps.get_app_config(app).get_models():
-            values = model.objects.order_by("pk").values()
-            rows[model.__name__] = [
-                {k: v for k, v in row.items() if k != "last_used_at"} for row in values
-            ]
-    rows["User"] = list(get_user_model().objects.order_by("pk").values("id", "is_active"))
-    return rows
 
 
 # --- the expectations --------------------------------------------------------------------------
@@ -645,69 +492,3 @@ def test_a_node_token_reports_for_its_own_node_only(world):
     forged["attempts"][0]["ranks"] = [{"rank": 0, "pid": 1, "state": "running"}]
     assert own.post("/api/v1/agent/heartbeat/", forged, format="json").status_code == 200
     assert LogChunk.objects.filter(text="forged line\n").count() == 1
-
-
-# --- the websocket --------------------------------------------------------------------------
-
-WS_ALLOWED = {"admin", "lead", "member"}
-
-
-async def _ws_session(token: str | None, job_id: int) -> dict:
-    """Connect to ws/jobs/{job_id}/, read what comes, and push a message to the job's group:
-    {"accepted", "first", "pushed", "close"}."""
-    from portal.asgi import application
-
-    headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-    communicator = WebsocketCommunicator(application, f"/ws/jobs/{job_id}/", headers=headers)
-    accepted, _ = await communicator.connect(timeout=5)
-    seen = {"accepted": accepted, "first": None, "pushed": None, "close": None}
-    if accepted:
-        message = await communicator.receive_output(timeout=5)
-        if message["type"] == "websocket.close":
-            seen["close"] = message.get("code")
-        else:
-            seen["first"] = json.loads(message["text"])
-            await get_channel_layer().group_send(
-                job_group(job_id),
-                {"type": "job.message", "message": {"type": "log", "line": "pushed"}},
-            )
-            seen["pushed"] = await communicator.receive_json_from(timeout=5)
-    await communicator.disconnect()
-    return seen
-
-
-@pytest.fixture
-def ws_env(settings, monkeypatch):
-    # Group names are job ids: a Redis layer shared with other test runs could cross them.
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
-    # The consumer's database calls run on this thread, inside the test's transaction; Channels
-    # closes "old" connections around each, which would close the test's own.
-    import channels.db
-
-    monkeypatch.setattr(channels.db, "close_old_connections", lambda: None)
-    # ... and they must run on this thread, where the test's rows are (a worker thread's own
-    # connection would not see them): production runs them on a worker thread.
-    import jobs.consumers
-
-    monkeypatch.setattr(jobs.consumers, "ON_WORKER_THREAD", False)
-
-
-@pytest.mark.django_db
-@pytest.mark.parametrize("role", ROLES)
-def test_job_stream(role, world, ws_env):
-    token = world.tokens.get(role)
-    world.job.refresh_from_db()
-    seen = async_to_sync(_ws_session)(token, world.job.id)
-    if role in WS_ALLOWED:
-        assert seen["first"] == {
-            "type": "state",
-            "job": world.job.id,
-            "state": world.job.state,
-            "reason": world.job.reason,
-        }, seen
-        assert seen["pushed"] == {"type": "log", "line": "pushed"}
-        return
-    assert seen["first"] is None and seen["pushed"] is None, seen
-    assert seen["close"] == 4404, seen
-    # The same answer as for a job that does not exist.
-    assert async_to_sync(_ws_session)(token, GHOST_ID) == seen
