@@ -443,13 +443,20 @@ class WorkerSupervisor:
 
     def close(self) -> None:
         """Let the zygote and the warm containers go (workers, if any are left, are the
-        caller's to kill first)."""
+        caller's to kill first), then every container of this agent that is still listed."""
         self._exit_clock.close()
         if self._warm is not None:
             self._warm.close()
         if self._zygote is not None:
             self._zygote.close()
             self._zygote = None
+        if self.engine is not None and self._containers is not None:
+            # A killed or exited attempt's container is removed by the engine (`--rm`), but
+            # after its process ends, not before: an agent that exited at once left it
+            # listed, and `make up`'s stop was not "nothing left behind" (seen under load in
+            # tests/test_container_runtime.py). `rm --force` waits for the removal.
+            for found in self.engine.containers(self._containers.agent):
+                self.engine.remove(found["name"])
 
     def kill_all(self) -> int:
         """Kill every attempt's workers; returns how many workers were still alive."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.container import agent_identity, run_argv, team_uid
+from nodeagent.container import LABEL, agent_identity, run_argv, team_uid
 from tests.container_runtime_helpers import (
     ENGINE,
     IMAGE,
@@ -217,3 +217,25 @@ def test_make_up_runs_the_demo_in_its_image_and_its_stop_leaves_no_container(tmp
             for found in ENGINE.containers(agent):
                 ENGINE.remove(found["name"])
 
+
+def test_an_agent_that_closes_leaves_none_of_its_containers_listed(tmp_path):
+    """A container whose process has ended is removed by the engine (`--rm`) only after it
+    ends, asynchronously: an agent that exited at once left it listed, and `make up`'s stop
+    was not "nothing left behind" under load. Closing the supervisor removes what is listed."""
+    from nodeagent.supervisor import WorkerSupervisor
+
+    work = tmp_path / "closing"
+    sup = WorkerSupervisor(work, engine=ENGINE, node="closing")
+    agent = agent_identity(work)
+    # An exited container of this agent, as an attempt's can be for a moment (no --rm here,
+    # so it stays listed until someone removes it).
+    name = f"lockstep-closing-{agent}"
+    labels = ["--label", f"lockstep.agent={agent}", "--label", f"{LABEL}=1"]
+    done = ENGINE._run(["run", "--name", name, *labels, IMAGE, "true"])
+    assert done.returncode == 0, done.stderr
+    try:
+        assert [c["name"] for c in ENGINE.containers(agent)] == [name]
+        sup.close()
+        assert ENGINE.containers(agent) == []
+    finally:
+        ENGINE.remove(name)
