@@ -194,7 +194,6 @@ TIMELINE_KINDS = {
         EventKind.ATTEMPT_FAILED,
         EventKind.ATTEMPT_LOST,
         EventKind.ATTEMPT_HANG_DETECTED,
-        EventKind.ATTEMPT_STRAGGLER,
         EventKind.JOB_FAILED,
         EventKind.JOB_TIME_LIMIT,
     ),
@@ -210,6 +209,9 @@ TIMELINE_KINDS = {
         EventKind.ATTEMPT_PREEMPTED,
         EventKind.ATTEMPT_STOPPING,
     ),
+    # The attempt goes on: a slow rank is news, not a failure (a red mark on a healthy demo
+    # job's timeline read as one).
+    "warning": (EventKind.ATTEMPT_STRAGGLER,),
     "checkpoint": (
         EventKind.CHECKPOINT_COMMITTED,
         EventKind.MODEL_REGISTERED,

@@ -12,7 +12,7 @@ from rest_framework.test import APIClient
 
 from jobs import actions
 from jobs.metrics_query import metric_series
-from jobs.models import Attempt, Checkpoint, Job, MetricPoint, ModelVersion
+from jobs.models import Attempt, Checkpoint, Event, Job, MetricPoint, ModelVersion
 
 pytestmark = pytest.mark.django_db
 
@@ -311,8 +311,14 @@ def test_job_page_has_timeline_checkpoints_logs_and_goodput(client, two_teams, t
         save_s=0.4,
         created_at=now,
     )
+    # A failed attempt is a failure on the timeline; a straggler is a warning (the attempt
+    # goes on), not a red mark on a healthy job.
+    Event.objects.create(job=job, attempt=first, kind="attempt.failed", message="rank 1 exited")
+    Event.objects.create(job=job, attempt=second, kind="attempt.straggler", message="rank 0 slow")
     html = _client(client, ann).get(f"/jobs/{job.id}/").content.decode()
     data = json.loads(html.split('id="job-data" type="application/json">')[1].split("</script>")[0])
+    groups = {e["kind"]: e["group"] for e in data["timeline"]["events"]}
+    assert groups["attempt.failed"] == "failure" and groups["attempt.straggler"] == "warning"
     assert [a["number"] for a in data["timeline"]["attempts"]] == [1, 2]
     assert data["timeline"]["attempts"][0]["reason"] == "rank 1 exited with code 1"
     assert data["ranks"] == 2 and data["max_points"] == 2000

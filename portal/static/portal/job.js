@@ -417,7 +417,8 @@
     failed: "#dc2626", lost: "#dc2626", preempted: "#9333ea", cancelled: "#6b7280",
   };
   var GROUPS = {
-    start: ["#16a34a", "triangle-right"], failure: ["#dc2626", "x"], restart: ["#f59e0b", "circle-open"],
+    start: ["#16a34a", "triangle-right"], failure: ["#dc2626", "x"], warning: ["#ea580c", "triangle-up"],
+    restart: ["#f59e0b", "circle-open"],
     preemption: ["#9333ea", "diamond"], checkpoint: ["#2563eb", "square"], other: ["#6b7280", "circle"],
   };
   function drawTimeline() {
