@@ -185,6 +185,53 @@ def figure(groups: dict[str, dict]) -> Path:
     return path
 
 
+def _span(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds / 3600:.1f} h" if abs(seconds) >= 3600 else f"{round(seconds / 60)} min"
+
+
+def tables(document: dict) -> str:
+    """The error table (per group and pooled, by size class) and the cost table, as
+    docs/simulator.md shows them."""
+    lines = [
+        "| scenarios | size | at submit: n | median | p90 | bias "
+        "| 1 h on: n | median | p90 | bias |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [(g, stats) for g, stats in document["groups"].items()]
+    rows.append(("**all pooled**", document["pooled"]))
+    for group, stats in rows:
+        for size in ("all", *SIZE_CLASSES):
+            cells = []
+            for moment in MOMENTS:
+                s = stats[moment] if size == "all" else stats[moment]["by_size"][size]
+                cells.append((s["count"], s["median_abs_s"], s["p90_abs_s"], s["bias_s"]))
+            if size != "all" and cells[0][0] == 0 and cells[1][0] == 0:
+                continue
+            row = [group, size]
+            for n, median, p90, bias in cells:
+                row += [str(n), _span(median), _span(p90), _span(bias)]
+            lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "| scenario | jobs | placed at once | waited | coverage submit / 1h | estimates "
+        "| estimate s | wall s | JCT tracked / untracked | wait mean |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in document["scenarios"].items():
+        e, m, u = r["estimates"], r["metrics"], r["untracked"]
+        at, later = e["at_submit"], e["after_1h"]
+        lines.append(
+            f"| {name} | {m['jobs']} | {e['placed_at_once']} | {at['waited']} "
+            f"| {at['coverage'] or 0:.0%} / {later['coverage'] or 0:.0%} | {e['estimate_calls']} "
+            f"| {e['estimate_time_s']:.0f} (mean {e['estimate_mean_ms']:.0f} ms) | {r['wall_s']} "
+            f"| {m['jct_mean_s']:,.0f} / {u['jct_mean_s']:,.0f} "
+            f"| {m['wait_mean_s']:,.0f} / {u['wait_mean_s']:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="comma list of scenarios: " + ", ".join(SCENARIOS))
@@ -192,9 +239,15 @@ def main() -> int:
     parser.add_argument(
         "--figure", action="store_true", help="only redraw the figure from the results JSON"
     )
+    parser.add_argument(
+        "--table", action="store_true", help="only print docs/simulator.md's tables from it"
+    )
     args = parser.parse_args()
     if args.figure:
         print(figure(json.loads((RESULTS / "estimates.json").read_text())["groups"]))
+        return 0
+    if args.table:
+        print(tables(json.loads((RESULTS / "estimates.json").read_text())))
         return 0
     names = [n.strip() for n in (args.only or ",".join(SCENARIOS)).split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]

@@ -104,9 +104,10 @@ def main() -> int:
     parser.add_argument("--generated", help="LOAD,SEED: bench/thrash.py's trace instead")
     parser.add_argument("--past-grace", action="store_true", help="clocks past the grace")
     parser.add_argument(
-        "--pass-at-protection-end",
+        "--events-only",
         action="store_true",
-        help="a pass also when a job's protection ends (SimConfig.pass_at_protection_end)",
+        help="no pass when a job's protection ends (SimConfig.pass_at_protection_end off, "
+        "as every replay before 2026-12-06)",
     )
     args = parser.parse_args()
     if args.generated:
@@ -124,7 +125,7 @@ def main() -> int:
         gpus=args.gpus,
         quotas=quotas,
         checkpoint_on_stop=args.checkpoint_on_stop,
-        pass_at_protection_end=args.pass_at_protection_end,
+        pass_at_protection_end=not args.events_only,
     )
     seen: dict[int, dict] = {}  # job id -> its clock, its reasons over time
     engine = None
@@ -233,7 +234,7 @@ def main() -> int:
     suffix = (
         ("-ckpt-on-stop" if args.checkpoint_on_stop else "")
         + ("-past-grace" if args.past_grace else "")
-        + ("-protection-passes" if args.pass_at_protection_end else "")
+        + ("-events-only" if args.events_only else "")
     )
     name = args.trace if args.generated else Path(args.trace).stem
     path = RESULTS / f"reclaim-replay-{name}-{args.gpus}{suffix}.json"

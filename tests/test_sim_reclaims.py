@@ -102,18 +102,19 @@ def test_a_gang_within_its_teams_quota_or_on_one_node_is_not_exempt():
 def test_a_pass_when_a_gangs_exemption_ends_lets_the_reclaim_go_ahead_then():
     # Four nodes of 8. a (quota 8) runs a 24-GPU gang on lent GPUs: rule 5 keeps reclaims
     # off it for 4 h. b (quota 24) asks for 16 at 100 s; only 8 are free, so its clock is
-    # held to the gang's exemption plus the grace (14,360 s). The engine passes at events
-    # only: nothing happens between 100 s and the gang's end at 20,000 s, so b waits for it.
-    # With a pass at the exemption's end the reclaim stops the gang then and b starts within
-    # its bound, as under the live scheduler's tick.
+    # held to the gang's exemption plus the grace (14,360 s). With passes at events only
+    # nothing happens between 100 s and the gang's end at 20,000 s, so b waits for it. With a
+    # pass at the exemption's end (the default, as the live scheduler's tick) the reclaim
+    # stops the gang then and b starts within its bound.
     trace = jobs(("gang", 0, 24, 20_000, "a"), ("b1", 100, 16, 100, "b"))
     quotas = {"a": TeamQuota(8, 24), "b": TeamQuota(24, 0)}
     config = SimConfig(gpus=32, quotas=quotas, checkpoint_on_stop=True)
-    events_only = run(trace, "lockstep", config)
+    assert config.pass_at_protection_end
+    events_only = run(trace, "lockstep", replace(config, pass_at_protection_end=False))
     assert {r[0]: r[3] for r in events_only.records}["b1"] == 20_000
     m = events_only.metrics
     assert (m["reclaims_gang_bounded"], m["reclaims_over_their_bound"]) == (1, 1)
-    ticking = run(trace, "lockstep", replace(config, pass_at_protection_end=True))
+    ticking = run(trace, "lockstep", config)
     assert {r[0]: r[3] for r in ticking.records}["b1"] == 14_400 + 60
     m = ticking.metrics
     assert (m["reclaims_gang_bounded"], m["reclaims_over_their_bound"]) == (1, 0)

@@ -58,9 +58,9 @@ class SimConfig:
     # The live scheduler passes every tick; this engine passes at events only (arrivals, ends,
     # stops). True adds a pass when a job's protection ends (its minimum run, and rule 5's
     # exemption for a drained-for gang), so a claim waiting for it goes ahead then rather
-    # than at the next event. Off by default: every published result was measured without
-    # it (docs/simulator.md, "Each clock against its own bound", measures its effect).
-    pass_at_protection_end: bool = False
+    # than at the next event. On by default since 2026-12-06 (results before then were
+    # measured without it; docs/simulator.md, "Passes when protection ends", compares).
+    pass_at_protection_end: bool = True
     # Rule 1: aged borrowed work first among guaranteed work (live: AGED_BORROWED_FIRST).
     aged_borrowed_first: bool = True
     # Record each job's start estimate at submit and an hour on as promises, and their error

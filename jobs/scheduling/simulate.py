@@ -8,8 +8,8 @@ clocks in sim_reclaims.py.
 
 The engine is one state machine: its event handlers (start, preempt, approve, stop, complete)
 share the virtual cluster's state, which is why it stays one class (~680 lines) rather than
-handlers in several modules passing that state back and forth. Its inputs are in trace.py (and generate.py), its
-configuration and result in sim_config.py.
+handlers in several modules passing that state back and forth. Its inputs are in trace.py (and
+generate.py), its configuration and result in sim_config.py.
 """
 
 from __future__ import annotations
