@@ -26,6 +26,17 @@ def _image_present(name: str) -> bool:
     return ENGINE is not None and ENGINE.image_present(name)
 
 
+# Every container test file's marks: end to end, and skipped (saying why) only where this
+# machine has no engine or no image; .ci/run installs podman and builds the image first.
+CONTAINER_MARKS = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(ENGINE is None, reason="no working podman on this machine"),
+    pytest.mark.skipif(
+        not _image_present(IMAGE), reason=f"no {IMAGE}: run `make image` (.ci/run does)"
+    ),
+]
+
+
 TRAIN = ["python", "-m", "trainer", "--steps", "3000", "--checkpoint-every", "10"]
 
 

@@ -26,13 +26,13 @@ import pytest
 
 from nodeagent.container import LABEL, agent_identity, run_argv, team_uid
 from tests.container_runtime_helpers import (
+    CONTAINER_MARKS,
     ENGINE,
     IMAGE,
     TRAIN,
     _cancel,
     _containers,
     _finish,
-    _image_present,
     _job,
     _logs,
     _saving,
@@ -41,13 +41,7 @@ from tests.container_runtime_helpers import (
 )
 from tests.live import free_port, wait_for, worker_pids
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(ENGINE is None, reason="no working podman on this machine"),
-    pytest.mark.skipif(
-        not _image_present(IMAGE), reason=f"no {IMAGE}: run `make image` (.ci/run does)"
-    ),
-]
+pytestmark = CONTAINER_MARKS
 
 # Run inside a team's container: everything a rival job would try, each outcome recorded.
 PROBE = textwrap.dedent(

@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 
 from tests.container_runtime_helpers import (
-    ENGINE,
+    CONTAINER_MARKS,
     IMAGE,
     TRAIN,
     _finish,
-    _image_present,
     _logs,
     _submit,
     live_cluster,
@@ -31,13 +30,7 @@ from tests.container_runtime_helpers import (
 from tests.live import wait_for
 from tests.registry import serve_local_image
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(ENGINE is None, reason="no working podman on this machine"),
-    pytest.mark.skipif(
-        not _image_present(IMAGE), reason=f"no {IMAGE}: run `make image` (.ci/run does)"
-    ),
-]
+pytestmark = CONTAINER_MARKS
 
 THIRD_PARTY_IMAGE = "localhost/lockstep-test/plain-ddp:1"
 

@@ -15,15 +15,13 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.container_runtime_helpers import (
+    CONTAINER_MARKS,
     ENGINE,
     IMAGE,
     TRAIN,
     _cancel,
     _containers,
-    _image_present,
     _job,
     _saving,
     _submit,
@@ -31,13 +29,7 @@ from tests.container_runtime_helpers import (
 )
 from tests.live import wait_for, worker_pids
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(ENGINE is None, reason="no working podman on this machine"),
-    pytest.mark.skipif(
-        not _image_present(IMAGE), reason=f"no {IMAGE}: run `make image` (.ci/run does)"
-    ),
-]
+pytestmark = CONTAINER_MARKS
 
 
 def _ppid(pid: int) -> int:
