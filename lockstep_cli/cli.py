@@ -152,6 +152,8 @@ def cmd_simulate(args) -> int:
         approval_delay_s=args.approval_delay_s,
         reclaim_backoff_s=args.reclaim_backoff_s,
         track_promises=args.estimates,
+        aged_borrowed_first=not args.aged_borrowed_last,
+        pass_at_protection_end=not args.events_only,
     )
 
     def progress(status: dict) -> None:
@@ -226,6 +228,17 @@ def _add_simulate(sub) -> None:
         type=float,
         default=300.0,
         help="a team whose GPUs were reclaimed may not borrow for this long",
+    )
+    sim.add_argument(
+        "--aged-borrowed-last",
+        action="store_true",
+        help="aged borrowed jobs after the guaranteed work of their priority (the live setting "
+        "LOCKSTEP_AGED_BORROWED_FIRST=false: the quota promise over some utilization)",
+    )
+    sim.add_argument(
+        "--events-only",
+        action="store_true",
+        help="no pass when a running job's protection ends (the engine before 2026-12-06)",
     )
     sim.add_argument(
         "--estimates",

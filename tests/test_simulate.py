@@ -402,6 +402,28 @@ def test_cli_json_prints_one_object_with_the_required_keys(tmp_path):
     assert (m["policy"], m["gpus"], m["jobs"], m["dropped"]) == ("backfill", 8, 2, 1)
 
 
+def test_cli_flags_reach_the_engine_and_its_config_says_so(tmp_path):
+    """`--aged-borrowed-last` and `--events-only` are the live setting AGED_BORROWED_FIRST=false
+    and the engine before passes at protection ends; the printed config shows what ran."""
+    path = write_trace(tmp_path, ["a,0,4,100,t,unknown", "b,1,8,100,u,unknown"])
+
+    def config(*flags):
+        out = subprocess.run(
+            [sys.executable, "-m", "lockstep_cli.cli", "simulate", "--trace", str(path)]
+            + ["--gpus", "8", "--policy", "lockstep", "--json", *flags],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+        c = json.loads(out)["config"]
+        return c["aged_borrowed_first"], c["pass_at_protection_end"]
+
+    assert config() == (True, True)
+    assert config("--aged-borrowed-last", "--events-only") == (False, False)
+
+
 def test_simulator_imports_no_django():
     code = (
         "import sys, jobs.scheduling.simulate, jobs.scheduling.baselines, "
