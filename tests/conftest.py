@@ -45,6 +45,8 @@ ONE_LEG = {
     "test_nodeagent_cli.py": "the agent against a stub portal; no database",
     "test_framework_outputs.py": "the agent's readers of framework files; no database",
     "test_planner.py": "the memory planner's arithmetic and its read-only endpoint",
+    "test_planner_layouts.py": "the memory planner's arithmetic and its read-only endpoint",
+    "test_planner_api.py": "the memory planner's arithmetic and its read-only endpoint",
     "test_policy.py": "the pure policy",
     "test_policy_backfill.py": "the pure policy",
     "test_policy_preemption.py": "the pure policy",
