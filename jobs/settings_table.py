@@ -224,6 +224,14 @@ TABLE: tuple[Setting, ...] = (
         "utilization (docs/scheduling.md, rule 1)",
     ),
     Setting(
+        "QUOTA_BEFORE_DRAIN",
+        False,
+        "a job within its team's quota may start on the free GPUs of the nodes a borrowing job "
+        "at the head of the queue is draining; with AGED_BORROWED_FIRST=false, a team's quota "
+        "comes back within the bound far more often, at some utilization (docs/scheduling.md, "
+        "rule 1)",
+    ),
+    Setting(
         "ELASTIC_GROW_AFTER_S",
         600.0,
         "a shrunk elastic job grows back to its full size only after this long at the smaller one",

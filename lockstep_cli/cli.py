@@ -153,6 +153,7 @@ def cmd_simulate(args) -> int:
         reclaim_backoff_s=args.reclaim_backoff_s,
         track_promises=args.estimates,
         aged_borrowed_first=not args.aged_borrowed_last,
+        quota_before_drain=args.quota_before_drain,
         pass_at_protection_end=not args.events_only,
     )
 
@@ -234,6 +235,12 @@ def _add_simulate(sub) -> None:
         action="store_true",
         help="aged borrowed jobs after the guaranteed work of their priority (the live setting "
         "LOCKSTEP_AGED_BORROWED_FIRST=false: the quota promise over some utilization)",
+    )
+    sim.add_argument(
+        "--quota-before-drain",
+        action="store_true",
+        help="a job within its team's quota may start on a borrowing head's draining nodes "
+        "(the live setting LOCKSTEP_QUOTA_BEFORE_DRAIN=true)",
     )
     sim.add_argument(
         "--events-only",

@@ -210,9 +210,15 @@ def test_the_preemptions_page_shows_owed_waits_past_the_bound(lent, make_user):
 
 
 @pytest.mark.django_db
-def test_the_aged_borrowed_first_setting_reaches_the_snapshot(settings):
+def test_the_quota_promise_settings_reach_the_snapshot(settings):
     from jobs.scheduling.reader import take_snapshot
 
-    assert take_snapshot(timezone.now()).aged_borrowed_first is True
-    settings.LOCKSTEP = {**settings.LOCKSTEP, "AGED_BORROWED_FIRST": False}
-    assert take_snapshot(timezone.now()).aged_borrowed_first is False
+    snap = take_snapshot(timezone.now())
+    assert (snap.aged_borrowed_first, snap.quota_before_drain) == (True, False)
+    settings.LOCKSTEP = {
+        **settings.LOCKSTEP,
+        "AGED_BORROWED_FIRST": False,
+        "QUOTA_BEFORE_DRAIN": True,
+    }
+    snap = take_snapshot(timezone.now())
+    assert (snap.aged_borrowed_first, snap.quota_before_drain) == (False, True)

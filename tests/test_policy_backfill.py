@@ -209,6 +209,30 @@ def test_a_borrowing_head_neither_takes_nor_admits_another_teams_guaranteed_fill
     assert p.preemptions == ()
 
 
+def test_quota_before_drain_starts_a_guaranteed_job_on_a_borrowing_heads_draining_nodes():
+    # QUOTA_BEFORE_DRAIN: team b's 2-GPU job within b's quota starts on the free GPUs of the
+    # node team a's borrowing head drains, as a job of its own (not a filler: the head may
+    # not stop it). Not for a borrowed job of b's, nor when the head is within its quota.
+    a, b = team("a", quota=0, borrow=16), team("b", quota=4, borrow=16)
+    n = node("n", 8, busy=6)
+    runs = [running(10, n, range(6), team_id=a.id, prio=2, ends_in=3600)]
+    head = job(1, 8, team_id=a.id, prio=2, estimate=1000)  # ordered first by priority
+    guaranteed = job(2, 2, team_id=b.id, submitted=1, estimate=7200)
+    snap = snapshot([n], [head, guaranteed], [a, b], runs)
+    assert plan(snap).placements == ()  # the default: b waits behind the drain
+    p = plan(dataclasses.replace(snap, quota_before_drain=True))
+    assert [(pl.job_id, pl.filler) for pl in p.placements] == [(2, False)]
+    assert p.preemptions == () and p.waits[1].code == "reserved"
+    over = dataclasses.replace(b, used=4)  # b holds its quota elsewhere: this one borrows
+    p = plan(dataclasses.replace(snap, teams=(a, over), quota_before_drain=True))
+    assert [(pl.job_id, pl.filler) for pl in p.placements] == [(2, True)]  # a filler, as ever
+    # The head within a's quota: the setting changes nothing (b's job may fill, stoppable).
+    own = dataclasses.replace(snap, teams=(dataclasses.replace(a, quota=16), b))
+    p = plan(dataclasses.replace(own, quota_before_drain=True))
+    assert p.placements == plan(own).placements
+    assert [(pl.job_id, pl.filler) for pl in p.placements] == [(2, True)]
+
+
 # --- starving jobs' reservations ------------------------------------------------------------------
 
 

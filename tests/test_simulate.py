@@ -403,8 +403,9 @@ def test_cli_json_prints_one_object_with_the_required_keys(tmp_path):
 
 
 def test_cli_flags_reach_the_engine_and_its_config_says_so(tmp_path):
-    """`--aged-borrowed-last` and `--events-only` are the live setting AGED_BORROWED_FIRST=false
-    and the engine before passes at protection ends; the printed config shows what ran."""
+    """`--aged-borrowed-last` and `--quota-before-drain` are the live settings
+    AGED_BORROWED_FIRST=false and QUOTA_BEFORE_DRAIN=true, `--events-only` the engine before
+    passes at protection ends; the printed config shows what ran."""
     path = write_trace(tmp_path, ["a,0,4,100,t,unknown", "b,1,8,100,u,unknown"])
 
     def config(*flags):
@@ -418,10 +419,11 @@ def test_cli_flags_reach_the_engine_and_its_config_says_so(tmp_path):
             timeout=60,
         ).stdout
         c = json.loads(out)["config"]
-        return c["aged_borrowed_first"], c["pass_at_protection_end"]
+        return c["aged_borrowed_first"], c["pass_at_protection_end"], c["quota_before_drain"]
 
-    assert config() == (True, True)
-    assert config("--aged-borrowed-last", "--events-only") == (False, False)
+    assert config() == (True, True, False)
+    flags = ("--aged-borrowed-last", "--events-only", "--quota-before-drain")
+    assert config(*flags) == (False, False, True)
 
 
 def test_simulator_imports_no_django():

@@ -227,6 +227,7 @@ def take_snapshot(
         reclaim_hold_s=lockstep_setting("RECLAIM_HOLD_S"),
         gang_reclaim_exempt_s=lockstep_setting("RECLAIM_GANG_EXEMPT_S"),
         aged_borrowed_first=bool(lockstep_setting("AGED_BORROWED_FIRST")),
+        quota_before_drain=bool(lockstep_setting("QUOTA_BEFORE_DRAIN")),
         grow_after_s=lockstep_setting("ELASTIC_GROW_AFTER_S"),
     )
 

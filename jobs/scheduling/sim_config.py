@@ -63,6 +63,9 @@ class SimConfig:
     pass_at_protection_end: bool = True
     # Rule 1: aged borrowed work first among guaranteed work (live: AGED_BORROWED_FIRST).
     aged_borrowed_first: bool = True
+    # A job within its quota may start on a borrowing head's draining nodes (live:
+    # QUOTA_BEFORE_DRAIN).
+    quota_before_drain: bool = False
     # Record each job's start estimate at submit and an hour on as promises, and their error
     # (jobs.scheduling.promises; metrics "estimates"). Costly: an estimate replays plan().
     track_promises: bool = False

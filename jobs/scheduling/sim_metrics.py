@@ -237,6 +237,7 @@ def _config_metrics(self) -> dict:
         "gang_reclaim_exempt_s": cfg.gang_reclaim_exempt_s,
         "pass_at_protection_end": cfg.pass_at_protection_end,
         "aged_borrowed_first": cfg.aged_borrowed_first,
+        "quota_before_drain": cfg.quota_before_drain,
         "usage_half_life_s": cfg.usage_half_life_s,
     }
 

@@ -372,6 +372,7 @@ class _Engine:
             max_preemptions=self.cfg.safety_stop,
             gang_reclaim_exempt_s=self.cfg.gang_reclaim_exempt_s,
             aged_borrowed_first=self.cfg.aged_borrowed_first,
+            quota_before_drain=self.cfg.quota_before_drain,
         )
 
     def _due_checkpoints(self, t: float) -> None:

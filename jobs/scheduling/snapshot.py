@@ -114,6 +114,9 @@ class Snapshot:
     # Rule 1: aged borrowed work goes first among guaranteed work (True) or after it
     # (jobs.scheduling.order.job_order_key; the AGED_BORROWED_FIRST setting).
     aged_borrowed_first: bool = True
+    # A job within its team's quota may start on the free GPUs of a borrowing head's draining
+    # nodes (jobs.scheduling.policy; the QUOTA_BEFORE_DRAIN setting).
+    quota_before_drain: bool = False
     # A shrunk elastic job grows back (rule 8) only after running this long at its smaller
     # size: each grow costs a checkpoint and a restart.
     grow_after_s: float = 600.0
