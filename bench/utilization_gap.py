@@ -23,6 +23,9 @@ switches off one part of the policy at a time to see what each costs and buys:
   (before fair share): GPUs lent to short jobs come back by themselves more often.
 - `reclaim-backoff-1h`: a team whose GPUs were reclaimed may not borrow for 1 h (300 s).
 - `no-reclaim-backoff`: a team whose GPUs were reclaimed may borrow again at once.
+- `quota-promise`: the settings AGED_BORROWED_FIRST=false and QUOTA_BEFORE_DRAIN=true (aged
+  borrowed work after guaranteed work; a job within its quota may start on a borrowing head's
+  draining nodes).
 
 Each variant patches one module constant or function in its own worker process (the
 simulator and policy are pure; nothing is shared). EASY backfill runs once per trace.
@@ -63,6 +66,7 @@ VARIANTS = (
     "short-borrowed-first",
     "reclaim-backoff-1h",
     "no-reclaim-backoff",
+    "quota-promise",
 )
 KEYS = (
     "work_utilization",
@@ -155,6 +159,11 @@ def _ablate(variant: str):
         return lambda trace, config: (trace, replace(config, reclaim_backoff_s=3600.0))
     if variant == "no-reclaim-backoff":
         return lambda trace, config: (trace, replace(config, reclaim_backoff_s=0.0))
+    if variant == "quota-promise":  # the settings AGED_BORROWED_FIRST=false, QUOTA_BEFORE_DRAIN
+        return lambda trace, config: (
+            trace,
+            replace(config, aged_borrowed_first=False, quota_before_drain=True),
+        )
     raise ValueError(f"unknown variant {variant!r}")
 
 
