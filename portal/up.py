@@ -273,6 +273,27 @@ def _agent_names(count: int) -> list[str]:
     return [f"local-{chr(ord('a') + i)}" for i in range(count)]
 
 
+def _remove_agent_containers(var: Path, names: list[str]) -> int:
+    """Remove every container this run's agents left listed. An agent removes its own when it
+    stops, but one that overran its stop's grace (a slow save on a loaded machine) was killed
+    before it could, and the container outlived `make up`'s stop. Returns how many went."""
+    podman = shutil.which("podman")
+    if podman is None:
+        return 0
+    from nodeagent.container import Engine, agent_identity
+
+    engine = Engine("podman", podman)
+    removed = 0
+    for name in names:
+        work_dir = var / "agents" / name
+        if not work_dir.is_dir():
+            continue
+        for found in engine.containers(agent_identity(work_dir)):
+            engine.remove(found["name"])
+            removed += 1
+    return removed
+
+
 def _start_agents(py: str, env: dict, url: str, args, var: Path, sup: Supervisor) -> None:
     runtime = _agent_runtime()
     for name in _agent_names(args.agents):
@@ -485,6 +506,9 @@ Logs in {var / "logs"}. Ctrl-C stops everything.""",
         return 1
     finally:
         sup.stop_all()
+        left = _remove_agent_containers(var, _agent_names(args.agents))
+        if left:
+            print(f"  removed {left} container(s) an agent left behind", flush=True)
         print("stopped", flush=True)
 
 

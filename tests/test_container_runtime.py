@@ -233,3 +233,24 @@ def test_an_agent_that_closes_leaves_none_of_its_containers_listed(tmp_path):
         assert ENGINE.containers(agent) == []
     finally:
         ENGINE.remove(name)
+
+
+def test_make_ups_stop_removes_the_containers_an_agent_killed_in_its_stop_left(tmp_path):
+    """An agent that overran its stop's grace is killed before it removes its containers; the
+    stop then removes whatever this run's agents left listed."""
+    from portal.up import _remove_agent_containers
+
+    work = tmp_path / "var" / "agents" / "local-a"
+    work.mkdir(parents=True)
+    agent = agent_identity(work)
+    name = f"lockstep-left-{agent}"
+    labels = ["--label", f"lockstep.agent={agent}", "--label", f"{LABEL}=1"]
+    done = ENGINE._run(["run", "--name", name, *labels, IMAGE, "true"])
+    assert done.returncode == 0, done.stderr
+    try:
+        assert [c["name"] for c in ENGINE.containers(agent)] == [name]
+        assert _remove_agent_containers(tmp_path / "var", ["local-a", "local-b"]) == 1
+        assert ENGINE.containers(agent) == []
+        assert _remove_agent_containers(tmp_path / "var", ["local-a"]) == 0
+    finally:
+        ENGINE.remove(name)
