@@ -15,6 +15,7 @@ the image first, so CI skips none of it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -212,6 +213,20 @@ def test_make_up_runs_the_demo_in_its_image_and_its_stop_leaves_no_container(tmp
                 ENGINE.remove(found["name"])
 
 
+@contextlib.contextmanager
+def _exited_container(agent: str, name: str):
+    """An exited container of `agent` (no --rm, so it stays listed until someone removes it),
+    as an attempt's can be for a moment; gone afterwards whatever the test did."""
+    labels = ["--label", f"lockstep.agent={agent}", "--label", f"{LABEL}=1"]
+    done = ENGINE._run(["run", "--name", name, *labels, IMAGE, "true"])
+    assert done.returncode == 0, done.stderr
+    try:
+        assert [c["name"] for c in ENGINE.containers(agent)] == [name]
+        yield
+    finally:
+        ENGINE.remove(name)
+
+
 def test_an_agent_that_closes_leaves_none_of_its_containers_listed(tmp_path):
     """A container whose process has ended is removed by the engine (`--rm`) only after it
     ends, asynchronously: an agent that exited at once left it listed, and `make up`'s stop
@@ -221,18 +236,9 @@ def test_an_agent_that_closes_leaves_none_of_its_containers_listed(tmp_path):
     work = tmp_path / "closing"
     sup = WorkerSupervisor(work, engine=ENGINE, node="closing")
     agent = agent_identity(work)
-    # An exited container of this agent, as an attempt's can be for a moment (no --rm here,
-    # so it stays listed until someone removes it).
-    name = f"lockstep-closing-{agent}"
-    labels = ["--label", f"lockstep.agent={agent}", "--label", f"{LABEL}=1"]
-    done = ENGINE._run(["run", "--name", name, *labels, IMAGE, "true"])
-    assert done.returncode == 0, done.stderr
-    try:
-        assert [c["name"] for c in ENGINE.containers(agent)] == [name]
+    with _exited_container(agent, f"lockstep-closing-{agent}"):
         sup.close()
         assert ENGINE.containers(agent) == []
-    finally:
-        ENGINE.remove(name)
 
 
 def test_make_ups_stop_removes_the_containers_an_agent_killed_in_its_stop_left(tmp_path):
@@ -243,14 +249,7 @@ def test_make_ups_stop_removes_the_containers_an_agent_killed_in_its_stop_left(t
     work = tmp_path / "var" / "agents" / "local-a"
     work.mkdir(parents=True)
     agent = agent_identity(work)
-    name = f"lockstep-left-{agent}"
-    labels = ["--label", f"lockstep.agent={agent}", "--label", f"{LABEL}=1"]
-    done = ENGINE._run(["run", "--name", name, *labels, IMAGE, "true"])
-    assert done.returncode == 0, done.stderr
-    try:
-        assert [c["name"] for c in ENGINE.containers(agent)] == [name]
+    with _exited_container(agent, f"lockstep-left-{agent}"):
         assert _remove_agent_containers(tmp_path / "var", ["local-a", "local-b"]) == 1
         assert ENGINE.containers(agent) == []
         assert _remove_agent_containers(tmp_path / "var", ["local-a"]) == 0
-    finally:
-        ENGINE.remove(name)

@@ -368,18 +368,23 @@ def test_trace_filters_priority_mapping_and_load_scale(tmp_path):
     assert [j.priority for j in load_trace(qos)] == [0, 2]
 
 
-def test_cli_json_prints_one_object_with_the_required_keys(tmp_path):
-    path = write_trace(tmp_path, ["a,0,4,100,t,unknown", "b,1,8,100,t,unknown", "z,2,64,5,t,u"])
+def _simulate_json(path, *options: str) -> dict:
+    """`lockstep simulate --json` on 8 GPUs: exactly one JSON document."""
     out = subprocess.run(
         [sys.executable, "-m", "lockstep_cli.cli", "simulate", "--trace", str(path), "--gpus", "8"]
-        + ["--policy", "backfill", "--json"],
+        + [*options, "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
         timeout=60,
     ).stdout
-    m = json.loads(out)  # exactly one JSON document
+    return json.loads(out)
+
+
+def test_cli_json_prints_one_object_with_the_required_keys(tmp_path):
+    path = write_trace(tmp_path, ["a,0,4,100,t,unknown", "b,1,8,100,t,unknown", "z,2,64,5,t,u"])
+    m = _simulate_json(path, "--policy", "backfill")
     required = {
         "utilization",
         "utilization_when_backlogged",
@@ -409,16 +414,7 @@ def test_cli_flags_reach_the_engine_and_its_config_says_so(tmp_path):
     path = write_trace(tmp_path, ["a,0,4,100,t,unknown", "b,1,8,100,u,unknown"])
 
     def config(*flags):
-        out = subprocess.run(
-            [sys.executable, "-m", "lockstep_cli.cli", "simulate", "--trace", str(path)]
-            + ["--gpus", "8", "--policy", "lockstep", "--json", *flags],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout
-        c = json.loads(out)["config"]
+        c = _simulate_json(path, "--policy", "lockstep", *flags)["config"]
         return c["aged_borrowed_first"], c["pass_at_protection_end"], c["quota_before_drain"]
 
     assert config() == (True, True, False)
