@@ -127,6 +127,13 @@ class Engine:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._run(["rm", "--force", *wait, name], timeout=60)
 
+    def remove_all(self, agent: str) -> int:
+        """Remove every container of this agent identity still listed; how many went."""
+        found = self.containers(agent)
+        for container in found:
+            self.remove(container["name"])
+        return len(found)
+
     def container_pid(self, name: str) -> int | None:
         """The host pid of the container's init (its PID 1), None if it is not running."""
         done = self._run(["inspect", "--format", "{{.State.Pid}}", name], timeout=30)

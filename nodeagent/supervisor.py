@@ -455,8 +455,7 @@ class WorkerSupervisor:
             # after its process ends, not before: an agent that exited at once left it
             # listed, and `make up`'s stop was not "nothing left behind" (seen under load in
             # tests/test_container_runtime.py). `rm --force` waits for the removal.
-            for found in self.engine.containers(self._containers.agent):
-                self.engine.remove(found["name"])
+            self.engine.remove_all(self._containers.agent)
 
     def kill_all(self) -> int:
         """Kill every attempt's workers; returns how many workers were still alive."""

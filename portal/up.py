@@ -283,15 +283,8 @@ def _remove_agent_containers(var: Path, names: list[str]) -> int:
     from nodeagent.container import Engine, agent_identity
 
     engine = Engine("podman", podman)
-    removed = 0
-    for name in names:
-        work_dir = var / "agents" / name
-        if not work_dir.is_dir():
-            continue
-        for found in engine.containers(agent_identity(work_dir)):
-            engine.remove(found["name"])
-            removed += 1
-    return removed
+    dirs = [var / "agents" / name for name in names]
+    return sum(engine.remove_all(agent_identity(d)) for d in dirs if d.is_dir())
 
 
 def _start_agents(py: str, env: dict, url: str, args, var: Path, sup: Supervisor) -> None:

@@ -250,12 +250,17 @@ class SchedulingPass:
             return None
         if self.used[team.id] + self.claiming[team.id] + job.gpus > team.quota:
             return None
-        outside = {n.id for n in usable}
-        head = [n for n in self.nodes if n.id in self.reservations.head_nodes]
-        draining = allowed(team, [n for n in head if n.id not in outside])
+        draining = allowed(team, self._head_nodes_beyond(usable))
         if not draining:
             return None
         return place(job, self.free, usable + draining, self.largest)
+
+    def _head_nodes_beyond(self, nodes: list[NodeView]) -> list[NodeView]:
+        """The head's reserved (draining) nodes that are not among `nodes`."""
+        outside = {n.id for n in nodes}
+        return [
+            n for n in self.nodes if n.id in self.reservations.head_nodes and n.id not in outside
+        ]
 
     def _may_fill(self, job: JobView, team: TeamView) -> bool:
         """A job may fill the head's draining nodes only if the head may stop it then
@@ -395,14 +400,11 @@ class SchedulingPass:
             # run lent GPUs a reclaim must take back (with quarter- and half-cluster borrowers
             # at the head, reclaims otherwise waited hours on generated traces). Only where
             # the nodes outside the reservation would not do.
-            outside = {n.id for n in self.reservations.claimable}
-            head = [n for n in self.nodes if n.id in self.reservations.head_nodes]
+            claimable = self.reservations.claimable
             claimed = self.victims.claim(
                 job,
                 team,
-                allowed(
-                    team, self.reservations.claimable + [n for n in head if n.id not in outside]
-                ),
+                allowed(team, claimable + self._head_nodes_beyond(claimable)),
                 guaranteed=True,
                 allow_priority=False,
             )
