@@ -44,6 +44,28 @@ def test_a_straggler_is_flagged_with_its_node_and_gets_a_strike(setup, settings)
 
 
 @pytest.mark.django_db
+def test_every_rank_of_one_node_slow_is_one_slow_node_with_one_strike(setup, settings):
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "STRAGGLER_WINDOW_STEPS": 20}
+    job, attempt, a, b, _ = _run(setup)
+    records = [r for rank in (0, 1) for r in _steps(1, 25, rank=rank, compute=0.01)]
+    beat(a, attempt, {0: None, 1: None}, records=records)
+    records = _steps(1, 25, rank=2, compute=0.06) + _steps(1, 25, rank=3, compute=0.08)
+    beat(b, attempt, {2: None, 3: None}, records=records)
+    run_pass()
+    (event,) = Event.objects.filter(attempt=attempt, kind="attempt.straggler")
+    assert event.node == b and event.message.startswith(
+        "ranks 2, 3 on node-1 are stragglers (every rank on node-1: the node is slow, not a "
+        "rank): up to 80 ms/step"
+    )
+    assert event.data["ranks"] == [2, 3] and event.data["compute_s"] == pytest.approx(0.08)
+    assert Event.objects.filter(node=b, kind="node.strike").count() == 1
+    assert sorted(Attempt.objects.get(pk=attempt.pk).stragglers) == [2, 3]
+    run_pass(now=timezone.now() + timedelta(minutes=5))  # flagged once per attempt and rank
+    assert Event.objects.filter(attempt=attempt, kind="attempt.straggler").count() == 1
+    assert Event.objects.filter(node=b, kind="node.strike").count() == 1
+
+
+@pytest.mark.django_db
 def test_repeated_failures_on_a_node_cordon_it_and_restarts_avoid_it(setup, make_nodes):
     team, user, (a, b), root = setup
     make_nodes(1, 2, prefix="spare")

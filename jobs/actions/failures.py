@@ -340,30 +340,45 @@ def do_end_hung_attempt(attempt: Attempt, *, now: datetime) -> Attempt:
 def do_flag_straggler(
     attempt: Attempt,
     *,
-    rank: int,
+    ranks: list[int],
     node: Node,
     seconds: float,
     gang_seconds: float,
     window: int,
     now: datetime,
     verdict: StragglerVerdict | None = None,
+    node_ranks: int = 0,
 ) -> None:
-    """Flag a straggler (an Event with the arithmetic of `verdict`, a strike on its node) and,
-    when the verdict says moving pays, hold its node out of scheduling until a health check
-    passes and checkpoint-stop the job, which is requeued (no restart used) and starts on
-    other nodes."""
+    """Flag the straggling `ranks` of one node (one Event with the arithmetic of `verdict`, one
+    strike on the node, whatever the number of its ranks: several slow ranks on one node are
+    one slow node) and, when the verdict says moving pays, hold the node out of scheduling
+    until a health check passes and checkpoint-stop the job, which is requeued (no restart
+    used) and starts on other nodes. `seconds`: the slowest flagged rank's compute per step;
+    `node_ranks`: how many ranks of the attempt the node runs."""
     # The node before the attempt: the order a heartbeat takes them in (no deadlock with the
     # straggler's own node reporting at this moment).
     node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     attempt = Attempt.objects.select_for_update(no_key=True).get(pk=attempt.pk)
-    if rank in attempt.stragglers:
+    ranks = sorted(r for r in set(ranks) if r not in attempt.stragglers)
+    if not ranks:
         return
-    attempt.stragglers = [*attempt.stragglers, rank]
+    attempt.stragglers = [*attempt.stragglers, *ranks]
     attempt.save(update_fields=["stragglers"])
-    message = (
-        f"rank {rank} on {node.name} is a straggler: {seconds * 1000:.0f} ms/step of compute "
-        f"vs {gang_seconds * 1000:.0f} ms for the rest of the gang (median, last {window} steps)"
+    rank = ranks[0]
+    who = f"rank {rank}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    pace = (
+        f"{seconds * 1000:.0f} ms/step of compute vs {gang_seconds * 1000:.0f} ms for the rest "
+        f"of the gang (median, last {window} steps)"
     )
+    if len(ranks) == 1:
+        message = f"{who} on {node.name} is a straggler: {pace}"
+    else:
+        whole = len(ranks) >= node_ranks > 0
+        message = (
+            f"{who} on {node.name} are stragglers"
+            + (f" (every rank on {node.name}: the node is slow, not a rank)" if whole else "")
+            + f": up to {pace}"
+        )
     if verdict is not None:
         message += f"; {verdict.text(node.name)}"
     arithmetic = asdict(verdict) if verdict is not None else {}
@@ -375,6 +390,7 @@ def do_flag_straggler(
         node=node,
         data={
             "rank": rank,
+            "ranks": ranks,
             "compute_s": seconds,
             "gang_compute_s": gang_seconds,
             **arithmetic,
@@ -386,9 +402,9 @@ def do_flag_straggler(
         return
     do_hold_node(
         node,
-        reason=f"straggler: rank {rank} of job {attempt.job_id} ran "
+        reason=f"straggler: {who} of job {attempt.job_id} ran "
         f"{seconds / max(gang_seconds, 1e-9):.1f}x slower than its gang",
-        data={"job": attempt.job_id, "rank": rank},
+        data={"job": attempt.job_id, "rank": rank, "ranks": ranks},
         now=now,
         recheck_later=True,
     )
@@ -398,10 +414,10 @@ def do_flag_straggler(
     stop_to_requeue(
         job,
         live,
-        why=f"{STRAGGLER_REASON} {node.name} (rank {rank})",
+        why=f"{STRAGGLER_REASON} {node.name} ({who})",
         now=now,
         kind=EventKind.JOB_PREEMPTING,
-        data={"straggler": rank, "node": node.name},
+        data={"straggler": rank, "stragglers": ranks, "node": node.name},
     )
 
 

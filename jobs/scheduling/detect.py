@@ -115,16 +115,24 @@ def detect_stragglers(now: datetime) -> None:
             a.rank: a.node
             for a in Allocation.objects.filter(attempt=attempt).select_related("node")
         }
-        for rank, own, rest in flagged:
+        by_node: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
+        for flag in flagged:
+            by_node[nodes[flag[0]].id].append(flag)
+        # One flag per node: two slow ranks of one node are one slow node (one strike, one
+        # move), measured by its slowest rank.
+        for node_flags in by_node.values():
+            rank, own, rest = max(node_flags, key=lambda flag: flag[1])
+            node = nodes[rank]
             actions.do_flag_straggler(
                 attempt,
-                rank=rank,
-                node=nodes[rank],
+                ranks=[flag[0] for flag in node_flags],
+                node=node,
                 seconds=own,
                 gang_seconds=rest,
                 window=window,
                 now=now,
-                verdict=_verdict(attempt, nodes[rank], own - rest, now=now),
+                verdict=_verdict(attempt, node, own - rest, now=now),
+                node_ranks=sum(1 for n in nodes.values() if n.id == node.id),
             )
 
 
