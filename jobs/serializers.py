@@ -10,6 +10,7 @@ from jobs.models import Attempt, Checkpoint, Event, Job, ModelVersion, Node, Pri
 from jobs.queries import protection
 from jobs.reports.goodput import job_goodput
 from teams.access import visible_jobs, visible_teams
+from teams.models import Team
 
 
 def _django(fn):
@@ -26,7 +27,11 @@ def _django(fn):
 
 class JobCreateSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=100)
-    team = serializers.CharField(max_length=64)
+    team = serializers.CharField(
+        max_length=64,
+        required=False,
+        help_text="The team it runs under; may be left out by a member of exactly one team.",
+    )
     image = serializers.CharField(max_length=255, validators=[_django(validation.validate_image)])
     image_pull_policy = serializers.ChoiceField(
         choices=Job.PullPolicy.choices,
@@ -77,7 +82,26 @@ class JobCreateSerializer(serializers.Serializer):
             raise serializers.ValidationError(f"Unknown team {value!r}.")
         return team
 
+    def _default_team(self):
+        """The submitter's team when they are a member of exactly one (Slurm's default account,
+        Determined's default workspace); otherwise the field is required, and says why."""
+        user = self.context["request"].user
+        names = sorted(
+            Team.objects.filter(memberships__user=user).distinct().values_list("name", flat=True)
+        )
+        if len(names) == 1:
+            return Team.objects.get(name=names[0])
+        if not names:
+            raise serializers.ValidationError(
+                {"team": ["This field is required: you are a member of no team."]}
+            )
+        raise serializers.ValidationError(
+            {"team": [f"This field is required: you are in teams {', '.join(names)}."]}
+        )
+
     def validate(self, attrs):
+        if "team" not in attrs:
+            attrs["team"] = self._default_team()
         try:
             validation.validate_gpus(attrs["gpus"], attrs.get("team"))
         except DjangoValidationError as exc:

@@ -8,6 +8,7 @@ from rest_framework.test import APIClient
 
 from jobs.models import Event, Job, Node
 from jobs.scheduling.loop import run_pass
+from teams.actions import do_add_member
 from teams.models import ApiToken, Team
 from tests.heartbeats import beat, live_attempt
 
@@ -46,6 +47,32 @@ def test_submit_creates_a_queued_job_with_an_event(nlp):
     assert Event.objects.filter(job=job, kind="job.submitted").count() == 1
     listed = client.get("/api/v1/jobs/?state=queued").json()
     assert [j["id"] for j in listed["results"]] == [job.id]
+
+
+@pytest.mark.django_db
+def test_a_member_of_one_team_may_leave_the_team_out_and_a_member_of_two_may_not(
+    nlp, make_team, make_user, token_for
+):
+    team, _, client = nlp
+    without = {k: v for k, v in GOOD.items() if k != "team"}
+    response = client.post("/api/v1/jobs/", without, format="json")
+    assert response.status_code == 201, response.content
+    assert response.json()["team"] == "nlp" and Job.objects.get().team == team
+
+    vision = make_team("vision", quota=8)
+    both = make_user("bob", team=team)
+    do_add_member(vision, both, role="member")  # bob joins a second team
+    other = APIClient()
+    other.credentials(HTTP_AUTHORIZATION=f"Bearer {token_for(both)}")
+    response = other.post("/api/v1/jobs/", without, format="json")
+    assert response.status_code == 400
+    assert response.json()["team"] == ["This field is required: you are in teams nlp, vision."]
+    loner = APIClient()
+    loner.credentials(HTTP_AUTHORIZATION=f"Bearer {token_for(make_user('carol'))}")
+    response = loner.post("/api/v1/jobs/", without, format="json")
+    assert response.status_code == 400
+    assert response.json()["team"] == ["This field is required: you are a member of no team."]
+    assert Job.objects.count() == 1
 
 
 @pytest.mark.django_db
