@@ -5,7 +5,7 @@ it is (bench/results/thrash-their-bound.json, which must be from the same commit
 
     .venv/bin/python bench/aging_trial.py     # about 4 min on 2 cores
 
-Writes bench/results/aging-trial.json; docs/simulator.md ("Each clock against its own bound")
+Writes bench/results/aging-trial.json; docs/thrash.md ("Each clock against its own bound")
 summarises. The variant is the AGED_BORROWED_FIRST setting turned off
 (`SimConfig.aged_borrowed_first`); the shipped default keeps aged borrowed work first.
 """

@@ -6,7 +6,7 @@ bench/thrash.py's six generated traces (checkpoint-first) and on the msft trace 
 
     .venv/bin/python bench/quota_promise.py            # about 15 min on 2 idle cores
 
-Writes bench/results/quota-promise.json; docs/simulator.md ("The quota promise as an admin's
+Writes bench/results/quota-promise.json; docs/thrash.md ("The quota promise as an admin's
 choice") summarises. The real trace is where the first version of QUOTA_BEFORE_DRAIN broke the
 bound (one reclaim of 84 s, 2026-12-06): its reclaims over the 60 s bound are the check.
 """
@@ -82,7 +82,7 @@ def baselines() -> tuple[dict, dict]:
 
 
 def table(document: dict) -> str:
-    """docs/simulator.md's table: defaults -> the quota promise's settings (EASY backfill)."""
+    """docs/thrash.md's table: defaults -> the quota promise's settings (EASY backfill)."""
     generated, _ = baselines()
     lines = [
         "| load, seed | work utilization | mean JCT (s) | starved | clocks over 60 s "

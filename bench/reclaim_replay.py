@@ -1,6 +1,6 @@
 """Why a reclaim ran past its bound: replay a trace through `lockstep` and, at every plan while a
 queued job's reclaim clock is past its bound, keep what the plan said about it and what the
-cluster held (issue 17; docs/simulator.md, "The real traces with the new rules"). The bound is
+cluster held (issue 17; docs/thrash.md, "The real traces with the new rules"). The bound is
 the clock's own (jobs.scheduling.sim_reclaims: the stop grace, or rule 5's longer one where only
 drained-for gangs held what a reclaim could take); `--past-grace` follows every clock past the
 grace instead, as this script did before 2026-12-06.

@@ -9,7 +9,7 @@ BEFORE_COMMIT extracted from git) as the baseline it must beat.
     .venv/bin/python bench/thrash.py --seeds 1 --loads 1.15
     .venv/bin/python bench/thrash.py --policies lockstep-save --out thrash-save.json
 
-Writes bench/results/thrash.json and docs/figures/thrash.png; docs/simulator.md summarises.
+Writes bench/results/thrash.json and docs/figures/thrash.png; docs/thrash.md summarises.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def figure(runs: list[dict]) -> Path:
 
 
 def table(runs: list[dict]) -> str:
-    """The markdown table docs/simulator.md shows: per load and seed, lockstep (no save at
+    """The markdown table docs/thrash.md shows: per load and seed, lockstep (no save at
     stop), lockstep with checkpoint-first stops (save) and EASY backfill."""
     by = {(r["policy"], r["load"], r["seed"]): r for r in runs}
     rows = [

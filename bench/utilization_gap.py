@@ -34,7 +34,7 @@ simulator and policy are pure; nothing is shared). EASY backfill runs once per t
     .venv/bin/python bench/utilization_gap.py --seeds 6 --variants policy,free-stops
 
 Writes bench/results/utilization-gap.json and docs/figures/utilization-gap.png;
-docs/simulator.md ("Where the utilization goes, by ablation") summarises.
+docs/thrash.md ("Where the utilization goes, by ablation") summarises.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 no preemption loop, no job preempted more than the safety bound; with checkpoint-first stops no
 worse than EASY backfill on mean JCT and starvation on every seed, and over the seeds no worse on
 utilisation, work thrown away by preemptions included (on these short traces; longer ones put
-lockstep 0.8 points below, docs/simulator.md). About 40 seconds.
+lockstep 0.8 points below, docs/thrash.md). About 40 seconds.
 
 Scaled down from the target (128 GPUs in nodes of 8, four teams, 150 jobs with quarter- and
 half-cluster gangs, 10 % high and 20 % low priority, log-normal durations around an hour) so
 that two dozen seeds run in the suite; loads from 80 % to 150 %. The 1,024-GPU trace of the
-issue runs in bench/thrash.py (docs/simulator.md)."""
+issue runs in bench/thrash.py (docs/thrash.md)."""
 
 import subprocess
 import sys
@@ -88,7 +88,7 @@ def test_over_the_seeds_no_worse_than_easy_backfill(runs):
     # 24: the last jobs of a 150-job trace decide its makespan, and the gap moves from -9 to
     # +7 points between seeds. On 1,200-job traces of the same shape, where the tail weighs
     # less, lockstep is 0.8 points below EASY backfill on average (bench/utilization_gap.py,
-    # docs/simulator.md "Where the utilization goes, by ablation"): this sum does not show
+    # docs/thrash.md "Where the utilization goes, by ablation"): this sum does not show
     # that the gap is closed, only that it is small.
     assert total("work_utilization", 4) >= total("work_utilization", 3)
 

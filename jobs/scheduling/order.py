@@ -65,7 +65,7 @@ def job_order_key(
     behind it waited 10-40 times their length (most of the simulator's starved jobs).
     `aged_first=False` (the AGED_BORROWED_FIRST setting) puts aged borrowed jobs after the
     guaranteed work of their priority instead, still before other borrowed work: their
-    reservations no longer hold back a team within its quota (docs/simulator.md measures
+    reservations no longer hold back a team within its quota (docs/thrash.md measures
     the trade: reclaim waits past their bound about halved, utilization up to 1.7 points
     lower on the generated traces)."""
     team = (teams or {}).get(job.team_id)

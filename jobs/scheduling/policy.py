@@ -243,7 +243,7 @@ class SchedulingPass:
         head is draining where the nodes outside would not do (its reclaims may take GPUs
         there too, `_claim`). Without it, such jobs waited behind the borrower's drain while
         GPUs they were promised stood free: the largest cause of reclaim waits past their bound
-        on the generated traces (docs/simulator.md). The head is owed nothing: it waits, or
+        on the generated traces (docs/thrash.md). The head is owed nothing: it waits, or
         reserves again next pass, and starvation claims still bound its wait. Off by default:
         the drain takes longer and utilization falls (docs/scheduling.md, rule 1)."""
         if not self.head_borrowing or team.id == self.head_team:

@@ -28,7 +28,7 @@ again and again as they restarted elsewhere.
    reclaim does not take it until it has run `Snapshot.gang_reclaim_exempt_s` (4 h): taken
    sooner, it queued, drained half the cluster again and was taken again. On generated traces
    at 1,024 GPUs, where such gangs carry 44 % of the work, each half-cluster job was reclaimed
-   5-8 times and the drains left 30,000 GPU-hours idle (docs/simulator.md). Its lenders'
+   5-8 times and the drains left 30,000 GPU-hours idle (docs/thrash.md). Its lenders'
    quota comes back within that time plus the stop grace: the bound of a reclaim is
    `grace + gang_reclaim_exempt_s` for GPUs lent to such a gang, the grace for all others.
 """

@@ -168,7 +168,7 @@ class Reservations:
         Until 2026-12-06 a filler had to end its whole minimum run before the drain, which
         the head never waited for; drains of 10-32 minutes then idled with nothing to fill
         them (bench/utilization_gap.py: utilization +0.44 points, mean JCT -4 %, reclaims
-        over the bound -18 % on 1,200-job traces with this rule; docs/simulator.md)."""
+        over the bound -18 % on 1,200-job traces with this rule; docs/thrash.md)."""
         if self.head_drain is None or job.filled or not self.head_nodes:
             return None
         if self.head_drain - self.now.timestamp() < self.floor_s:

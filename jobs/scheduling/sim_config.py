@@ -59,7 +59,7 @@ class SimConfig:
     # stops). True adds a pass when a job's protection ends (its minimum run, and rule 5's
     # exemption for a drained-for gang), so a claim waiting for it goes ahead then rather
     # than at the next event. On by default since 2026-12-06 (results before then were
-    # measured without it; docs/simulator.md, "Passes when protection ends", compares).
+    # measured without it; docs/thrash.md, "Passes when protection ends", compares).
     pass_at_protection_end: bool = True
     # Rule 1: aged borrowed work first among guaranteed work (live: AGED_BORROWED_FIRST).
     aged_borrowed_first: bool = True
