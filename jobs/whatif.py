@@ -178,9 +178,27 @@ def check_request(*, since: datetime, until: datetime) -> dict[str, str]:
 # Running it
 
 
-def sim_config(gpus: int, gpus_per_node: int, teams: dict[str, dict]) -> SimConfig:
-    """The simulator set up like the live system: its grace, approval delay, reclaim backoff
-    and fair-share half-life; victims save when told to stop (the trainer does on SIGTERM)."""
+# The admin settings of the policy's own rules a what-if may change: the quota promise's trade
+# against utilization (docs/scheduling.md, rule 1; docs/thrash.md measures it). Field of
+# SimConfig -> LOCKSTEP setting.
+POLICY_SETTINGS = {
+    "aged_borrowed_first": "AGED_BORROWED_FIRST",
+    "quota_before_drain": "QUOTA_BEFORE_DRAIN",
+}
+
+
+def current_policy() -> dict[str, bool]:
+    """Today's values of POLICY_SETTINGS."""
+    return {key: bool(lockstep_setting(name)) for key, name in POLICY_SETTINGS.items()}
+
+
+def sim_config(
+    gpus: int, gpus_per_node: int, teams: dict[str, dict], policy: dict | None = None
+) -> SimConfig:
+    """The simulator set up like the live system: its grace, approval delay, reclaim backoff,
+    fair-share half-life and every protection setting (minimum run, restart cost, the day's
+    preemption limit, drained-for gangs' exemption), and `policy` (POLICY_SETTINGS; today's
+    where not given); victims save when told to stop (the trainer does on SIGTERM)."""
     return SimConfig(
         gpus=gpus,
         gpus_per_node=gpus_per_node,
@@ -194,20 +212,32 @@ def sim_config(gpus: int, gpus_per_node: int, teams: dict[str, dict]) -> SimConf
         approval_delay_s=lockstep_setting("PREEMPTION_APPROVAL_DELAY_S"),
         reclaim_backoff_s=lockstep_setting("RECLAIM_BACKOFF_S"),
         usage_half_life_s=lockstep_setting("USAGE_HALF_LIFE_S"),
+        restart_s=float(lockstep_setting("RESTART_COST_S")),
+        preempt_exempt_s=float(lockstep_setting("PREEMPT_EXEMPT_S")),
+        safety_stop=int(lockstep_setting("PREEMPT_MAX_PER_DAY")),
+        gang_reclaim_exempt_s=float(lockstep_setting("RECLAIM_GANG_EXEMPT_S")),
         checkpoint_on_stop=True,
+        **{**current_policy(), **(policy or {})},
     )
 
 
 def compare(trace: list[TraceJob], inputs: dict, *, since: datetime) -> dict:
     """Replay `trace` under inputs["current"] and inputs["changed"] (each: gpus,
-    gpus_per_node, teams {name: {quota, borrow_limit, weight}}) and put the results side by
+    gpus_per_node, teams {name: {quota, borrow_limit, weight}}, policy {POLICY_SETTINGS
+    field: bool}) and put the results side by
     side: every metric, per-team wait and reclaim, and Plotly figures (plain JSON). Trace
     times are seconds after `since`."""
     results = {
         side: run(
             trace,
             "lockstep",
-            sim_config(inputs[side]["gpus"], inputs[side]["gpus_per_node"], inputs[side]["teams"]),
+            sim_config(
+                inputs[side]["gpus"],
+                inputs[side]["gpus_per_node"],
+                inputs[side]["teams"],
+                # Runs recorded before the policy settings were inputs replay with today's.
+                inputs[side].get("policy"),
+            ),
         )
         for side in (CURRENT, CHANGED)
     }
@@ -231,15 +261,26 @@ def run_window(since: datetime, until: datetime, *, now: datetime, inputs: dict)
     }
 
 
-def resolve_inputs(gpus: int | None, teams: dict[str, dict]) -> dict:
+def resolve_inputs(gpus: int | None, teams: dict[str, dict], policy: dict | None = None) -> dict:
     """Current inputs as they are now, and the changed ones: current with the overrides."""
     cluster = current_cluster()
     quotas = current_quotas()
     changed = {name: {**q, **teams.get(name, {})} for name, q in quotas.items()}
     per_node = cluster.gpus_per_node
+    today = current_policy()
     return {
-        CURRENT: {"gpus": cluster.gpus, "gpus_per_node": per_node, "teams": quotas},
-        CHANGED: {"gpus": gpus or cluster.gpus, "gpus_per_node": per_node, "teams": changed},
+        CURRENT: {
+            "gpus": cluster.gpus,
+            "gpus_per_node": per_node,
+            "teams": quotas,
+            "policy": today,
+        },
+        CHANGED: {
+            "gpus": gpus or cluster.gpus,
+            "gpus_per_node": per_node,
+            "teams": changed,
+            "policy": {**today, **(policy or {})},
+        },
     }
 
 
@@ -248,11 +289,19 @@ def inline_limit() -> int:
 
 
 def do_request_whatif(
-    *, actor, since: datetime, until: datetime, gpus: int | None, teams: dict[str, dict], now
+    *,
+    actor,
+    since: datetime,
+    until: datetime,
+    gpus: int | None,
+    teams: dict[str, dict],
+    now,
+    policy: dict | None = None,
 ) -> WhatIfRun:
     """Record a what-if and run it: in this request when the window holds few jobs, else on
-    the rq worker (the caller polls the run). Validate with check_request() first."""
-    inputs = resolve_inputs(gpus, teams)
+    the rq worker (the caller polls the run). Validate with check_request() first. `policy`:
+    POLICY_SETTINGS to change (field -> bool)."""
+    inputs = resolve_inputs(gpus, teams, policy)
     count = jobs_in_window(since, until)
     inline = count <= inline_limit()
     with transaction.atomic():
@@ -316,7 +365,15 @@ def describe_changes(inputs: dict) -> str:
         ]
         if diff:
             parts.append(f"{name}: {', '.join(diff)}")
+    before, after = current.get("policy", {}), changed.get("policy", {})
+    for key, setting in POLICY_SETTINGS.items():
+        if key in after and before.get(key) != after[key]:
+            parts.append(f"{setting} {_on_off(before.get(key))} -> {_on_off(after[key])}")
     return "; ".join(parts)
+
+
+def _on_off(value) -> str:
+    return {True: "true", False: "false"}.get(value, "today's")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,16 @@ class WhatIfRequestSerializer(serializers.Serializer):
         default=dict,
         help_text='Per team name, what to change: {"vision": {"quota": 64}}',
     )
+    aged_borrowed_first = serializers.BooleanField(
+        required=False,
+        help_text="Default: today's AGED_BORROWED_FIRST (rule 1: aged borrowed jobs before "
+        "the guaranteed work of their priority)",
+    )
+    quota_before_drain = serializers.BooleanField(
+        required=False,
+        help_text="Default: today's QUOTA_BEFORE_DRAIN (a job within its team's quota may start "
+        "on the free GPUs of nodes a borrowing head is draining)",
+    )
 
     def validate_teams(self, value):
         known = set(Team.objects.filter(name__in=list(value)).values_list("name", flat=True))
@@ -113,6 +123,7 @@ class WhatIfViewSet(
             gpus=data.get("gpus"),
             teams={name: dict(values) for name, values in data["teams"].items()},
             now=body.context["now"],
+            policy={key: data[key] for key in whatif.POLICY_SETTINGS if key in data},
         )
         done = run.state in (WhatIfRun.State.DONE, WhatIfRun.State.FAILED)
         return Response(

@@ -250,12 +250,23 @@ class WhatIfForm(forms.Form):
         widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
     )
     gpus = forms.IntegerField(min_value=1, max_value=whatif.MAX_GPUS, label="Cluster GPUs")
+    # The quota promise's settings (docs/scheduling.md, rule 1), prefilled with today's: an
+    # unticked box is False, so each always says what the changed run uses.
+    aged_borrowed_first = forms.BooleanField(
+        required=False,
+        label="Aged borrowed jobs before guaranteed work (AGED_BORROWED_FIRST)",
+    )
+    quota_before_drain = forms.BooleanField(
+        required=False,
+        label="Jobs within quota may start on a borrower's draining nodes (QUOTA_BEFORE_DRAIN)",
+    )
 
     TEAM_FIELDS = ("quota", "borrow_limit", "weight")
 
     def __init__(self, *args, teams, cluster, now, **kwargs):
         since, until = whatif.default_window(now)
         initial = {"since": since, "until": until, "gpus": cluster.gpus or None}
+        initial.update(whatif.current_policy())
         self.teams = list(teams)
         for team in self.teams:
             initial.update(
@@ -290,6 +301,9 @@ class WhatIfForm(forms.Form):
         for name, message in whatif.check_request(since=data["since"], until=data["until"]).items():
             self.add_error(None if name == "__all__" else name, message)
         return data
+
+    def policy(self) -> dict[str, bool]:
+        return {key: self.cleaned_data[key] for key in whatif.POLICY_SETTINGS}
 
     def overrides(self) -> dict[str, dict]:
         """Per team name, the values given (the view compares them with today's)."""

@@ -232,6 +232,9 @@ def test_admin_runs_a_what_if_with_a_changed_quota_and_sees_it_side_by_side(clus
     page.click("main button[type=submit]")
     page.goto(cluster.url + "/console/whatif/")
     assert page.locator("#id_gpus").input_value() == "2"  # today's cluster: one 2-GPU agent
+    # Today's scheduling settings, prefilled: the defaults.
+    assert page.locator("#id_aged_borrowed_first").is_checked()
+    assert not page.locator("#id_quota_before_drain").is_checked()
     row = page.locator("#whatif-teams tr[data-team=demo]")
     quota = row.locator("input[name$=_quota]")
     today = quota.input_value()
@@ -246,6 +249,7 @@ def test_admin_runs_a_what_if_with_a_changed_quota_and_sees_it_side_by_side(clus
     # time on the 2-GPU cluster) would run two at a time, so they would wait less.
     row.locator("input[name$=_quota]").fill("8")
     page.fill("#id_gpus", "4")
+    page.check("#id_quota_before_drain")
     page.click("#whatif-form button[type=submit]")
     page.wait_for_url("**/console/whatif/*/")
     assert page.locator("#whatif-state").inner_text() == "done"
@@ -254,7 +258,10 @@ def test_admin_runs_a_what_if_with_a_changed_quota_and_sees_it_side_by_side(clus
     assert "verdict-better" in summary.locator("tr", has_text="mean wait").first.get_attribute(
         "class"
     )
-    assert f"GPUs 2 -> 4; demo: quota {today} -> 8" in page.locator("main").inner_text()
+    assert (
+        f"GPUs 2 -> 4; demo: quota {today} -> 8; QUOTA_BEFORE_DRAIN false -> true"
+        in page.locator("main").inner_text()
+    )
     assert page.locator("#whatif-by-team tr[data-team=demo]").count() == 1
     for name in ("team_wait", "team_reclaim", "utilization", "queue"):
         page.wait_for_function(

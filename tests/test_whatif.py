@@ -61,6 +61,9 @@ def _form(window, teams, **changes) -> dict:
         "since": since.strftime("%Y-%m-%dT%H:%M:%S"),
         "until": until.strftime("%Y-%m-%dT%H:%M:%S"),
         "gpus": 4,
+        # As a browser posts the form: today's settings prefilled (AGED_BORROWED_FIRST ticked,
+        # QUOTA_BEFORE_DRAIN not: an unticked box sends nothing).
+        "aged_borrowed_first": "on",
     }
     for team in teams:
         data[f"team_{team.id}_quota"] = team.quota
@@ -167,7 +170,7 @@ def test_raising_a_teams_quota_lowers_its_wait_in_the_replay_and_changes_nothing
     assert page.status_code == 200
     html = page.content.decode()
     assert 'id="whatif-summary"' in html and 'data-team="vision"' in html
-    assert "vision: quota 2 -&gt; 4" in html
+    assert "<strong>Changed:</strong> vision: quota 2 -&gt; 4</p>" in html
     assert '<script src="/vendor/plotly.min.js">' in html
 
 
@@ -363,3 +366,101 @@ def test_a_replay_that_fails_says_why_on_its_page(vision, admin, window, monkeyp
     assert run.finished_at is not None
     page = admin.get(f"/console/whatif/{run.id}/").content.decode()
     assert "The replay failed: RuntimeError: the planner fell over" in page
+
+
+@pytest.mark.django_db
+def test_the_replay_uses_todays_protection_and_quota_settings(settings):
+    settings.LOCKSTEP = {
+        **settings.LOCKSTEP,
+        "RESTART_COST_S": 45.0,
+        "PREEMPT_EXEMPT_S": 900.0,
+        "PREEMPT_MAX_PER_DAY": 3,
+        "RECLAIM_GANG_EXEMPT_S": 7200.0,
+        "QUOTA_BEFORE_DRAIN": True,
+    }
+    teams = {"vision": {"quota": 2, "borrow_limit": 0, "weight": 1.0}}
+    today = whatif.sim_config(4, 2, teams)
+    assert (today.restart_s, today.preempt_exempt_s, today.safety_stop) == (45.0, 900.0, 3)
+    assert today.gang_reclaim_exempt_s == 7200.0 and today.checkpoint_on_stop
+    assert today.quota_before_drain and today.aged_borrowed_first
+    changed = whatif.sim_config(4, 2, teams, {"aged_borrowed_first": False})
+    assert not changed.aged_borrowed_first and changed.quota_before_drain
+
+
+@pytest.fixture
+def drained(make_team, make_user, make_nodes, make_recorded_job, window):
+    """4 GPUs (2 nodes x 2). Team lab (quota 2, may borrow 4) runs a 2-GPU job for an hour;
+    ten seconds on it asks for all 4 GPUs at high priority (beyond its quota: borrowed), the
+    head, whose reservation waits for team b's 10-hour job; then b asks for one more GPU,
+    within its quota, for 11 hours: longer than the head's drain, so only QUOTA_BEFORE_DRAIN
+    lets it start on the GPU that stands free."""
+    since, _ = window
+    make_nodes(2, 2)
+    lab, b = make_team("lab", quota=2, borrow_limit=4), make_team("b", quota=2)
+    ann, bob = make_user("ann", team=lab), make_user("bob", team=b)
+    t0 = since + timedelta(hours=1)
+
+    def at(seconds, hours):
+        return [(t0 + timedelta(seconds=seconds), t0 + timedelta(seconds=seconds + hours * HOUR))]
+
+    make_recorded_job(b, bob, submitted=t0, gpus=1, runs=at(0, 10))
+    make_recorded_job(lab, ann, submitted=t0, gpus=2, runs=at(0, 1))
+    make_recorded_job(
+        lab, ann, submitted=t0 + timedelta(seconds=10), gpus=4, priority="high", runs=at(36000, 1)
+    )
+    make_recorded_job(b, bob, submitted=t0 + timedelta(seconds=20), gpus=1, runs=at(39600, 11))
+    return lab, b
+
+
+@pytest.mark.django_db
+def test_a_what_if_of_quota_before_drain_starts_a_guaranteed_job_beside_the_drain(
+    drained, make_user, window
+):
+    api = APIClient()
+    api.force_authenticate(make_user("root", staff=True))
+    since, until = window
+    response = api.post(
+        "/api/v1/whatif/",
+        {"since": since.isoformat(), "until": until.isoformat(), "quota_before_drain": True},
+        format="json",
+    )
+    assert response.status_code == 201, response.content
+    body = response.json()
+    assert body["params"]["current"]["policy"] == {
+        "aged_borrowed_first": True,
+        "quota_before_drain": False,
+    }
+    assert body["params"]["changed"]["policy"]["quota_before_drain"] is True
+    waits = {
+        side: body["result"]["metrics"][side]["teams"]["b"]["wait_max_s"]
+        for side in ("current", "changed")
+    }
+    assert waits["current"] > 10 * HOUR and waits["changed"] < 60, waits
+    assert Event.objects.get(kind="whatif.requested").message.endswith(
+        "QUOTA_BEFORE_DRAIN false -> true"
+    )
+    bad = api.post("/api/v1/whatif/", {"quota_before_drain": "maybe"}, format="json")
+    assert bad.status_code == 400 and "quota_before_drain" in bad.json()
+    assert WhatIfRun.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_the_form_offers_todays_quota_settings_and_a_ticked_box_changes_the_replay(
+    drained, admin, window, settings
+):
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "AGED_BORROWED_FIRST": True}
+    form = admin.get("/console/whatif/").context["form"]
+    assert form["aged_borrowed_first"].value() is True
+    assert form["quota_before_drain"].value() is False
+    lab, b = drained
+    data = _form(window, [lab, b], quota_before_drain="on")
+    response = admin.post("/console/whatif/", data)
+    run = WhatIfRun.objects.get()
+    assert response.status_code == 302, response.content
+    assert run.params["changed"]["policy"] == {
+        "aged_borrowed_first": True,
+        "quota_before_drain": True,
+    }
+    page = admin.get(f"/console/whatif/{run.id}/").content.decode()
+    assert "QUOTA_BEFORE_DRAIN false -&gt; true" in page
+    assert "AGED_BORROWED_FIRST" not in page.split("Changed:")[1].split("</p>")[0]

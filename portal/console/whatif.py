@@ -46,6 +46,7 @@ def whatif_form(request, scope):
                 gpus=data["gpus"],
                 teams=form.overrides(),
                 now=now,
+                policy=form.policy(),
             )
             return redirect("whatif_result", run_id=run.id)
         status = 400
