@@ -48,9 +48,13 @@ class WhatIfRequestSerializer(serializers.Serializer):
         now = self.context["now"]
         _, default_until = whatif.default_window(now)
         data["until"] = data.get("until") or default_until
-        data["since"] = data.get("since") or (
-            data["until"] - timedelta(days=whatif.DEFAULT_WINDOW_DAYS)
-        )
+        if "since" not in data or data["since"] is None:
+            try:
+                data["since"] = data["until"] - timedelta(days=whatif.DEFAULT_WINDOW_DAYS)
+            except OverflowError:  # an `until` in year 1: no default window before it
+                raise serializers.ValidationError(
+                    {"until": [f"Too early: no {whatif.DEFAULT_WINDOW_DAYS}-day window ends then."]}
+                ) from None
         errors = whatif.check_request(since=data["since"], until=data["until"])
         if errors:
             raise serializers.ValidationError(

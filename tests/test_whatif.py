@@ -266,6 +266,7 @@ def test_the_api_runs_a_what_if_and_reports_field_errors(vision, make_user, wind
         ({"teams": {"nope": {"quota": 1}}}, "teams", "Unknown team 'nope'."),
         ({"gpus": 0}, "gpus", "greater than or equal to 1"),
         ({"since": until.isoformat(), "until": since.isoformat()}, "until", "must end after"),
+        ({"until": "0001-01-01T00:00:03Z"}, "until", "Too early"),  # found by the fuzzer
     ]
     for body, field, message in bad:
         response = api.post("/api/v1/whatif/", body, format="json")
