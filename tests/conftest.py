@@ -13,6 +13,7 @@ from teams.actions import do_add_member, do_create_team, do_issue_token
 # test file imports it).
 pytest.register_assert_rewrite("tests.nodeagent_helpers")
 pytest.register_assert_rewrite("tests.container_runtime_helpers")
+pytest.register_assert_rewrite("tests.e2e_helpers")
 
 # Agents the suite starts run jobs as plain processes (their test jobs use the suite's own
 # interpreter), whatever engine the machine has; tests/test_container_runtime.py asks for

@@ -1,7 +1,7 @@
 """Detection and response (DESIGN.md section 8) through the real actions and scheduler pass:
 a running attempt that stops making progress (hangs, judged by steps, output, CPU and GPU
 use; no first step after start-up) and how an attempt ends once rank 0 is done. The same
-paths run with real processes in test_e2e.py.
+paths run with real processes in test_e2e_faults.py.
 
 The rest of the failure tests, a file per concept:
 - tests/test_failures_stacks.py: a hang's stacks and flight recorders name the rank, and the

@@ -1,7 +1,7 @@
 """Moving a job off a straggler when the arithmetic says so (jobs/health.straggler_verdict,
 jobs/scheduling/detect.py, jobs/actions/failures.do_flag_straggler): the pure rule, then the
 real scheduler pass on the test database with step records as agents send them. Live, the
-existing e2e test (tests/test_e2e.py) keeps a straggler whose gang has no free node to go to."""
+e2e test (tests/test_e2e_faults.py) keeps a straggler whose gang has no free node to go to."""
 
 from __future__ import annotations
 
