@@ -27,15 +27,22 @@ def test_stragglers_are_ranks_slower_than_the_rest_of_the_gang():
     assert find_stragglers(tiny, factor=1.5, min_excess=0.01) == []
 
 
-@pytest.mark.django_db
-def test_a_straggler_is_flagged_with_its_node_and_gets_a_strike(setup, settings):
+def _computing(setup, settings, rank_2_s: float, rank_3_s: float):
+    """A 4-rank job on node-0 (ranks 0, 1: 10 ms of compute a step) and node-1 (ranks 2, 3 at
+    the given seconds), 25 steps each reported, then a scheduler pass."""
     settings.LOCKSTEP = {**settings.LOCKSTEP, "STRAGGLER_WINDOW_STEPS": 20}
     job, attempt, a, b, _ = _run(setup)
     records = [r for rank in (0, 1) for r in _steps(1, 25, rank=rank, compute=0.01)]
     beat(a, attempt, {0: None, 1: None}, records=records)
-    records = _steps(1, 25, rank=2, compute=0.01) + _steps(1, 25, rank=3, compute=0.08)
+    records = _steps(1, 25, rank=2, compute=rank_2_s) + _steps(1, 25, rank=3, compute=rank_3_s)
     beat(b, attempt, {2: None, 3: None}, records=records)
     run_pass()
+    return attempt, b
+
+
+@pytest.mark.django_db
+def test_a_straggler_is_flagged_with_its_node_and_gets_a_strike(setup, settings):
+    attempt, b = _computing(setup, settings, 0.01, 0.08)
     event = Event.objects.get(attempt=attempt, kind="attempt.straggler")
     assert event.node == b and event.message.startswith("rank 3 on node-1 is a straggler: 80 ms")
     assert Event.objects.filter(node=b, kind="node.strike").count() == 1
@@ -45,13 +52,7 @@ def test_a_straggler_is_flagged_with_its_node_and_gets_a_strike(setup, settings)
 
 @pytest.mark.django_db
 def test_every_rank_of_one_node_slow_is_one_slow_node_with_one_strike(setup, settings):
-    settings.LOCKSTEP = {**settings.LOCKSTEP, "STRAGGLER_WINDOW_STEPS": 20}
-    job, attempt, a, b, _ = _run(setup)
-    records = [r for rank in (0, 1) for r in _steps(1, 25, rank=rank, compute=0.01)]
-    beat(a, attempt, {0: None, 1: None}, records=records)
-    records = _steps(1, 25, rank=2, compute=0.06) + _steps(1, 25, rank=3, compute=0.08)
-    beat(b, attempt, {2: None, 3: None}, records=records)
-    run_pass()
+    attempt, b = _computing(setup, settings, 0.06, 0.08)
     (event,) = Event.objects.filter(attempt=attempt, kind="attempt.straggler")
     assert event.node == b and event.message.startswith(
         "ranks 2, 3 on node-1 are stragglers (every rank on node-1: the node is slow, not a "
