@@ -118,7 +118,10 @@ class JobViewSet(
         job = self.get_object()
         return Response(
             CheckpointSerializer(
-                job.checkpoints.filter(deleted_at__isnull=True).order_by("-step"), many=True
+                job.checkpoints.filter(deleted_at__isnull=True)
+                .select_related("attempt")
+                .order_by("-step"),
+                many=True,
             ).data
         )
 

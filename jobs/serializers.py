@@ -154,9 +154,23 @@ class AttemptSerializer(serializers.ModelSerializer):
 
 
 class CheckpointSerializer(serializers.ModelSerializer):
+    # `attempt` is the attempt's id (as in the attempts list); people count attempts 1, 2, ...
+    attempt_number = serializers.IntegerField(source="attempt.number", read_only=True)
+
     class Meta:
         model = Checkpoint
-        fields = ["id", "job", "attempt", "step", "path", "format", "bytes", "save_s", "created_at"]
+        fields = [
+            "id",
+            "job",
+            "attempt",
+            "attempt_number",
+            "step",
+            "path",
+            "format",
+            "bytes",
+            "save_s",
+            "created_at",
+        ]
 
 
 class JobSerializer(serializers.ModelSerializer):

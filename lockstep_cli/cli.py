@@ -414,7 +414,25 @@ def _add_plan(sub) -> None:
     p.add_argument("--json", dest="plan_json", action="store_true", help="one JSON object")
 
 
+# What a command whose reader went away exits with: as if SIGPIPE had ended it (128 + 13), like
+# the Unix tools it is piped with (`lockstep jobs | head`).
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could not be handled
+        return code
+    except BrokenPipeError:
+        # Python would print a traceback, and another at exit when it flushes stdout: point
+        # stdout at /dev/null first (the recipe of Python's signal module documentation).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "agent":
         from nodeagent.cli import main as agent_main

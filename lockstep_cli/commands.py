@@ -310,9 +310,11 @@ def cmd_checkpoints(args) -> int:
             [
                 c["id"],
                 c["step"],
-                c["attempt"],
+                # The attempt's number (1, 2, ... as `status` shows); an older portal sends
+                # only its id.
+                c.get("attempt_number", c["attempt"]),
                 size(c["bytes"]),
-                c["save_s"],
+                "" if c["save_s"] is None else f"{c['save_s']:.2f}",
                 when(c["created_at"]),
                 c["path"],
             ]

@@ -103,3 +103,25 @@ def test_a_spec_file_is_overridden_by_flags(tmp_path):
         "image": "lockstep/trainer:latest",
         "dataset": "synthetic://addition",
     }
+
+
+@pytest.mark.parametrize("jobs", ["3000", "5"])  # 130 KB, written at once; 300 B, at exit
+def test_a_reader_that_went_away_ends_the_command_quietly_as_sigpipe_would(jobs):
+    """`lockstep ... | head`: the reader is gone before the command writes."""
+    from lockstep_cli.cli import EXIT_BROKEN_PIPE
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "lockstep_cli.cli", "trace", "--jobs", jobs, "--seed", "0"],
+            cwd=ROOT,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == EXIT_BROKEN_PIPE == 141
+    assert done.stderr == ""  # no traceback

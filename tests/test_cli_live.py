@@ -6,6 +6,7 @@ and creates nothing; a wrong token exits 3; another team's job is "not found" (e
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -141,6 +142,12 @@ def test_status_checkpoints_and_logs_of_the_trained_job(cluster, trained):
     listed = json.loads(lockstep(cluster, "checkpoints", job_id, "--json").stdout)
     assert listed and max(c["step"] for c in listed) == 30
     assert all(str(c["id"]) in table.stdout for c in listed)
+    # The attempt as people count it (its id is in the JSON), save times to the hundredth.
+    assert {c["attempt_number"] for c in listed} == {1}
+    rows = [line.split() for line in table.stdout.splitlines()[1:]]
+    assert {row[2] for row in rows} == {"1"}, table.stdout
+    # SAVE_S is the sixth word: SIZE is two ("4.9 MiB").
+    assert all(re.fullmatch(r"\d+\.\d\d", row[5]) for row in rows), table.stdout
 
     logs = lockstep(cluster, "logs", job_id, "--tail", "500")
     assert logs.returncode == 0, logs.stderr
