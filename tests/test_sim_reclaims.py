@@ -89,6 +89,28 @@ def test_gpus_lent_to_a_drained_for_gang_extend_the_bound_to_its_exemption():
     assert c.over_their_bound() == 1
 
 
+def test_a_job_straddling_its_teams_quota_counts_whole_toward_what_a_reclaim_could_take():
+    # Team 1 runs a drained-for 112-GPU gang (exempt) and an 8-GPU job; team 3 (quota 70)
+    # runs five 16-GPU jobs, 10 GPUs beyond its quota. Team 2 wants 24 with nothing free. A
+    # reclaim takes team 1's 8-GPU job and one of team 3's 16-GPU jobs whole (it straddles
+    # the quota: victims.Victims.claim), 24 in all, so the clock is held to the grace. Counting
+    # only team 3's 10 GPUs beyond its quota (before) found 18 and held it to the gang's bound.
+    c = clocks({1: 64, 2: 64, 3: 70}, {2: [(5, 24)]})
+    c.gang_started(1, 1, 112, 1_000.0)
+    c.gang_started(2, 1, 8, 1_000.0)
+    for jid in (3, 4, 6, 7, 8):
+        c.gang_started(jid, 3, 16, 1_000.0)
+    assert set(c.gangs) == {1}
+    c.tick(2_000.0, {1: 120, 2: 0, 3: 80}, free=0)
+    assert c.bound[4] == 60.0
+    # With team 3 within its quota it lends nothing: only team 1's 8 are takable.
+    c.released(8)
+    c.team_queue[2].append((0, 9.0, 9, 24))
+    c.team_sizes[2][24] = 2
+    c.tick(3_000.0, {1: 120, 2: 0, 3: 64}, free=0)
+    assert c.bound[8] == 60.0 + 15_400.0 - 3_000.0
+
+
 def test_a_gang_within_its_teams_quota_or_on_one_node_is_not_exempt():
     c = clocks({1: 64, 2: 64}, {2: [(5, 16)]})
     c.gang_started(1, 1, 64, 0.0)  # within the quota

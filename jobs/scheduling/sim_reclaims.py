@@ -22,7 +22,11 @@ the stop grace, or, when the GPUs that could be reclaimed for it at its start we
 without those of drained-for gangs (gangs of whole nodes beyond their team's quota, younger
 than `gang_exempt_s`), the grace plus the time until the last of those gangs' exemptions ends.
 What a reclaim could take is counted as the policy's reclaim does (victims.Victims.claim):
-free GPUs, and per other team the GPUs beyond its quota that are not an exempt gang's.
+free GPUs, and per other team beyond its quota its jobs that are not exempt gangs, whole, while
+the team stays beyond its quota before each one is taken (a reclaim takes wholly borrowed jobs,
+or, when those will not do, one that straddles the quota: a team 2 GPUs over with 8-GPU jobs
+lends an 8-GPU job). Before 2026-12-06 evening only the GPUs beyond the quota counted, which
+found too few to take and held some clocks to the looser bound (docs/thrash.md).
 """
 
 from __future__ import annotations
@@ -58,16 +62,20 @@ class ReclaimClocks:
         self.closed: dict[int, list[tuple[float, float]]] = {tid: [] for tid in self.quota}
         # running gangs under rule 5's exemption: job id -> (team, GPUs, exempt until)
         self.gangs: dict[int, tuple[int, int, float]] = {}
+        # every running job: job id -> (team, GPUs)
+        self.running: dict[int, tuple[int, int]] = {}
 
     # -- what the engine tells it --------------------------------------------------------------
 
     def gang_started(self, jid: int, tid: int, gpus: int, t: float) -> None:
-        """A job started: remember it if rule 5 exempts it (protection.reclaim_exempt)."""
+        """A job started: remember it, and whether rule 5 exempts it (protection.reclaim_exempt)."""
+        self.running[jid] = (tid, gpus)
         if self.gang_exempt_s > 0 and gpus > self.quota[tid] and gpus > self.largest_node:
             self.gangs[jid] = (tid, gpus, t + self.gang_exempt_s)
 
     def released(self, jid: int) -> None:
         self.gangs.pop(jid, None)
+        self.running.pop(jid, None)
 
     def started(self, jid: int, tid: int, t: float, used: Mapping[int, int]) -> None:
         """`jid` of team `tid` started at `t` (`used`: GPUs in use per team, with it)."""
@@ -133,17 +141,25 @@ class ReclaimClocks:
 
     def _bound_for(self, tid: int, gpus: int, t: float, used: Mapping[int, int], free: int):
         """The grace, unless a reclaim could not find `gpus` without exempt gangs' GPUs."""
-        live = [(owner, g, until) for owner, g, until in self.gangs.values() if until > t]
-        if not live:
+        live = {jid: until for jid, (_, _, until) in self.gangs.items() if until > t}
+        if not live or free + self._takable(tid, used, set(live)) >= gpus:
             return self.grace_s
-        exempt: dict[int, int] = {}
-        for owner, g, _ in live:
-            exempt[owner] = exempt.get(owner, 0) + g
-        takable = free + sum(
-            min(used[other] - exempt.get(other, 0), max(0, used[other] - q))
-            for other, q in self.quota.items()
-            if other != tid
-        )
-        if takable >= gpus:
-            return self.grace_s
-        return self.grace_s + min(self.gang_exempt_s, max(until for _, _, until in live) - t)
+        return self.grace_s + min(self.gang_exempt_s, max(live.values()) - t)
+
+    def _takable(self, tid: int, used: Mapping[int, int], exempt: set[int]) -> int:
+        """GPUs a reclaim for team `tid` could stop elsewhere: per other team beyond its quota,
+        its jobs that are not `exempt`, largest first, each while the team is still beyond
+        its quota (the last may straddle it)."""
+        sizes: dict[int, list[int]] = {}
+        for jid, (owner, g) in self.running.items():
+            if owner != tid and jid not in exempt:
+                sizes.setdefault(owner, []).append(g)
+        takable = 0
+        for owner, jobs in sizes.items():
+            spare = used[owner] - self.quota[owner]
+            for g in sorted(jobs, reverse=True):
+                if spare <= 0:
+                    break
+                takable += g
+                spare -= g
+        return takable
