@@ -48,6 +48,15 @@ def test_a_straggler_is_flagged_with_its_node_and_gets_a_strike(setup, settings)
     assert Event.objects.filter(node=b, kind="node.strike").count() == 1
     run_pass(now=timezone.now() + timedelta(minutes=5))  # flagged once per attempt and rank
     assert Event.objects.filter(attempt=attempt, kind="attempt.straggler").count() == 1
+    # Later rank 2 is the slow one: the same slow node, already flagged for this attempt.
+    a = next(al.node for al in attempt.allocations.all() if al.rank == 0)
+    fast = [r for rank in (0, 1) for r in _steps(26, 60, rank=rank, compute=0.01)]
+    beat(a, attempt, {0: None, 1: None}, records=fast)
+    slow = _steps(26, 60, rank=2, compute=0.07) + _steps(26, 60, rank=3, compute=0.01)
+    beat(b, attempt, {2: None, 3: None}, records=slow)
+    run_pass(now=timezone.now() + timedelta(minutes=10))
+    assert Event.objects.filter(attempt=attempt, kind="attempt.straggler").count() == 1
+    assert Event.objects.filter(node=b, kind="node.strike").count() == 1
 
 
 @pytest.mark.django_db
@@ -56,9 +65,10 @@ def test_every_rank_of_one_node_slow_is_one_slow_node_with_one_strike(setup, set
     (event,) = Event.objects.filter(attempt=attempt, kind="attempt.straggler")
     assert event.node == b and event.message.startswith(
         "ranks 2, 3 on node-1 are stragglers (every rank on node-1: the node is slow, not a "
-        "rank): up to 80 ms/step"
+        "rank): rank 3 at 80 ms/step"
     )
-    assert event.data["ranks"] == [2, 3] and event.data["compute_s"] == pytest.approx(0.08)
+    assert event.data["ranks"] == [2, 3] and event.data["rank"] == 3
+    assert event.data["compute_s"] == pytest.approx(0.08)
     assert Event.objects.filter(node=b, kind="node.strike").count() == 1
     assert sorted(Attempt.objects.get(pk=attempt.pk).stragglers) == [2, 3]
     run_pass(now=timezone.now() + timedelta(minutes=5))  # flagged once per attempt and rank

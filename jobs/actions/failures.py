@@ -340,31 +340,32 @@ def do_end_hung_attempt(attempt: Attempt, *, now: datetime) -> Attempt:
 def do_flag_straggler(
     attempt: Attempt,
     *,
-    ranks: list[int],
+    rank: int,
     node: Node,
     seconds: float,
     gang_seconds: float,
     window: int,
     now: datetime,
     verdict: StragglerVerdict | None = None,
+    ranks: list[int] | None = None,
     node_ranks: int = 0,
 ) -> None:
-    """Flag the straggling `ranks` of one node (one Event with the arithmetic of `verdict`, one
-    strike on the node, whatever the number of its ranks: several slow ranks on one node are
-    one slow node) and, when the verdict says moving pays, hold the node out of scheduling
-    until a health check passes and checkpoint-stop the job, which is requeued (no restart
-    used) and starts on other nodes. `seconds`: the slowest flagged rank's compute per step;
-    `node_ranks`: how many ranks of the attempt the node runs."""
+    """Flag the straggling ranks of one node, `ranks` (default: `rank` alone), measured by
+    `rank`, the slowest of them (`seconds` of compute a step against the gang's
+    `gang_seconds`): one Event with the arithmetic of `verdict` and one strike on the node,
+    whatever the number of its ranks (several slow ranks on one node are one slow node). When
+    the verdict says moving pays, hold the node out of scheduling until a health check passes
+    and checkpoint-stop the job, which is requeued (no restart used) and starts on other
+    nodes. `node_ranks`: how many ranks of the attempt the node runs."""
     # The node before the attempt: the order a heartbeat takes them in (no deadlock with the
     # straggler's own node reporting at this moment).
     node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     attempt = Attempt.objects.select_for_update(no_key=True).get(pk=attempt.pk)
-    ranks = sorted(r for r in set(ranks) if r not in attempt.stragglers)
-    if not ranks:
-        return
+    ranks = sorted(set(ranks or [rank]) | {rank})
+    if any(r in attempt.stragglers for r in ranks):
+        return  # flagged already (a check that raced this one)
     attempt.stragglers = [*attempt.stragglers, *ranks]
     attempt.save(update_fields=["stragglers"])
-    rank = ranks[0]
     who = f"rank {rank}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
     pace = (
         f"{seconds * 1000:.0f} ms/step of compute vs {gang_seconds * 1000:.0f} ms for the rest "
@@ -377,7 +378,7 @@ def do_flag_straggler(
         message = (
             f"{who} on {node.name} are stragglers"
             + (f" (every rank on {node.name}: the node is slow, not a rank)" if whole else "")
-            + f": up to {pace}"
+            + f": rank {rank} at {pace}"
         )
     if verdict is not None:
         message += f"; {verdict.text(node.name)}"

@@ -115,16 +115,20 @@ def detect_stragglers(now: datetime) -> None:
             a.rank: a.node
             for a in Allocation.objects.filter(attempt=attempt).select_related("node")
         }
+        # One flag per node and attempt: two slow ranks of one node are one slow node (one
+        # strike, one move), measured by its slowest rank. A node flagged before for this
+        # attempt is not flagged again when another of its ranks slows.
+        flagged_nodes = {nodes[r].id for r in attempt.stragglers if r in nodes}
         by_node: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
         for flag in flagged:
-            by_node[nodes[flag[0]].id].append(flag)
-        # One flag per node: two slow ranks of one node are one slow node (one strike, one
-        # move), measured by its slowest rank.
+            if nodes[flag[0]].id not in flagged_nodes:
+                by_node[nodes[flag[0]].id].append(flag)
         for node_flags in by_node.values():
             rank, own, rest = max(node_flags, key=lambda flag: flag[1])
             node = nodes[rank]
             actions.do_flag_straggler(
                 attempt,
+                rank=rank,
                 ranks=[flag[0] for flag in node_flags],
                 node=node,
                 seconds=own,
