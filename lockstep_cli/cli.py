@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import sys
 from typing import NoReturn
 
@@ -420,11 +421,21 @@ EXIT_BROKEN_PIPE = 141
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The long-running commands are their own programs, with their own handling of errors.
+    if argv and argv[0] == "agent":
+        from nodeagent.cli import main as agent_main
+
+        return agent_main(argv[1:]) or 0
+    if argv and argv[0] == "up":
+        _hand_over("portal.up", argv[1:])
     try:
         code = _main(argv)
         sys.stdout.flush()  # here, not at exit, where a closed pipe could not be handled
         return code
     except BrokenPipeError:
+        if not _stdout_gone():
+            raise  # a socket or another pipe of the command's own: not its reader going away
         # Python would print a traceback, and another at exit when it flushes stdout: point
         # stdout at /dev/null first (the recipe of Python's signal module documentation).
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -432,22 +443,25 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
-def _main(argv: list[str] | None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "agent":
-        from nodeagent.cli import main as agent_main
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports POLLERR on the
+    write end of such a pipe)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
-        return agent_main(argv[1:]) or 0
-    if argv and argv[0] == "up":
-        _hand_over("portal.up", argv[1:])
 
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="lockstep",
         description=__doc__,
         epilog="Portal and token: --url/--token, else LOCKSTEP_URL/LOCKSTEP_TOKEN, else the "
         "config file (LOCKSTEP_CONFIG, default ~/.config/lockstep/config.toml). Exit codes: 0 "
         "ok, 1 job failed or not found, 2 bad input, 3 auth, 4 portal unreachable, 5 portal "
-        "error or throttled.",
+        "error or throttled, 141 the reader of its output went away (as SIGPIPE).",
     )
     parser.add_argument("--url", "--portal", dest="url", help="portal URL (env LOCKSTEP_URL)")
     parser.add_argument("--token", help="API token (env LOCKSTEP_TOKEN)")

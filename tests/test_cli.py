@@ -125,3 +125,16 @@ def test_a_reader_that_went_away_ends_the_command_quietly_as_sigpipe_would(jobs)
         os.close(write)
     assert done.returncode == EXIT_BROKEN_PIPE == 141
     assert done.stderr == ""  # no traceback
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_not_hidden(monkeypatch):
+    """A socket's or a child's broken pipe is an error, with its traceback: only a reader of
+    stdout going away ends a command quietly."""
+    from lockstep_cli import cli
+
+    def broken(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_main", broken)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["jobs"])
