@@ -26,13 +26,19 @@ class WhatIfRequestSerializer(serializers.Serializer):
         default=dict,
         help_text='Per team name, what to change: {"vision": {"quota": 64}}',
     )
+    # null and absent are today's value: DRF's BooleanField reads an absent field of a form
+    # or multipart body as False, which would turn a setting off unasked.
     aged_borrowed_first = serializers.BooleanField(
         required=False,
+        allow_null=True,
+        default=None,
         help_text="Default: today's AGED_BORROWED_FIRST (rule 1: aged borrowed jobs before "
         "the guaranteed work of their priority)",
     )
     quota_before_drain = serializers.BooleanField(
         required=False,
+        allow_null=True,
+        default=None,
         help_text="Default: today's QUOTA_BEFORE_DRAIN (a job within its team's quota may start "
         "on the free GPUs of nodes a borrowing head is draining)",
     )
@@ -127,7 +133,7 @@ class WhatIfViewSet(
             gpus=data.get("gpus"),
             teams={name: dict(values) for name, values in data["teams"].items()},
             now=body.context["now"],
-            policy={key: data[key] for key in whatif.POLICY_SETTINGS if key in data},
+            policy={key: data[key] for key in whatif.POLICY_SETTINGS if data.get(key) is not None},
         )
         done = run.state in (WhatIfRun.State.DONE, WhatIfRun.State.FAILED)
         return Response(

@@ -238,8 +238,9 @@ class RegisterModelForm(forms.Form):
 
 
 class WhatIfForm(forms.Form):
-    """A what-if: a window of recorded jobs, the cluster's GPU count, and per-team quota,
-    borrow limit and weight, prefilled with today's values. Changes nothing when submitted."""
+    """A what-if: a window of recorded jobs, the cluster's GPU count, the quota promise's two
+    scheduling settings, and per-team quota, borrow limit and weight, prefilled with today's
+    values. Changes nothing when submitted."""
 
     since = forms.DateTimeField(
         label="From (UTC)",

@@ -443,6 +443,14 @@ def test_a_what_if_of_quota_before_drain_starts_a_guaranteed_job_beside_the_drai
     bad = api.post("/api/v1/whatif/", {"quota_before_drain": "maybe"}, format="json")
     assert bad.status_code == 400 and "quota_before_drain" in bad.json()
     assert WhatIfRun.objects.count() == 1
+    # A form-encoded body that leaves a setting out keeps today's value (DRF would read False).
+    window_only = {"since": since.isoformat(), "until": until.isoformat()}
+    posted = api.post("/api/v1/whatif/", window_only, format="multipart")
+    assert posted.status_code == 201, posted.content
+    assert posted.json()["params"]["changed"]["policy"] == {
+        "aged_borrowed_first": True,
+        "quota_before_drain": False,
+    }
 
 
 @pytest.mark.django_db
