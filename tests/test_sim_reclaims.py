@@ -1,6 +1,8 @@
 """The simulator's reclaim clocks (jobs.scheduling.sim_reclaims): when a team's wait for its lent
 GPUs starts and stops, and the bound each wait is held to (no database)."""
 
+import itertools
+import random
 from dataclasses import replace
 
 from jobs.scheduling.baselines import fifo
@@ -141,3 +143,35 @@ def test_a_pass_when_a_gangs_exemption_ends_lets_the_reclaim_go_ahead_then():
     m = ticking.metrics
     assert (m["reclaims_gang_bounded"], m["reclaims_over_their_bound"]) == (1, 0)
     assert m["reclaim_max_s"] == 14_360
+
+
+def test_what_a_reclaim_could_take_is_the_most_any_order_of_victims_gives():
+    """Against every order of taking a lender's jobs (each taken while the lender is still
+    beyond its quota), on random teams; and the hand case where taking the largest first
+    falls short: 10 GPUs over with jobs of 8, 8, 3 and 1 lends 1 + 8 + 8 = 17, not 16."""
+
+    def most(jobs, spare):
+        best = 0
+        for r in range(len(jobs) + 1):
+            for order in itertools.permutations(jobs, r):
+                left, taken = spare, 0
+                for g in order:
+                    if left <= 0:
+                        break
+                    left, taken = left - g, taken + g
+                else:
+                    best = max(best, taken)
+        return best
+
+    def takable(jobs, quota):
+        c = clocks({1: quota, 2: 10}, {})
+        for jid, g in enumerate(jobs, start=100):
+            c.gang_started(jid, 1, g, 0.0)
+        return c._takable(2, {1: sum(jobs), 2: 0}, exempt=set())
+
+    assert takable([8, 8, 3, 1], quota=10) == 17
+    rng = random.Random(7)
+    for _ in range(200):
+        jobs = [rng.choice([1, 2, 3, 4, 8, 16, 32]) for _ in range(rng.randint(0, 5))]
+        quota = rng.randint(0, 40)
+        assert takable(jobs, quota) == most(jobs, sum(jobs) - quota), (jobs, quota)

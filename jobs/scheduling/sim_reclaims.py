@@ -22,11 +22,12 @@ the stop grace, or, when the GPUs that could be reclaimed for it at its start we
 without those of drained-for gangs (gangs of whole nodes beyond their team's quota, younger
 than `gang_exempt_s`), the grace plus the time until the last of those gangs' exemptions ends.
 What a reclaim could take is counted as the policy's reclaim does (victims.Victims.claim):
-free GPUs, and per other team beyond its quota its jobs that are not exempt gangs, whole, while
-the team stays beyond its quota before each one is taken (a reclaim takes wholly borrowed jobs,
-or, when those will not do, one that straddles the quota: a team 2 GPUs over with 8-GPU jobs
-lends an 8-GPU job). Before 2026-12-06 evening only the GPUs beyond the quota counted, which
-found too few to take and held some clocks to the looser bound (docs/thrash.md).
+free GPUs, and per other team beyond its quota the most of its jobs that are not exempt gangs a
+reclaim could take whole, each while the team is still beyond its quota (a reclaim takes wholly
+borrowed jobs, or, when those will not do, one that straddles the quota: a team 2 GPUs over
+with 8-GPU jobs lends an 8-GPU job). Before the evening of 2026-12-06 only the GPUs beyond the
+quota counted, which found too few to take and held some clocks to the looser bound
+(docs/thrash.md).
 """
 
 from __future__ import annotations
@@ -147,9 +148,11 @@ class ReclaimClocks:
         return self.grace_s + min(self.gang_exempt_s, max(live.values()) - t)
 
     def _takable(self, tid: int, used: Mapping[int, int], exempt: set[int]) -> int:
-        """GPUs a reclaim for team `tid` could stop elsewhere: per other team beyond its quota,
-        its jobs that are not `exempt`, largest first, each while the team is still beyond
-        its quota (the last may straddle it)."""
+        """GPUs a reclaim for team `tid` could stop elsewhere, at most: per other team beyond
+        its quota, its jobs that are not `exempt`, each taken while the team is still beyond
+        its quota (victims.Victims.claim), so the last may straddle it. The most is the
+        team's largest job taken last, after the largest sum of its other jobs that stays
+        below what it holds beyond its quota."""
         sizes: dict[int, list[int]] = {}
         for jid, (owner, g) in self.running.items():
             if owner != tid and jid not in exempt:
@@ -157,9 +160,13 @@ class ReclaimClocks:
         takable = 0
         for owner, jobs in sizes.items():
             spare = used[owner] - self.quota[owner]
-            for g in sorted(jobs, reverse=True):
-                if spare <= 0:
-                    break
-                takable += g
-                spare -= g
+            if spare <= 0:
+                continue
+            jobs.sort()
+            last = jobs.pop()
+            # Bit k set: some of the other jobs sum to k GPUs (k < spare).
+            sums, below = 1, (1 << spare) - 1
+            for g in jobs:
+                sums = (sums | (sums << g)) & below
+            takable += last + sums.bit_length() - 1
         return takable
