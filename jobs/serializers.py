@@ -86,11 +86,10 @@ class JobCreateSerializer(serializers.Serializer):
         """The submitter's team when they are a member of exactly one (Slurm's default account,
         Determined's default workspace); otherwise the field is required, and says why."""
         user = self.context["request"].user
-        names = sorted(
-            Team.objects.filter(memberships__user=user).distinct().values_list("name", flat=True)
-        )
-        if len(names) == 1:
-            return Team.objects.get(name=names[0])
+        teams = list(Team.objects.filter(memberships__user=user).distinct().order_by("name"))
+        if len(teams) == 1:
+            return teams[0]
+        names = [team.name for team in teams]
         if not names:
             raise serializers.ValidationError(
                 {"team": ["This field is required: you are a member of no team."]}

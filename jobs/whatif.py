@@ -18,6 +18,7 @@ from jobs import queue
 from jobs.conf import lockstep_setting
 from jobs.event_kinds import EventKind
 from jobs.models import PRIORITY_RANK, Attempt, Event, Job, Node, WhatIfRun
+from jobs.scheduling.reader import live_rules
 from jobs.scheduling.simulate import SimConfig, run
 from jobs.scheduling.trace import TeamQuota, TraceJob
 from jobs.whatif_results import CHANGED, CURRENT, figures, finite, summary_rows, team_rows
@@ -184,7 +185,8 @@ POLICY_SETTINGS = {
 
 def current_policy() -> dict[str, bool]:
     """Today's values of POLICY_SETTINGS."""
-    return {key: bool(lockstep_setting(name)) for key, name in POLICY_SETTINGS.items()}
+    rules = live_rules()
+    return {key: rules[key] for key in POLICY_SETTINGS}
 
 
 def sim_config(
@@ -194,6 +196,7 @@ def sim_config(
     fair-share half-life and every protection setting (minimum run, restart cost, the day's
     preemption limit, drained-for gangs' exemption), and `policy` (POLICY_SETTINGS; today's
     where not given); victims save when told to stop (the trainer does on SIGTERM)."""
+    rules = live_rules()
     return SimConfig(
         gpus=gpus,
         gpus_per_node=gpus_per_node,
@@ -208,11 +211,11 @@ def sim_config(
         reclaim_backoff_s=lockstep_setting("RECLAIM_BACKOFF_S"),
         usage_half_life_s=lockstep_setting("USAGE_HALF_LIFE_S"),
         restart_s=float(lockstep_setting("RESTART_COST_S")),
-        preempt_exempt_s=float(lockstep_setting("PREEMPT_EXEMPT_S")),
-        safety_stop=int(lockstep_setting("PREEMPT_MAX_PER_DAY")),
-        gang_reclaim_exempt_s=float(lockstep_setting("RECLAIM_GANG_EXEMPT_S")),
+        preempt_exempt_s=float(rules["preempt_exempt_s"]),
+        safety_stop=int(rules["max_preemptions"]),
+        gang_reclaim_exempt_s=float(rules["gang_reclaim_exempt_s"]),
         checkpoint_on_stop=True,
-        **{**current_policy(), **(policy or {})},
+        **{**{key: rules[key] for key in POLICY_SETTINGS}, **(policy or {})},
     )
 
 

@@ -54,7 +54,7 @@ class WhatIfRequestSerializer(serializers.Serializer):
         now = self.context["now"]
         _, default_until = whatif.default_window(now)
         data["until"] = data.get("until") or default_until
-        if "since" not in data or data["since"] is None:
+        if data.get("since") is None:
             try:
                 data["since"] = data["until"] - timedelta(days=whatif.DEFAULT_WINDOW_DAYS)
             except OverflowError:  # an `until` in year 1: no default window before it

@@ -60,9 +60,7 @@ def live_cluster(tmp_path_factory, env: dict[str, str] | None = None):
     finally:
         live.stop()
         for name in live.agent_names:
-            agent = agent_identity(live.work / "agents" / name)
-            for found in ENGINE.containers(agent):
-                ENGINE.remove(found["name"])
+            ENGINE.remove_all(agent_identity(live.work / "agents" / name))
 
 
 @pytest.fixture(name="cluster", scope="module")

@@ -3,7 +3,7 @@ the portal (daphne) on a live port, the scheduler, an rq worker and two node age
 "GPUs" each; team e2e (alice) and team rivals (mallory), 4 GPUs of quota each. Each test module
 starts its own."""
 
-from tests.live import Api, LiveCluster, wait_for
+from tests.live import Api, LiveCluster
 
 
 def e2e_cluster(tmp_path_factory):
@@ -13,11 +13,7 @@ def e2e_cluster(tmp_path_factory):
         live.start()
         live.alice = Api(live.url, live.token("alice", "--team", "e2e", "--quota", "4"))
         live.mallory = Api(live.url, live.token("mallory", "--team", "rivals", "--quota", "4"))
-        wait_for(
-            lambda: sum(n["gpus"] for n in live.alice.get("/api/v1/nodes/").json()["results"]) == 4,
-            60,
-            "both agents to register",
-        )
+        live.wait_for_gpus(live.alice, 4)
         yield live
     finally:
         live.stop()

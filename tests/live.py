@@ -201,6 +201,14 @@ class LiveCluster:
             self.start_agent(name)
         return self
 
+    def wait_for_gpus(self, api: Api, gpus: int, timeout: float = 60) -> None:
+        """Until the registered nodes (as `api`'s user sees them) hold `gpus` GPUs in all."""
+        wait_for(
+            lambda: sum(n["gpus"] for n in api.get("/api/v1/nodes/").json()["results"]) == gpus,
+            timeout,
+            "the agents to register",
+        )
+
     def restart(self, name: str, *, down_s: float = 0.0) -> None:
         """Stop one of the cluster's processes (SIGTERM), wait, and start it again."""
         proc = self.procs[name]

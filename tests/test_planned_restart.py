@@ -32,11 +32,7 @@ def cluster(tmp_path):
     try:
         live.start()
         live.alice = Api(live.url, live.token("alice", "--team", "ops", "--quota", "4"))
-        wait_for(
-            lambda: sum(n["gpus"] for n in live.alice.get("/api/v1/nodes/").json()["results"]) == 4,
-            60,
-            "both agents to register",
-        )
+        live.wait_for_gpus(live.alice, 4)
         yield live
     finally:
         live.stop()

@@ -361,7 +361,7 @@ def do_flag_straggler(
     # straggler's own node reporting at this moment).
     node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     attempt = Attempt.objects.select_for_update(no_key=True).get(pk=attempt.pk)
-    ranks = sorted(set(ranks or [rank]) | {rank})
+    ranks = sorted({rank, *(ranks or ())})
     if any(r in attempt.stragglers for r in ranks):
         return  # flagged already (a check that raced this one)
     attempt.stragglers = [*attempt.stragglers, *ranks]

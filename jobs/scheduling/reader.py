@@ -222,14 +222,22 @@ def take_snapshot(
         queued=queued,
         teams=_teams(now, usage),
         running=running,
-        preempt_exempt_s=lockstep_setting("PREEMPT_EXEMPT_S"),
-        max_preemptions=lockstep_setting("PREEMPT_MAX_PER_DAY"),
-        reclaim_hold_s=lockstep_setting("RECLAIM_HOLD_S"),
-        gang_reclaim_exempt_s=lockstep_setting("RECLAIM_GANG_EXEMPT_S"),
-        aged_borrowed_first=bool(lockstep_setting("AGED_BORROWED_FIRST")),
-        quota_before_drain=bool(lockstep_setting("QUOTA_BEFORE_DRAIN")),
-        grow_after_s=lockstep_setting("ELASTIC_GROW_AFTER_S"),
+        **live_rules(),
     )
+
+
+def live_rules() -> dict:
+    """The policy's rules as today's LOCKSTEP settings set them, as Snapshot fields: the live
+    pass reads them here, and so do the what-if's replays (jobs.whatif.sim_config)."""
+    return {
+        "preempt_exempt_s": lockstep_setting("PREEMPT_EXEMPT_S"),
+        "max_preemptions": lockstep_setting("PREEMPT_MAX_PER_DAY"),
+        "reclaim_hold_s": lockstep_setting("RECLAIM_HOLD_S"),
+        "gang_reclaim_exempt_s": lockstep_setting("RECLAIM_GANG_EXEMPT_S"),
+        "aged_borrowed_first": bool(lockstep_setting("AGED_BORROWED_FIRST")),
+        "quota_before_drain": bool(lockstep_setting("QUOTA_BEFORE_DRAIN")),
+        "grow_after_s": lockstep_setting("ELASTIC_GROW_AFTER_S"),
+    }
 
 
 def _teams(now: datetime, memo: UsageMemo | None = None) -> tuple[TeamView, ...]:

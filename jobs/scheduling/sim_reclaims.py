@@ -61,8 +61,8 @@ class ReclaimClocks:
         self.open: dict[int, set[int]] = {tid: set() for tid in self.quota}
         # per team, each closed clock: (length, its bound)
         self.closed: dict[int, list[tuple[float, float]]] = {tid: [] for tid in self.quota}
-        # running gangs under rule 5's exemption: job id -> (team, GPUs, exempt until)
-        self.gangs: dict[int, tuple[int, int, float]] = {}
+        # running gangs under rule 5's exemption: job id -> exempt until
+        self.gangs: dict[int, float] = {}
         # every running job: job id -> (team, GPUs)
         self.running: dict[int, tuple[int, int]] = {}
 
@@ -72,7 +72,7 @@ class ReclaimClocks:
         """A job started: remember it, and whether rule 5 exempts it (protection.reclaim_exempt)."""
         self.running[jid] = (tid, gpus)
         if self.gang_exempt_s > 0 and gpus > self.quota[tid] and gpus > self.largest_node:
-            self.gangs[jid] = (tid, gpus, t + self.gang_exempt_s)
+            self.gangs[jid] = t + self.gang_exempt_s
 
     def released(self, jid: int) -> None:
         self.gangs.pop(jid, None)
@@ -142,7 +142,7 @@ class ReclaimClocks:
 
     def _bound_for(self, tid: int, gpus: int, t: float, used: Mapping[int, int], free: int):
         """The grace, unless a reclaim could not find `gpus` without exempt gangs' GPUs."""
-        live = {jid: until for jid, (_, _, until) in self.gangs.items() if until > t}
+        live = {jid: until for jid, until in self.gangs.items() if until > t}
         if not live or free + self._takable(tid, used, set(live)) >= gpus:
             return self.grace_s
         return self.grace_s + min(self.gang_exempt_s, max(live.values()) - t)
