@@ -10,7 +10,9 @@ to a JSON file; the tests below judge it, deriving the expected byte counts on t
 from __future__ import annotations
 
 import json
+import os
 import socket
+import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -108,7 +110,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                     }
                 )
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    # Leave together, then exit without tearing gloo down (as `python -m trainer` does): a
+    # gloo group destroyed or finalized at exit sometimes aborts the process with SIGABRT after
+    # its work is done (trainer/planner_check.py's sharded workers did, in a fresh-clone CI).
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")

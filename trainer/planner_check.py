@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -264,8 +265,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sharded_worker(rank: int, world_size: int, port: int, mode: str, out_dir: str) -> None:
-    import os
-
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -311,9 +310,14 @@ def _sharded_worker(rank: int, world_size: int, port: int, mode: str, out_dir: s
     }
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(measured, f)
-    # Leave together: a gloo peer torn down while the other still talks aborts the process.
-    info.barrier()
-    close_distributed(info)
+    # Leave together (close_distributed's barrier), then exit without tearing gloo down, as
+    # `python -m trainer` does: a gloo process group destroyed or finalized at interpreter exit
+    # sometimes aborts the process ("terminate called without an active exception", SIGABRT,
+    # seen in a fresh-clone CI) after its measurement was written. The kernel closes the sockets.
+    close_distributed(info, destroy=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def measure_sharded(mode: str, world_size: int = 2) -> list[dict[str, int]]:
