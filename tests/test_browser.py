@@ -146,6 +146,12 @@ def test_a_reopened_job_page_draws_the_gpu_use_kept_so_far(cluster, page):
         assert max(trace["x"]) - min(trace["x"]) >= 4000
         assert all(0 <= u <= 100 for u in trace["y"] if u is not None)
     assert "Whole run" in page.locator("#gpu-note").inner_text()
+    # CPU slots have no memory reading: the memory chart says so rather than drawing nothing.
+    page.wait_for_function(
+        "() => (document.getElementById('gpu-mem-chart').layout.annotations || [])"
+        ".some(a => a.text === 'No memory reading on CPU slots')",
+        timeout=10_000,
+    )
     _shot(page, "job-page-gpu-history")
 
 

@@ -313,7 +313,18 @@
       Plotly.addTraces("gpu-mem-chart", added.mem);
     }
   }
+  // CPU slots have no memory figure: say so on the memory chart itself, not as empty axes
+  // under a legend (set again only when it changes: a relayout redraws the chart).
+  function memoryNote(cpu) {
+    if (gpu.memoryNote === cpu) return;
+    gpu.memoryNote = cpu;
+    Plotly.relayout("gpu-mem-chart", {annotations: cpu ? [{
+      text: "No memory reading on CPU slots", xref: "paper", yref: "paper", x: 0.5, y: 0.5,
+      showarrow: false, font: {color: "#64748b", size: 13},
+    }] : []});
+  }
   function gpuNote(cpu) {
+    memoryNote(cpu);
     var note = document.getElementById("gpu-note");
     var source = cpu
       ? "CPU slots: utilization is the host's load share; no memory reading."
@@ -348,6 +359,7 @@
         gpu.traces = {spread: util.length};
         Plotly.react("gpu-util-chart", util, gpuLayout("GPU utilization: every rank's band, a few ranks' lines", "%"), config);
         Plotly.react("gpu-mem-chart", mem, gpuLayout("GPU memory of the drawn ranks", "GiB"), config);
+        gpu.memoryNote = undefined;  // react drew a new layout, without the note
         if (band) {
           gpuNote(cpu);
           document.getElementById("gpu-note").textContent +=
