@@ -222,7 +222,9 @@ def _prepare(py: str, env: dict, var: Path, sup: Supervisor) -> dict:
         [py, "manage.py", "migrate", "--noinput", "-v", "0"], env=env, cwd=ROOT, check=True
     )
     seeded = subprocess.run(
-        [py, "manage.py", "seed_demo"],
+        # The passwords and token handed out at the first start are handed out again, so a
+        # restart logs nobody out (seed_demo's docstring).
+        [py, "manage.py", "seed_demo", "--keep", str(var / "demo-credentials.json")],
         env=env,
         cwd=ROOT,
         check=True,
@@ -477,8 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"""
 Lockstep is up: {url}
-  admin / {demo["admin_password"]}   (cluster admin)
-  alice / {demo["alice_password"]}   (researcher in team demo)
+  admin / {demo["admin_password"] or "(the password you set)"}   (cluster admin)
+  alice / {demo["alice_password"] or "(the password you set)"}   (researcher in team demo)
   alice's API token: {demo["alice_token"]}
   try:  LOCKSTEP_TOKEN={demo["alice_token"]} .venv/bin/lockstep jobs
   {_runtime_line(nodes)}

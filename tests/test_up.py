@@ -207,6 +207,7 @@ def test_restarted_four_times_while_the_demo_job_runs(tmp_path):
     resumed: list[str] = []  # what went wrong with the job's resume, restart by restart
     job_id = checkpoint_step = None
     released = 0
+    handed_out: set[tuple[str, str]] = set()
     for cycle in range(5):  # the first start, then four restarts
         up = Up(var, port, env={"LOCKSTEP_STRIKES_TO_CORDON": "2"})
         try:
@@ -216,6 +217,8 @@ def test_restarted_four_times_while_the_demo_job_runs(tmp_path):
             assert states == {"local-a": "up", "local-b": "up"}, f"start {cycle}: {nodes}\n{up}"
             assert "warning" not in up.output and "did not" not in up.output, up.output
             released += up.output.count("uncordoned (it was cordoned automatically)")
+            # The demo's password and token of the first start, every time (seed_demo --keep).
+            handed_out.add(re.search(r"alice / (\S+)[\s\S]*token: (\S+)", up.output).groups())
             if cycle:
                 assert _demo_job(up, api, job_id)["restart_count"] == 0, up
             if cycle == 0:
@@ -245,6 +248,7 @@ def test_restarted_four_times_while_the_demo_job_runs(tmp_path):
             if up.proc.poll() is None:
                 os.killpg(up.proc.pid, signal.SIGKILL)
     assert released == 0, "a planned restart gave a node strikes enough to cordon it"
+    assert len(handed_out) == 1, handed_out
     assert not resumed, "; ".join(resumed)
 
 
