@@ -1,6 +1,6 @@
 """The `lockstep` command: run the platform (`up`, `agent`, `scheduler`), use it (`submit`,
-`jobs`, `status`, `wait`, `logs`, `cancel`, `checkpoints`, `models`, `tokens`:
-lockstep_cli/commands.py), plan a run's memory (`plan`), generate traces in the target's
+`jobs`, `status`, `wait`, `cancel`, `checkpoints`, `models`, `tokens`: lockstep_cli/commands.py;
+`logs`, `events`: job_output.py), plan a run's memory (`plan`), generate traces in the target's
 shape (`trace`) and replay traces through the scheduler (`simulate`)."""
 
 from __future__ import annotations

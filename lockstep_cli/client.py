@@ -15,6 +15,14 @@ EXIT_AUTH = 3  # no token, a wrong, expired or revoked token, or not allowed
 EXIT_UNREACHABLE = 4  # no answer from the portal (refused, timed out, not a Lockstep portal)
 EXIT_SERVER = 5  # the portal answered 5xx, or throttled the request (429)
 
+END_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def outcome(job: dict) -> int:
+    """The exit code a job's end gives a command that waited for it."""
+    return EXIT_FAILED if job["state"] in ("FAILED", "CANCELLED") else EXIT_OK
+
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -152,3 +160,8 @@ class Portal:
         if body is None and code >= 500:
             raise CliError(EXIT_SERVER, f"the portal at {self.url} failed ({code})")
         raise CliError(EXIT_SERVER, f"the portal answered {code}: {detail or body}")
+
+
+def portal_for(args) -> Portal:
+    """The portal a command's --url/--token (or the environment, or the config file) name."""
+    return Portal(*resolve(args))

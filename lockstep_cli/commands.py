@@ -1,6 +1,8 @@
 """The `lockstep` commands that talk to a portal over the REST API: submit, jobs, status, wait,
-logs, cancel, checkpoints, models, tokens. Where the portal and token come from, the output formats
-and the exit codes are described in the README ("The lockstep command")."""
+cancel, checkpoints, models, tokens, and the parsers of all of them (`logs` and `events`, what a
+job printed and what happened to it, are in job_output.py). Where the portal and token come
+from, the output formats and the exit codes are described in the README ("The lockstep
+command")."""
 
 from __future__ import annotations
 
@@ -11,16 +13,18 @@ import time
 from pathlib import Path
 
 from lockstep_cli.client import (
+    END_STATES,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
     CliError,
     Portal,
-    resolve,
+    outcome,
+    portal_for,
 )
+from lockstep_cli.job_output import cmd_events, cmd_logs
 from lockstep_cli.output import emit, size, table, when
 
-END_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 SPEC_FIELDS = (
     "name",
     "team",
@@ -38,10 +42,6 @@ SPEC_FIELDS = (
     "layout",
 )
 SPEC_DEFAULTS = {"image": "lockstep/trainer:latest", "dataset": "synthetic://addition"}
-
-
-def _portal(args) -> Portal:
-    return Portal(*resolve(args))
 
 
 # --- submit ----------------------------------------------------------------------------------
@@ -107,13 +107,13 @@ def job_body(args) -> dict:
 
 
 def cmd_submit(args) -> int:
-    portal = _portal(args)
+    portal = portal_for(args)
     job = portal.call("POST", "/api/v1/jobs/", json=job_body(args))
     print(f"submitted job {job['id']} ({job['state']})", file=sys.stderr)
     if args.wait:
         job = wait_for_job(portal, job["id"], until_running=True, timeout=args.timeout)
     _show_job_line(args, job)
-    return _outcome(job) if args.wait else EXIT_OK
+    return outcome(job) if args.wait else EXIT_OK
 
 
 def _show_job_line(args, job: dict) -> None:
@@ -122,10 +122,6 @@ def _show_job_line(args, job: dict) -> None:
     else:
         reason = f": {job['reason']}" if job.get("reason") else ""
         print(f"job {job['id']} {job['name']} {job['state']}{reason}")
-
-
-def _outcome(job: dict) -> int:
-    return EXIT_FAILED if job["state"] in ("FAILED", "CANCELLED") else EXIT_OK
 
 
 def wait_for_job(
@@ -161,10 +157,10 @@ def wait_for_job(
 
 def cmd_wait(args) -> int:
     job = wait_for_job(
-        _portal(args), args.job, until_running=args.until == "running", timeout=args.timeout
+        portal_for(args), args.job, until_running=args.until == "running", timeout=args.timeout
     )
     _show_job_line(args, job)
-    return _outcome(job)
+    return outcome(job)
 
 
 # --- reading jobs ----------------------------------------------------------------------------
@@ -176,7 +172,7 @@ def cmd_jobs(args) -> int:
         params["state"] = args.state
     if args.team:
         params["team"] = args.team
-    data = _portal(args).call("GET", "/api/v1/jobs/", params=params)
+    data = portal_for(args).call("GET", "/api/v1/jobs/", params=params)
     if args.json:
         emit(data["results"])
         return EXIT_OK
@@ -202,7 +198,7 @@ def cmd_jobs(args) -> int:
 
 
 def cmd_status(args) -> int:
-    job = _portal(args).call("GET", f"/api/v1/jobs/{args.job}/")
+    job = portal_for(args).call("GET", f"/api/v1/jobs/{args.job}/")
     if args.json:
         emit(job)
         return EXIT_OK
@@ -231,77 +227,14 @@ def cmd_status(args) -> int:
     return EXIT_OK
 
 
-def cmd_logs(args) -> int:
-    portal = _portal(args)
-    params = {"rank": args.rank, "tail": args.tail}
-    if args.attempt:
-        params["attempt"] = args.attempt
-    data = portal.call("GET", f"/api/v1/jobs/{args.job}/logs/", params=params)
-    lines = data["lines"]
-    if args.follow and data.get("partial") and lines:
-        lines = lines[:-1]  # an unfinished line: printed whole once the rest arrives
-    for line in lines:
-        print(line)
-    if not args.follow:
-        return EXIT_OK
-    return _follow_logs(portal, args, data)
-
-
-def _follow_logs(portal, args, data) -> int:
-    """Print what the rank writes from here on, by cursor (nothing is re-read or skipped,
-    however long the log), until the job ends; a restart prints a header line and goes on
-    with the new attempt's log."""
-    attempt, cursor = data["attempt"], data.get("cursor") or 0
-    carry = data.get("partial") or ""
-
-    def page(number) -> dict:
-        params = {"rank": args.rank, "after": cursor}
-        if number is not None:
-            params["attempt"] = number
-        return portal.call("GET", f"/api/v1/jobs/{args.job}/logs/", params=params)
-
-    def emit(text: str) -> None:
-        nonlocal carry
-        *done, carry = (carry + text).split("\n")
-        for line in done:
-            print(line)
-
-    while True:
-        sys.stdout.flush()
-        job = portal.call("GET", f"/api/v1/jobs/{args.job}/")
-        data = page(args.attempt)
-        if data["attempt"] != attempt and attempt is not None:
-            # A new attempt: first the rest of the old one's log, then a header.
-            while (old := page(attempt))["text"]:
-                emit(old["text"])
-                cursor = old["cursor"]
-            if carry:
-                print(carry)
-                carry = ""
-            print(f"--- attempt {data['attempt']}", file=sys.stderr)
-            data = page(args.attempt)
-        attempt = data["attempt"]
-        while data["text"]:  # a page at a time until caught up
-            emit(data["text"])
-            cursor = data["cursor"]
-            data = page(attempt)
-        if job["state"] in END_STATES and not args.attempt:
-            # The state was read before the logs: what the last attempt wrote is all printed.
-            if carry:
-                print(carry)
-            print(f"job {args.job} {job['state']}", file=sys.stderr)
-            return _outcome(job)
-        time.sleep(args.poll_s)
-
-
 def cmd_cancel(args) -> int:
-    job = _portal(args).call("POST", f"/api/v1/jobs/{args.job}/cancel/")
+    job = portal_for(args).call("POST", f"/api/v1/jobs/{args.job}/cancel/")
     _show_job_line(args, job)
     return EXIT_OK
 
 
 def cmd_checkpoints(args) -> int:
-    rows = _portal(args).call("GET", f"/api/v1/jobs/{args.job}/checkpoints/")
+    rows = portal_for(args).call("GET", f"/api/v1/jobs/{args.job}/checkpoints/")
     if args.json:
         emit(rows)
         return EXIT_OK
@@ -326,7 +259,7 @@ def cmd_checkpoints(args) -> int:
 
 
 def cmd_models(args) -> int:
-    portal = _portal(args)
+    portal = portal_for(args)
     if args.models_cmd == "register":
         version = portal.call(
             "POST",
@@ -365,7 +298,7 @@ def cmd_models(args) -> int:
 
 def cmd_tokens(args) -> int:
     """My API tokens: list, create (the secret is printed once), revoke."""
-    portal = _portal(args)
+    portal = portal_for(args)
     if args.tokens_cmd == "create":
         days = None if args.never_expires else args.expires_days
         token = portal.call(
@@ -492,6 +425,16 @@ def add_commands(sub) -> dict:
     p.add_argument("-F", "--follow", action="store_true", help="print new lines until it ends")
     p.add_argument("--poll-s", type=float, default=1.0, help=argparse.SUPPRESS)
 
+    p = sub.add_parser(
+        "events", help="what happened to a job, oldest first; --follow until it ends"
+    )
+    _common(p)
+    p.add_argument("job", type=int)
+    p.add_argument("--kind", help="comma-separated kind prefixes, e.g. attempt,node.strike")
+    p.add_argument("--tail", type=int, default=50, help="the last N (default 50; 0: all)")
+    p.add_argument("-F", "--follow", action="store_true", help="print new events until it ends")
+    p.add_argument("--poll-s", type=float, default=2.0, help=argparse.SUPPRESS)
+
     p = sub.add_parser("models", help="list model versions, or register one")
     _common(p)
     p.add_argument("--limit", type=int, default=50)
@@ -519,6 +462,7 @@ def add_commands(sub) -> dict:
         "status": cmd_status,
         "wait": cmd_wait,
         "logs": cmd_logs,
+        "events": cmd_events,
         "cancel": cmd_cancel,
         "checkpoints": cmd_checkpoints,
         "models": cmd_models,
