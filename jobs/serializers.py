@@ -8,6 +8,7 @@ from jobs import validation
 from jobs.checkpoint_policy import checkpoint_advice
 from jobs.models import Attempt, Checkpoint, Event, Job, ModelVersion, Node, Priority
 from jobs.queries import protection
+from jobs.reports.estimates import band_text, estimate_bands
 from jobs.reports.goodput import job_goodput
 from teams.access import visible_jobs, visible_teams
 from teams.models import Team
@@ -222,6 +223,7 @@ class JobDetailSerializer(JobSerializer):
     goodput = serializers.SerializerMethodField()
     checkpoint_policy = serializers.SerializerMethodField()
     protection = serializers.SerializerMethodField()
+    estimated_start_band = serializers.SerializerMethodField()
 
     class Meta(JobSerializer.Meta):
         fields = [
@@ -232,6 +234,7 @@ class JobDetailSerializer(JobSerializer):
             "goodput",
             "checkpoint_policy",
             "protection",
+            "estimated_start_band",
         ]
         read_only_fields = fields
 
@@ -253,6 +256,14 @@ class JobDetailSerializer(JobSerializer):
 
     def get_goodput(self, job) -> dict:
         return job_goodput(job)
+
+    def get_estimated_start_band(self, job) -> str | None:
+        """How far `estimated_start_at` can be trusted, as the portal says it ("usually within
+        25 min": the band the job's size class has earned, jobs.reports.estimates); null unless
+        the job waits with an estimate."""
+        if job.state != Job.State.QUEUED or job.estimated_start_at is None:
+            return None
+        return band_text(job.gpus, estimate_bands(timezone.now())) or None
 
     def get_protection(self, job) -> dict | None:
         """Its live attempt's minimum run (jobs.scheduling.protection): until when no priority

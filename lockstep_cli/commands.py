@@ -211,6 +211,12 @@ def cmd_status(args) -> int:
         ("submitted", when(job["submitted_at"])),
         ("restarts", f"{job['restart_count']} of {job['max_restarts']}"),
     ]
+    if job.get("estimated_start_at"):
+        # As squeue --start: when the scheduler expects it to start, and how far that holds.
+        band = job.get("estimated_start_band")
+        rows.insert(
+            -1, ("est. start", when(job["estimated_start_at"]) + (f" ({band})" if band else ""))
+        )
     if job.get("latest_checkpoint"):
         c = job["latest_checkpoint"]
         rows.append(("checkpoint", f"step {c['step']} (id {c['id']})"))

@@ -93,3 +93,34 @@ def test_the_job_list_shows_the_estimate_with_its_band(lab, tmp_path, monkeypatc
     (row,) = [r for r in html.split("<tr") if f'href="/jobs/{waiting.id}/"' in r]
     local = timezone.localtime(waiting.estimated_start_at)
     assert f"{local:%H:%M}" in row and "usually within 25 min" in row
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_api_and_lockstep_status_give_the_estimate_with_its_band(
+    lab, tmp_path, monkeypatch, live_server, token_for, capsys
+):
+    from lockstep_cli.cli import main
+
+    team, user = lab
+    simulated = tmp_path / "bands.json"
+    simulated.write_text(json.dumps({"by_size": {"2-8": 25 * 60.0}}))
+    monkeypatch.setattr(estimates, "SIMULATED_BANDS", simulated)
+    running = submit(team, user, gpus=4, time_limit_s=3600)
+    run_pass()
+    waiting = submit(team, user, gpus=4)
+    run_pass()
+    client = Client()
+    client.force_login(user)
+    detail = client.get(f"/api/v1/jobs/{waiting.id}/").json()
+    assert detail["estimated_start_at"] is not None
+    assert detail["estimated_start_band"] == "usually within 25 min"
+    # A running job has no estimate, so no band either.
+    assert client.get(f"/api/v1/jobs/{running.id}/").json()["estimated_start_band"] is None
+
+    token = token_for(user)
+    assert main(["--url", live_server.url, "--token", token, "status", str(waiting.id)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("est. start")]
+    assert len(rows) == 1, out
+    expected = detail["estimated_start_at"].replace("T", " ")[:19]
+    assert rows[0].split(None, 2)[2] == f"{expected} (usually within 25 min)", out
