@@ -60,10 +60,15 @@ class JobViewSet(
         if self.action == "list":
             state = self.request.query_params.get("state")
             team = self.request.query_params.get("team")
+            owner = self.request.query_params.get("owner")
             if state:
                 jobs = jobs.filter(state__in=state.upper().split(","))
             if team:
                 jobs = jobs.filter(team__name=team)
+            if owner == "@me":  # as GitHub's CLI says it: no need to know one's username
+                jobs = jobs.filter(owner=self.request.user)
+            elif owner:
+                jobs = jobs.filter(owner__username=owner)
         if self.action == "retrieve":
             jobs = jobs.prefetch_related(
                 Prefetch(

@@ -172,6 +172,8 @@ def cmd_jobs(args) -> int:
         params["state"] = args.state
     if args.team:
         params["team"] = args.team
+    if args.mine or args.owner:
+        params["owner"] = "@me" if args.mine else args.owner
     data = portal_for(args).call("GET", "/api/v1/jobs/", params=params)
     if args.json:
         emit(data["results"])
@@ -405,6 +407,9 @@ def add_commands(sub) -> dict:
     _common(p)
     p.add_argument("--state", help="comma-separated, e.g. queued,running")
     p.add_argument("--team")
+    mine = p.add_mutually_exclusive_group()
+    mine.add_argument("--mine", action="store_true", help="only the jobs you submitted")
+    mine.add_argument("--owner", help="only the jobs this user submitted")
     p.add_argument("--limit", type=int, default=50)
 
     for name, text in (

@@ -156,6 +156,11 @@ extend_schema_view(
                 description="Only jobs in these states, comma-separated (QUEUED,RUNNING)",
             ),
             OpenApiParameter("team", OpenApiTypes.STR, description="Only this team's jobs"),
+            OpenApiParameter(
+                "owner",
+                OpenApiTypes.STR,
+                description="Only the jobs this user submitted (a username; @me: yours)",
+            ),
         ]
     ),
     create=extend_schema(

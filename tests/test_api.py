@@ -50,6 +50,26 @@ def test_submit_creates_a_queued_job_with_an_event(nlp):
 
 
 @pytest.mark.django_db
+def test_the_job_list_filters_by_owner_and_mine(nlp, make_user, token_for):
+    team, alice, client = nlp
+    bob = make_user("bob", team=team)
+    bobs = APIClient()
+    bobs.credentials(HTTP_AUTHORIZATION=f"Bearer {token_for(bob)}")
+    ids = {}
+    for who, api in (("alice", client), ("bob", bobs), ("alice2", client)):
+        ids[who] = api.post("/api/v1/jobs/", GOOD, format="json").json()["id"]
+
+    def listed(api, query):
+        return {j["id"] for j in api.get(f"/api/v1/jobs/?{query}").json()["results"]}
+
+    assert listed(client, "") == set(ids.values())  # the whole team's
+    assert listed(client, "owner=@me") == {ids["alice"], ids["alice2"]}
+    assert listed(bobs, "owner=@me") == {ids["bob"]}
+    assert listed(client, "owner=bob") == {ids["bob"]}
+    assert listed(client, "owner=nobody") == set()
+
+
+@pytest.mark.django_db
 def test_a_member_of_one_team_may_leave_the_team_out_and_a_member_of_two_may_not(
     nlp, make_team, make_user, token_for
 ):
