@@ -95,7 +95,8 @@ def _print_events(events: list[dict], as_json: bool) -> None:
         if as_json:
             print(json.dumps(e))  # --follow --json: one event per line
         else:
-            node = f"[{e['node']}] " if e["node"] else ""
+            # The node, unless the message names it already.
+            node = f"[{e['node']}] " if e["node"] and e["node"] not in e["message"] else ""
             print(f"{when(e['created_at'])}  {e['kind']:<24}  {node}{e['message']}")
 
 

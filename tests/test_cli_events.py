@@ -41,7 +41,8 @@ def job_of_ann(make_team, make_user, make_nodes, token_for):
         Event(job=job, kind="checkpoint.committed", message=f"checkpoint at step {i * 100}")
         for i in range(1, EVENTS_PAGE + 6)
     )
-    Event.objects.create(job=job, node=node, kind="attempt.lost", message="node-0 went silent")
+    Event.objects.create(job=job, node=node, kind="rank.exited", message="rank 0 on node-0 exited")
+    Event.objects.create(job=job, node=node, kind="attempt.lost", message="the node went silent")
     Event.objects.create(job=job, kind="attempt.started", message="attempt 2 starting")
     return job, ann, token_for(ann)
 
@@ -56,11 +57,12 @@ def test_events_pages_through_a_long_run_and_filters_by_kind(live_server, job_of
     lines = out.splitlines()
     assert code == client.EXIT_OK and len(lines) == total  # every page, none twice
     assert "job.submitted" in lines[0] and "attempt 2 starting" in lines[-1]
-    assert "attempt.lost" in lines[-2] and "[node-0] node-0 went silent" in lines[-2]
+    assert "attempt.lost" in lines[-2] and "[node-0] the node went silent" in lines[-2]
+    assert lines[-3].endswith("rank.exited               rank 0 on node-0 exited")  # named
 
     code, out, _ = lockstep(capsys, live_server, token, "events", str(job.id), "--tail", "3")
     assert [line.split()[2] for line in out.splitlines()] == [
-        "checkpoint.committed",
+        "rank.exited",
         "attempt.lost",
         "attempt.started",
     ]
