@@ -16,6 +16,7 @@ from jobs import actions
 from jobs.metrics_query import gpu_history, metric_names, metric_series
 from jobs.metrics_spread import gpu_spread, metric_spread
 from jobs.models import Allocation, Attempt, LogChunk, ModelVersion, Node
+from jobs.queries import job_events
 from jobs.serializers import (
     CheckpointSerializer,
     EventSerializer,
@@ -41,6 +42,10 @@ def _int_param(request, name: str, default: int | None, *, lo: int = 0, hi: int 
     if not lo <= value <= hi:
         raise ValidationError({name: [f"{name} must be between {lo} and {hi}."]})
     return value
+
+
+# A job's events per answer, oldest first; `since_id` asks for the next page.
+EVENTS_PAGE = 1000
 
 
 class JobViewSet(
@@ -133,11 +138,11 @@ class JobViewSet(
     @action(detail=True, methods=["get"], pagination_class=None)
     def events(self, request, pk=None):
         job = self.get_object()
-        events = job.events.select_related("node").order_by("id")
+        events = job_events(job)
         since = _int_param(request, "since_id", None)
         if since is not None:
             events = events.filter(id__gt=since)
-        return Response(EventSerializer(events[:1000], many=True).data)
+        return Response(EventSerializer(events[:EVENTS_PAGE], many=True).data)
 
     @action(detail=True, methods=["get"])
     def metrics(self, request, pk=None):

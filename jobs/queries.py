@@ -6,11 +6,20 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from django.db.models import Count, Max, OuterRef, Subquery
+from django.db.models import Count, Max, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce
 
 from jobs.conf import lockstep_setting
-from jobs.models import GPU, Allocation, Attempt, Checkpoint, Job, Node, PreemptionRequest
+from jobs.models import (
+    GPU,
+    Allocation,
+    Attempt,
+    Checkpoint,
+    Event,
+    Job,
+    Node,
+    PreemptionRequest,
+)
 from jobs.scheduling.protection import min_run_s
 from jobs.validation import dataset_mounts, image_registry
 from trainer.checkpoint_layout import attempt_dir
@@ -28,6 +37,14 @@ def run_seconds(job_ids, *, now: datetime, live: bool = True) -> dict[int, float
             ((ended or now) - started).total_seconds(), 0.0
         )
     return totals
+
+
+def job_events(job: Job):
+    """A job's timeline: its own events and those about its attempts that name no job (a
+    node's strike for an attempt's failure: why the job moved), oldest first."""
+    return (
+        Event.objects.filter(Q(job=job) | Q(attempt__job=job)).select_related("node").order_by("id")
+    )
 
 
 def latest_checkpoint(job_id: int) -> Checkpoint | None:

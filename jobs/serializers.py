@@ -8,7 +8,7 @@ from jobs import validation
 from jobs.checkpoint_policy import checkpoint_advice
 from jobs.models import Attempt, Checkpoint, Event, Job, ModelVersion, Node, Priority
 from jobs.queries import protection
-from jobs.reports.estimates import band_text, estimate_bands
+from jobs.reports.estimates import band_text, recent_estimate_bands
 from jobs.reports.goodput import job_goodput
 from teams.access import visible_jobs, visible_teams
 from teams.models import Team
@@ -263,7 +263,7 @@ class JobDetailSerializer(JobSerializer):
         the job waits with an estimate."""
         if job.state != Job.State.QUEUED or job.estimated_start_at is None:
             return None
-        return band_text(job.gpus, estimate_bands(timezone.now())) or None
+        return band_text(job.gpus, recent_estimate_bands(timezone.now())) or None
 
     def get_protection(self, job) -> dict | None:
         """Its live attempt's minimum run (jobs.scheduling.protection): until when no priority

@@ -217,7 +217,7 @@ def cmd_status(args) -> int:
         # As squeue --start: when the scheduler expects it to start, and how far that holds.
         band = job.get("estimated_start_band")
         rows.insert(
-            -1, ("est. start", when(job["estimated_start_at"]) + (f" ({band})" if band else ""))
+            -1, ("est. start", when(job["estimated_start_at"]) + (f", {band}" if band else ""))
         )
     if job.get("latest_checkpoint"):
         c = job["latest_checkpoint"]
@@ -363,6 +363,22 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=argparse.SUPPRESS, help="API token")
 
 
+def _username(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give a username")
+    return text.strip()
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("0 or more")
+    return value
+
+
 def add_commands(sub) -> dict:
     """Add the portal commands to the `lockstep` parser; returns {name: handler}."""
     p = sub.add_parser(
@@ -409,7 +425,7 @@ def add_commands(sub) -> dict:
     p.add_argument("--team")
     mine = p.add_mutually_exclusive_group()
     mine.add_argument("--mine", action="store_true", help="only the jobs you submitted")
-    mine.add_argument("--owner", help="only the jobs this user submitted")
+    mine.add_argument("--owner", type=_username, help="only the jobs this user submitted")
     p.add_argument("--limit", type=int, default=50)
 
     for name, text in (
@@ -442,7 +458,7 @@ def add_commands(sub) -> dict:
     _common(p)
     p.add_argument("job", type=int)
     p.add_argument("--kind", help="comma-separated kind prefixes, e.g. attempt,node.strike")
-    p.add_argument("--tail", type=int, default=50, help="the last N (default 50; 0: all)")
+    p.add_argument("--tail", type=_count, default=50, help="the last N (default 50; 0: all)")
     p.add_argument("-F", "--follow", action="store_true", help="print new events until it ends")
     p.add_argument("--poll-s", type=float, default=2.0, help=argparse.SUPPRESS)
 

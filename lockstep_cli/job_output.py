@@ -74,19 +74,17 @@ def _follow_logs(portal, args, data) -> int:
         time.sleep(args.poll_s)
 
 
-EVENTS_PAGE = 1000  # the portal's page of a job's events (jobs/api.py, JobViewSet.events)
-
-
 def _events_after(portal, job: int, since: int | None) -> list[dict]:
-    """Every event of `job` after the event id `since` (all of them for None), page by page:
-    a week-long run has thousands of checkpoint events."""
+    """Every event of `job` after the event id `since` (all of them for None), page by page
+    until an empty one (whatever the portal's page size): a week-long run has thousands of
+    checkpoint events."""
     events: list[dict] = []
     while True:
         params = {} if since is None else {"since_id": since}
         page = portal.call("GET", f"/api/v1/jobs/{job}/events/", params=params)
-        events += page
-        if len(page) < EVENTS_PAGE:
+        if not page:
             return events
+        events += page
         since = page[-1]["id"]
 
 

@@ -26,7 +26,7 @@ from jobs.models import (
     ModelVersion,
     Node,
 )
-from jobs.queries import protection, teams_with_usage
+from jobs.queries import job_events, protection, teams_with_usage
 from jobs.reports.estimates import band_text, estimate_bands
 from jobs.reports.goodput import job_goodput
 from jobs.reports.layout import report as layout_report
@@ -250,7 +250,7 @@ def job_page(request, job_id: int):
             Prefetch("allocations", queryset=Allocation.objects.select_related("node", "gpu"))
         )
     )
-    events = list(job.events.select_related("node").order_by("-id")[:500])
+    events = list(job_events(job).reverse()[:500])
     checkpoints = list(
         job.checkpoints.filter(deleted_at__isnull=True)
         .select_related("attempt")

@@ -524,6 +524,10 @@ def test_a_wide_jobs_page_draws_the_band_of_every_rank_and_its_stragglers(cluste
     gpu = page.evaluate("() => document.getElementById('gpu-util-chart').data.map(t => t.name)")
     assert "mean of all ranks" in gpu and "rank 77" in gpu and len(gpu) == 2 + 1 + 8
     assert "96 ranks" in page.locator("#gpu-note").inner_text()
+    notes = page.evaluate(
+        "() => (document.getElementById('gpu-mem-chart').layout.annotations || []).map(a => a.text)"
+    )
+    assert notes == []  # GPUs with memory readings: no "no memory reading" note
     # Its log panel asks for a rank number (a list of 96 or 4,096 is no way to find one) and
     # offers the ranks the step-time chart singles out.
     field = page.locator("#log-rank")

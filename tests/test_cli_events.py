@@ -10,10 +10,11 @@ import pytest
 from django.utils import timezone
 
 from jobs import actions
-from jobs.models import Event
+from jobs.actions.strikes import strike_node
+from jobs.api import EVENTS_PAGE
+from jobs.models import Attempt, Event, Node
 from lockstep_cli import client
 from lockstep_cli.cli import main
-from lockstep_cli.job_output import EVENTS_PAGE
 
 
 def lockstep(capsys, live_server, token, *args):
@@ -45,6 +46,27 @@ def job_of_ann(make_team, make_user, make_nodes, token_for):
     Event.objects.create(job=job, node=node, kind="attempt.lost", message="the node went silent")
     Event.objects.create(job=job, kind="attempt.started", message="attempt 2 starting")
     return job, ann, token_for(ann)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_strike_for_an_attempts_failure_is_in_the_jobs_events(live_server, job_of_ann, capsys):
+    # strike_node writes the node and the attempt, no job: it is still why the job moved.
+    job, _, token = job_of_ann
+    node = Node.objects.get(name="node-0")
+    attempt = Attempt.objects.create(
+        job=job,
+        number=1,
+        state="failed",
+        master_addr="127.0.0.1",
+        master_port=29401,
+        created_at=timezone.now(),
+    )
+    strike_node(node, "rank 0 exited with code 1", now=timezone.now(), attempt=attempt)
+    code, out, _ = lockstep(
+        capsys, live_server, token, "events", str(job.id), "--kind", "node", "--tail", "0"
+    )
+    assert code == client.EXIT_OK
+    assert out.splitlines()[-1].endswith("strike on node-0: rank 0 exited with code 1")
 
 
 @pytest.mark.django_db(transaction=True)

@@ -41,3 +41,19 @@ def test_jobs_mine_and_owner(live_server, make_team, make_user, token_for, capsy
         main(["--url", live_server.url, "--token", token, "jobs", "--mine", "--owner", "bob"])
     assert usage.value.code == client.EXIT_USAGE
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["jobs", "--owner", " "], "give a username"),
+        (["events", "1", "--tail", "-1"], "0 or more"),
+        (["events", "1", "--tail", "x"], "not a number"),
+    ],
+)
+def test_bad_arguments_exit_2_before_asking_the_portal(args, message, capsys):
+    # No portal at this URL: a usage error must come first.
+    with pytest.raises(SystemExit) as usage:
+        main(["--url", "http://127.0.0.1:9", "--token", "lst_x", *args])
+    assert usage.value.code == client.EXIT_USAGE
+    assert message in capsys.readouterr().err

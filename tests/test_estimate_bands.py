@@ -123,4 +123,21 @@ def test_the_api_and_lockstep_status_give_the_estimate_with_its_band(
     rows = [line for line in out.splitlines() if line.startswith("est. start")]
     assert len(rows) == 1, out
     expected = detail["estimated_start_at"].replace("T", " ")[:19]
-    assert rows[0].split(None, 2)[2] == f"{expected} (usually within 25 min)", out
+    assert rows[0].split(None, 2)[2] == f"{expected}, usually within 25 min", out
+
+
+@pytest.mark.django_db
+def test_the_apis_bands_are_computed_once_a_minute(lab, tmp_path, monkeypatch):
+    team, user = lab
+    simulated = tmp_path / "bands.json"
+    simulated.write_text(json.dumps({"by_size": {"2-8": 1800.0}}))
+    monkeypatch.setattr(estimates, "SIMULATED_BANDS", simulated)
+    now = timezone.now()
+    assert estimates.recent_estimate_bands(now)["2-8"]["source"] == "simulator"
+    for minutes in range(1, MIN_SAMPLES + 1):
+        _started(team, user, 4, minutes * 60, now)
+    # Within the minute: the same answer, without reading the jobs again.
+    later = now + timedelta(seconds=estimates.MEMO_S - 1)
+    assert estimates.recent_estimate_bands(later)["2-8"]["source"] == "simulator"
+    after = now + timedelta(seconds=estimates.MEMO_S)
+    assert estimates.recent_estimate_bands(after)["2-8"]["source"] == "this cluster"

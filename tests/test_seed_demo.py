@@ -57,17 +57,19 @@ def test_a_changed_password_is_left_alone_and_a_revoked_token_replaced(capsys, t
 
 
 @pytest.mark.django_db
-def test_without_keep_every_run_hands_out_fresh_ones(capsys, tmp_path):
+def test_without_keep_every_run_hands_out_fresh_ones(capsys):
     # What the browser tests' clusters use: nothing written, nothing reused.
     first, second = _seed(capsys), _seed(capsys)
     assert first["alice_password"] != second["alice_password"]
     assert first["alice_token"] != second["alice_token"]
-    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.django_db
 def test_an_unreadable_keep_file_is_replaced_with_fresh_ones(capsys, tmp_path):
     keep = tmp_path / "demo-credentials.json"
     keep.write_text("{not json")
+    keep.chmod(0o644)
     handed = _seed(capsys, "--keep", str(keep))
     assert json.loads(keep.read_text()) == handed
+    assert stat.S_IMODE(keep.stat().st_mode) == 0o600  # replaced, not rewritten in place
+    assert [p.name for p in tmp_path.iterdir()] == ["demo-credentials.json"]  # no leftover

@@ -218,7 +218,8 @@ def test_restarted_four_times_while_the_demo_job_runs(tmp_path):
             assert "warning" not in up.output and "did not" not in up.output, up.output
             released += up.output.count("uncordoned (it was cordoned automatically)")
             # The demo's password and token of the first start, every time (seed_demo --keep).
-            handed_out.add(re.search(r"alice / (\S+)[\s\S]*token: (\S+)", up.output).groups())
+            password = re.search(r"alice / (\S+)", up.output).group(1)
+            handed_out.add((password, re.search(r"alice's API token: (\S+)", up.output).group(1)))
             if cycle:
                 assert _demo_job(up, api, job_id)["restart_count"] == 0, up
             if cycle == 0:

@@ -60,6 +60,21 @@ def estimate_bands(now: datetime, days: int = REPORT_DAYS) -> dict[str, dict]:
     return bands
 
 
+MEMO_S = 60.0
+_memo: dict[Path, tuple[datetime, dict[str, dict]]] = {}
+
+
+def recent_estimate_bands(now: datetime) -> dict[str, dict]:
+    """estimate_bands, computed at most once a MEMO_S per process (and simulator file): every
+    job's API detail asks, and `lockstep wait` polls it each second while a job waits, but the
+    bands move with the jobs that start over a week, not by the second."""
+    kept = _memo.get(SIMULATED_BANDS)
+    if kept is None or not timedelta(0) <= now - kept[0] < timedelta(seconds=MEMO_S):
+        kept = (now, estimate_bands(now))
+        _memo[SIMULATED_BANDS] = kept
+    return kept[1]
+
+
 def band_text(gpus: int, bands: dict[str, dict]) -> str:
     """'usually within 25 min' for a job of `gpus`, '' where no band is known. Jobs above 64
     GPUs get no band: they wait for whole nodes to drain and every job ordered ahead of them

@@ -5,20 +5,21 @@ Prints the demo's passwords and token; the last line is JSON for scripts. With `
 start hands out the same again: a restart neither logs anyone out of the portal (a new
 password would end every session of that user) nor piles up a new token per start. A password
 the user has changed since is left alone and shown as null; a token revoked or expired since is
-replaced.
+replaced. Without the file (deleted, or unreadable) the passwords are set afresh.
 """
 
 import json
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
+from django.utils import timezone
 
 from teams.actions import do_add_member, do_create_team, do_issue_token
-from teams.auth import user_for_token
-from teams.models import Team
+from teams.models import ApiToken, Team, token_digest
 
 
 def _read_kept(path: Path | None) -> dict:
@@ -32,18 +33,36 @@ def _read_kept(path: Path | None) -> dict:
 
 
 def _write_kept(path: Path, handed_out: dict) -> None:
-    # Secrets: readable by the user who runs the platform only, written whole or not at all.
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(handed_out, f)
-    os.replace(tmp, path)
+    # Secrets: readable by the user who runs the platform only (mkstemp always creates a new
+    # 0600 file, never reusing a leftover's mode or following a link), written whole or not at
+    # all.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".demo-credentials-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(handed_out, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
-def _password(user, kept: str | None) -> str | None:
+def _kept_token(raw, user) -> bool:
+    """Whether `raw` is one of `user`'s tokens, not revoked nor expired."""
+    if not isinstance(raw, str):
+        return False
+    token = ApiToken.objects.filter(digest=token_digest(raw), revoked_at__isnull=True).first()
+    return (
+        token is not None
+        and token.user_id == user.pk
+        and (token.expires_at is None or token.expires_at > timezone.now())
+    )
+
+
+def _password(user, kept) -> str | None:
     """The user's demo password: the one handed out before while it still works; None when the
-    user has set their own since (left alone); otherwise a fresh one."""
-    if kept is not None and user.pk is not None:
+    user has set their own since (left alone); otherwise (a new user, or nothing kept: the file
+    is gone) a fresh one, so that the banner always names a way in."""
+    if isinstance(kept, str) and user.pk is not None:
         if user.check_password(kept):
             return kept
         if user.has_usable_password():
@@ -78,7 +97,7 @@ class Command(BaseCommand):
         alice.save()
         do_add_member(team, alice, role="lead")
         token = kept.get("alice_token")
-        if not token or user_for_token(token) != alice:
+        if not _kept_token(token, alice):
             _, token = do_issue_token(alice, name="demo")
         handed_out = {
             "admin_password": admin_password,

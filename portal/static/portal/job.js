@@ -315,13 +315,12 @@
   }
   // CPU slots have no memory figure: say so on the memory chart itself, not as empty axes
   // under a legend (set again only when it changes: a relayout redraws the chart).
+  var MEMORY_NOTE = {text: "No memory reading on CPU slots", xref: "paper", yref: "paper",
+    x: 0.5, y: 0.5, showarrow: false, font: {color: "#64748b", size: 13}};
   function memoryNote(cpu) {
     if (gpu.memoryNote === cpu) return;
     gpu.memoryNote = cpu;
-    Plotly.relayout("gpu-mem-chart", {annotations: cpu ? [{
-      text: "No memory reading on CPU slots", xref: "paper", yref: "paper", x: 0.5, y: 0.5,
-      showarrow: false, font: {color: "#64748b", size: 13},
-    }] : []});
+    Plotly.relayout("gpu-mem-chart", {annotations: cpu ? [MEMORY_NOTE] : []});
   }
   function gpuNote(cpu) {
     memoryNote(cpu);
@@ -358,8 +357,11 @@
         });
         gpu.traces = {spread: util.length};
         Plotly.react("gpu-util-chart", util, gpuLayout("GPU utilization: every rank's band, a few ranks' lines", "%"), config);
-        Plotly.react("gpu-mem-chart", mem, gpuLayout("GPU memory of the drawn ranks", "GiB"), config);
-        gpu.memoryNote = undefined;  // react drew a new layout, without the note
+        cpu = cpu && gpu.history.series.length > 0;
+        var memLayout = gpuLayout("GPU memory of the drawn ranks", "GiB");
+        memLayout.annotations = cpu ? [MEMORY_NOTE] : [];  // in the same draw, not a second
+        Plotly.react("gpu-mem-chart", mem, memLayout, config);
+        gpu.memoryNote = cpu;
         if (band) {
           gpuNote(cpu);
           document.getElementById("gpu-note").textContent +=
