@@ -1,10 +1,10 @@
 """The quota promise's settings against the policy's defaults (issue 17): AGED_BORROWED_FIRST=false
 with QUOTA_BEFORE_DRAIN=true (a team's quota before an aged or borrowing gang's drain), on
 bench/thrash.py's six generated traces (checkpoint-first) and on the msft trace at 1,280 GPUs
-(plain and checkpoint-on-stop), beside the defaults' runs of the same commit's engine
-(bench/results/thrash-protection-passes.json, bench/results/traces.json).
+(plain and checkpoint-on-stop), beside the defaults on the same traces in the same run (EASY
+backfill, which neither setting touches, from bench/results/thrash-protection-passes.json).
 
-    .venv/bin/python bench/quota_promise.py            # about 15 min on 2 idle cores
+    .venv/bin/python bench/quota_promise.py            # about 30 min on 2 idle cores
 
 Writes bench/results/quota-promise.json; docs/thrash.md ("The quota promise as an admin's
 choice") summarises. The real trace is where the first version of QUOTA_BEFORE_DRAIN broke the
@@ -40,11 +40,18 @@ GENERATED = [(load, seed) for load in (0.8, 1.15, 1.5) for seed in (0, 1)]
 REAL = {"msft-1280": False, "msft-1280-ckpt-on-stop": True}
 
 
+SIDES = {
+    "defaults": {},
+    "quota-promise": {"aged_borrowed_first": False, "quota_before_drain": True},
+}
+
+
 def one(work: tuple) -> dict:
     from jobs.scheduling.simulate import SimConfig, run
 
     began = time.perf_counter()
-    mode = {"aged_borrowed_first": False, "quota_before_drain": True}
+    side, *work = work
+    mode = SIDES[side]
     if work[0] == "generated":
         from bench.thrash import _shape
         from jobs.scheduling.generate import generate
@@ -63,35 +70,31 @@ def one(work: tuple) -> dict:
         metrics = run(trace, "lockstep", config).metrics
         label = {"scenario": name}
     return {
+        "side": side,
         **label,
         "metrics": {k: metrics.get(k) for k in KEYS},
         "wall_s": round(time.perf_counter() - began, 1),
     }
 
 
-def baselines() -> tuple[dict, dict]:
-    """The defaults' and EASY backfill's runs: generated (load, seed) -> {policy: metrics}, and
-    the real scenarios' lockstep metrics."""
+def backfill() -> dict:
+    """EASY backfill's runs of the generated traces: (load, seed) -> metrics."""
     runs = json.loads((RESULTS / "thrash-protection-passes.json").read_text())["runs"]
-    generated: dict = {}
-    for r in runs:
-        generated.setdefault((r["load"], r["seed"]), {})[r["policy"]] = r["metrics"]
-    scenarios = json.loads((RESULTS / "traces.json").read_text())["scenarios"]
-    real = {name: scenarios[name]["policies"]["lockstep"] for name in REAL}
-    return generated, real
+    return {(r["load"], r["seed"]): r["metrics"] for r in runs if r["policy"] == "backfill"}
 
 
 def table(document: dict) -> str:
     """docs/thrash.md's table: defaults -> the quota promise's settings (EASY backfill)."""
-    generated, _ = baselines()
+    easy = backfill()
+    defaults = {(r["load"], r["seed"]): r["metrics"] for r in document["defaults"]["generated"]}
     lines = [
         "| load, seed | work utilization | mean JCT (s) | starved | clocks over 60 s "
         "| over their own bound | GPU-h thrown away |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in document["generated"]:
-        base = generated[(r["load"], r["seed"])]
-        d, m, e = base["lockstep-save"], r["metrics"], base["backfill"]
+        key = (r["load"], r["seed"])
+        d, m, e = defaults[key], r["metrics"], easy[key]
 
         def pair(key: str, fmt: str, d=d, m=m) -> str:
             return f"{fmt.format(d[key])} -> {fmt.format(m[key])}"
@@ -115,20 +118,33 @@ def main() -> int:
     if args.table:
         print(table(json.loads(out.read_text())))
         return 0
-    work = [("real", name) for name in REAL] + [("generated", *g) for g in GENERATED]
+    work = [
+        (side, *w)
+        for w in [("real", name) for name in REAL] + [("generated", *g) for g in GENERATED]
+        for side in SIDES
+    ]
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
         runs = list(pool.map(one, work))
     for r in runs:
         m = r["metrics"]
         print(
+            r["side"],
             r.get("scenario") or f"{r['load']},{r['seed']}",
             {k: m[k] for k in ("work_utilization", "reclaims_over_bound", "reclaim_max_s")},
             flush=True,
         )
+
+    def of(side: str) -> dict:
+        mine = [r for r in runs if r["side"] == side]
+        return {
+            "generated": [r for r in mine if "load" in r],
+            "real": [r for r in mine if "scenario" in r],
+        }
+
     document = {
         "settings": {"AGED_BORROWED_FIRST": False, "QUOTA_BEFORE_DRAIN": True},
-        "generated": [r for r in runs if "load" in r],
-        "real": [r for r in runs if "scenario" in r],
+        **of("quota-promise"),
+        "defaults": of("defaults"),
     }
     out.write_text(json.dumps(document, indent=1) + "\n")
     print(table(document))
