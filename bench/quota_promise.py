@@ -4,7 +4,7 @@ bench/thrash.py's six generated traces (checkpoint-first) and on the msft trace 
 (plain and checkpoint-on-stop), beside the defaults on the same traces in the same run (EASY
 backfill, which neither setting touches, from bench/results/thrash-protection-passes.json).
 
-    .venv/bin/python bench/quota_promise.py            # about 30 min on 2 idle cores
+    .venv/bin/python bench/quota_promise.py            # about 20 min on 2 idle cores
 
 Writes bench/results/quota-promise.json; docs/thrash.md ("The quota promise as an admin's
 choice") summarises. The real trace is where the first version of QUOTA_BEFORE_DRAIN broke the
