@@ -27,7 +27,7 @@ from jobs.models import (
     Node,
 )
 from jobs.queries import job_events, protection, teams_with_usage
-from jobs.reports.estimates import band_text, estimate_bands
+from jobs.reports.estimates import band_text, recent_estimate_bands
 from jobs.reports.goodput import job_goodput
 from jobs.reports.layout import report as layout_report
 from portal.formatting import duration
@@ -87,7 +87,7 @@ def home(request):
     )
     queued = any(j.state == Job.State.QUEUED for j in jobs)
     positions = _queue_positions() if queued else {}
-    bands = estimate_bands(now) if queued else {}
+    bands = recent_estimate_bands(now) if queued else {}
     rows = []
     for job in jobs:
         goodput = job_goodput(job, now=now) if job.first_started_at else None

@@ -16,7 +16,7 @@ from jobs.models import (
     Priority,
 )
 from jobs.queries import SAFETY_WINDOW
-from jobs.reports.estimates import band_text, estimate_bands
+from jobs.reports.estimates import band_text, recent_estimate_bands
 from jobs.scheduling.vocab import WaitReason
 from portal.console.access import console_view
 from portal.formatting import duration
@@ -108,7 +108,7 @@ def queue(request, scope):
     held = queries.run_seconds([j.id for j in rows], now=now)
     posted = failed.data.get("job") if failed is not None else None
     table, reservations = [], []
-    bands = estimate_bands(now)
+    bands = recent_estimate_bands(now)
     for job in rows:
         is_failed = posted is not None and str(job.id) == str(posted)
         form = (
