@@ -199,6 +199,14 @@ class Attempt(models.Model):
     end_reason = models.CharField(max_length=500, blank=True)
     last_step = models.PositiveIntegerField(default=0)
     first_step_at = models.DateTimeField(null=True, blank=True, help_text="First step record")
+    # The step of the first step record (first_step_at's): with the latest one, the pace
+    # that projects when the run ends (jobs/progress.py).
+    first_step = models.PositiveIntegerField(null=True, blank=True)
+    # How many steps the script says the whole run takes (the trainer's `start` or
+    # `total_steps` record); None when it does not say.
+    total_steps = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Steps the script says the whole run takes"
+    )
     last_progress_at = models.DateTimeField(null=True, blank=True, help_text="Latest step record")
     # What the platform sees without the script's help (jobs/actions/activity.py): a rank's
     # output or CPU use. Judges progress while the script reports no steps.

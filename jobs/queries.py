@@ -20,6 +20,7 @@ from jobs.models import (
     Node,
     PreemptionRequest,
 )
+from jobs.progress import pace
 from jobs.scheduling.protection import min_run_s
 from jobs.validation import dataset_mounts, image_registry
 from trainer.checkpoint_layout import attempt_dir
@@ -270,13 +271,45 @@ def protection(job: Job, *, now: datetime) -> dict | None:
 
 
 def remaining_estimate(job: Job, *, now: datetime) -> tuple[float, str]:
-    """The job's remaining run time and how it was estimated: its time limit less what it has
-    run; with no limit, as long again as it has run so far (a job that has run an hour is as
+    """The job's remaining run time and how it was estimated: the steps it has left at its
+    pace (jobs.progress), no later than its time limit; else its time limit less what it has
+    run; with neither, as long again as it has run so far (a job that has run an hour is as
     likely as not to run another)."""
     ran = run_seconds([job.id], now=now).get(job.id, 0.0)
-    if job.time_limit_s:
-        return max(job.time_limit_s - ran, 0.0), "its time limit"
+    limit = max(job.time_limit_s - ran, 0.0) if job.time_limit_s else None
+    attempt = job.attempts.filter(ended_at__isnull=True).first()
+    at_pace = pace(attempt) if attempt is not None else None
+    if at_pace is not None:
+        left = max((at_pace.projected_end - now).total_seconds(), 0.0)
+        if limit is None or left <= limit:
+            return left, f"at its pace: step {at_pace.step} of {at_pace.total_steps}"
+    if limit is not None:
+        return limit, "its time limit"
     return ran, "no time limit: as long again as it has run"
+
+
+def progress(job: Job, *, now: datetime) -> dict | None:
+    """For the job's pages: how far its live attempt is in the steps its script said the run
+    takes, and when it should end at its pace (jobs.progress); None when it runs none or its
+    script gave no total. `time_limit_end` is set when the time limit stops it before that."""
+    attempt = job.attempts.filter(ended_at__isnull=True).first()
+    if attempt is None or not attempt.total_steps:
+        return None
+    at_pace = pace(attempt)
+    out = {
+        "step": attempt.last_step,
+        "total_steps": attempt.total_steps,
+        "fraction": round(min(attempt.last_step / attempt.total_steps, 1.0), 4),
+        "steps_per_s": round(at_pace.steps_per_s, 3) if at_pace else None,
+        "projected_end": at_pace.projected_end if at_pace else None,
+        "time_limit_end": None,
+    }
+    if at_pace is not None and job.time_limit_s:
+        ran = run_seconds([job.id], now=now).get(job.id, 0.0)
+        limit_end = now + timedelta(seconds=max(job.time_limit_s - ran, 0.0))
+        if limit_end < at_pace.projected_end:
+            out["time_limit_end"] = limit_end
+    return out
 
 
 def capacity_without(attempt: Attempt, node: Node) -> bool:

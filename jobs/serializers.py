@@ -7,7 +7,7 @@ from rest_framework import serializers
 from jobs import validation
 from jobs.checkpoint_policy import checkpoint_advice
 from jobs.models import Attempt, Checkpoint, Event, Job, ModelVersion, Node, Priority
-from jobs.queries import protection
+from jobs.queries import progress, protection
 from jobs.reports.estimates import band_text, recent_estimate_bands
 from jobs.reports.goodput import job_goodput
 from teams.access import visible_jobs, visible_teams
@@ -135,6 +135,7 @@ class AttemptSerializer(serializers.ModelSerializer):
             "ended_at",
             "ended",
             "last_step",
+            "total_steps",
             "image_digest",
             "pull_s",
             "layout",
@@ -224,6 +225,7 @@ class JobDetailSerializer(JobSerializer):
     checkpoint_policy = serializers.SerializerMethodField()
     protection = serializers.SerializerMethodField()
     estimated_start_band = serializers.SerializerMethodField()
+    progress = serializers.SerializerMethodField()
 
     class Meta(JobSerializer.Meta):
         fields = [
@@ -235,6 +237,7 @@ class JobDetailSerializer(JobSerializer):
             "checkpoint_policy",
             "protection",
             "estimated_start_band",
+            "progress",
         ]
         read_only_fields = fields
 
@@ -264,6 +267,11 @@ class JobDetailSerializer(JobSerializer):
         if job.state != Job.State.QUEUED or job.estimated_start_at is None:
             return None
         return band_text(job.gpus, recent_estimate_bands(timezone.now())) or None
+
+    def get_progress(self, job) -> dict | None:
+        """Its live attempt's step of the run's total and, once its pace is measured, when it
+        should end (jobs.progress); null when it runs none or its script gave no total."""
+        return progress(job, now=timezone.now())
 
     def get_protection(self, job) -> dict | None:
         """Its live attempt's minimum run (jobs.scheduling.protection): until when no priority

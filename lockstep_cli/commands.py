@@ -219,6 +219,8 @@ def cmd_status(args) -> int:
         rows.insert(
             -1, ("est. start", when(job["estimated_start_at"]) + (f", {band}" if band else ""))
         )
+    if job.get("progress"):
+        rows.append(("progress", _progress_text(job["progress"])))
     if job.get("latest_checkpoint"):
         c = job["latest_checkpoint"]
         rows.append(("checkpoint", f"step {c['step']} (id {c['id']})"))
@@ -233,6 +235,23 @@ def cmd_status(args) -> int:
             f"last step {attempt['last_step']}; {ended}"
         )
     return EXIT_OK
+
+
+def _progress_text(progress: dict) -> str:
+    """ "step 309 of 2000 (15 %), 7.1 steps/s, ends about 06:11:20": Determined's progress bar
+    in a line. The end is the pace's projection; a time limit that stops it first is said."""
+    text = (
+        f"step {progress['step']} of {progress['total_steps']} ({progress['fraction'] * 100:.0f} %)"
+    )
+    if progress.get("projected_end"):
+        text += (
+            f", {progress['steps_per_s']:.3g} steps/s, ends about {when(progress['projected_end'])}"
+        )
+        if progress.get("time_limit_end"):
+            text += f"; its time limit stops it first, at {when(progress['time_limit_end'])}"
+    else:
+        text += ", pace not measured yet"
+    return text
 
 
 def cmd_cancel(args) -> int:

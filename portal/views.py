@@ -26,7 +26,7 @@ from jobs.models import (
     ModelVersion,
     Node,
 )
-from jobs.queries import job_events, protection, teams_with_usage
+from jobs.queries import job_events, progress, protection, teams_with_usage
 from jobs.reports.estimates import band_text, recent_estimate_bands
 from jobs.reports.goodput import job_goodput
 from jobs.reports.layout import report as layout_report
@@ -300,6 +300,7 @@ def job_page(request, job_id: int):
             "layout": layout,
             "advice": checkpoint_advice(job),
             "protection": protection(job, now=now),
+            "progress": progress(job, now=now),
             # A list to choose from up to LOG_RANK_CHOICES_MAX ranks, a number field beyond:
             # 4,096 options made the page 120 kB heavier and the list unusable.
             "ranks": list(range(world)) if world <= LOG_RANK_CHOICES_MAX else None,

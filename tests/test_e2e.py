@@ -269,6 +269,7 @@ def test_a_torchrun_style_script_joins_metrics_checkpoints_and_resume_with_the_h
     wait_for(finished, 300, "the script's job to succeed")
     attempts = api.get(f"/api/v1/jobs/{job_id}/").json()["attempts"]
     assert [a["state"] for a in attempts] == ["failed", "succeeded"], attempts
+    assert attempts[1]["total_steps"] == 300  # trainer.set_total_steps: the run's length
     resumed = attempts[1]["resumed_from_step"]
     assert resumed >= checkpoint["step"]
     loss = api.get(

@@ -203,6 +203,7 @@ def test_single_process_run_learns_and_commits_a_checkpoint(straight):
 
     (first,) = records(metrics, "start")
     assert first["rank"] == 0 and first["world_size"] == 1 and first["resumed_from_step"] == 0
+    assert first["total_steps"] == 60  # --steps: the portal projects the run's end from it
     steps = records(metrics, "step")
     assert [r["step"] for r in steps] == list(range(1, 61))
     for r in steps:

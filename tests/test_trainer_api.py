@@ -83,6 +83,22 @@ def test_report_writes_step_records_with_null_for_a_diverged_loss(tmp_path, monk
         trainer.report(7, kind=1.0)
 
 
+def test_set_total_steps_is_rank_0s_word_and_refuses_a_non_count(tmp_path, monkeypatch):
+    for rank in (0, 1):
+        monkeypatch.setattr(api, "_writer", None)
+        monkeypatch.setenv("LOCKSTEP_METRICS_PATH", str(tmp_path / f"m{rank}.jsonl"))
+        monkeypatch.setenv("RANK", str(rank))
+        trainer.set_total_steps(500)
+        for bad in (0, -1, 2.5, True, "500"):
+            with pytest.raises(ValueError, match="total must be a positive int"):
+                trainer.set_total_steps(bad)
+        api._writer.close()
+    monkeypatch.setattr(api, "_writer", None)
+    (record,) = [json.loads(line) for line in (tmp_path / "m0.jsonl").read_text().splitlines()]
+    assert (record["kind"], record["rank"], record["total_steps"]) == ("total_steps", 0, 500)
+    assert (tmp_path / "m1.jsonl").read_text() == ""  # the portal reads rank 0's only
+
+
 def test_report_takes_a_one_element_tensor_as_a_number(tmp_path, monkeypatch):
     import torch
 
@@ -173,6 +189,9 @@ def test_a_restart_resumes_at_the_next_step_with_the_losses_of_an_unbroken_run(t
     _wait(_launch(unbroken, ["--steps", "40"]))
     _wait(_launch(broken, ["--steps", "25", "--checkpoint-every", "25"]))
     _wait(_launch(broken, ["--steps", "40"], resume_from=str(broken / "ckpt" / "step-000025")))
+    # The plain script says how long the run is (trainer.set_total_steps), rank 0 only.
+    assert [r["total_steps"] for r in _records(unbroken, 0, "total_steps")] == [40]
+    assert _records(unbroken, 1, "total_steps") == []
     for rank in (0, 1):
         want = {r["step"]: r["loss"] for r in _records(unbroken, rank, "step")}
         steps = [(r["step"], r["loss"]) for r in _records(broken, rank, "step")]

@@ -5,10 +5,24 @@ Modules: config (flags), data (datasets), model (the GPT), distributed (process 
 checkpoint (CheckpointManager, commit protocol), metrics (records), train (the loop).
 
 For any torchrun-style script, the helpers of trainer.api: report(step, **metrics),
-should_stop(), checkpoint_dir(), resume_from() and save_checkpoint(step)
+set_total_steps(n), should_stop(), checkpoint_dir(), resume_from() and save_checkpoint(step)
 (examples/ddp_script.py). Not `checkpoint`: that name is the trainer.checkpoint module.
 """
 
-from trainer.api import checkpoint_dir, report, resume_from, save_checkpoint, should_stop
+from trainer.api import (
+    checkpoint_dir,
+    report,
+    resume_from,
+    save_checkpoint,
+    set_total_steps,
+    should_stop,
+)
 
-__all__ = ["checkpoint_dir", "report", "resume_from", "save_checkpoint", "should_stop"]
+__all__ = [
+    "checkpoint_dir",
+    "report",
+    "resume_from",
+    "save_checkpoint",
+    "set_total_steps",
+    "should_stop",
+]

@@ -82,6 +82,18 @@ def report(step: int, **metrics: float) -> None:
     writer.write("step", step=step, **values)
 
 
+def set_total_steps(total: int) -> None:
+    """Say how many steps the whole run takes (the step it ends at): the job's page, the API
+    and `lockstep status` then show its progress and when it should end at its pace, and
+    start estimates of the jobs waiting for its GPUs use that end. Rank 0's word counts; call
+    it again if the length changes."""
+    if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
+        raise ValueError(f"total must be a positive int, not {total!r}")
+    writer = _metrics()
+    if writer is not None and writer.rank == 0:
+        writer.write("total_steps", total_steps=total)
+
+
 def _finite(value: Any) -> float | None:
     """A float for a number (a one-element tensor or numpy scalar too), None for anything
     else or a NaN / infinity."""

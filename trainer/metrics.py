@@ -1,7 +1,8 @@
 """Metric records: one JSON object per line in $LOCKSTEP_METRICS_PATH, which the agent tails.
 
 Kinds and fields (docs/agent-protocol.md):
-  start      rank, world_size, resumed_from_step, time
+  start      rank, world_size, resumed_from_step, total_steps (if known), time
+  total_steps rank (0), total_steps, time     (the run's length, when a script learns it later)
   step       rank, step, loss, tokens_per_s, step_time_s, compute_s, time
   checkpoint rank (0), step, path, bytes, save_s, time    (only after the commit)
   end        rank, step, reason ("finished" or "preempted"), time
@@ -33,9 +34,22 @@ class MetricsWriter:
         self._file.flush()
         return record
 
-    def start(self, *, world_size: int, resumed_from_step: int, device: str = "") -> None:
+    def start(
+        self,
+        *,
+        world_size: int,
+        resumed_from_step: int,
+        device: str = "",
+        total_steps: int | None = None,
+    ) -> None:
+        # total_steps: the step the run ends at; the portal projects the run's end from it.
+        extra = {} if total_steps is None else {"total_steps": total_steps}
         self.write(
-            "start", world_size=world_size, resumed_from_step=resumed_from_step, device=device
+            "start",
+            world_size=world_size,
+            resumed_from_step=resumed_from_step,
+            device=device,
+            **extra,
         )
 
     def step(

@@ -345,7 +345,12 @@ def train(cfg: JobConfig) -> int:
     # The newest step known to be saved in our own checkpoint dir, tracked in memory so
     # every rank makes the same save decision without re-reading the filesystem.
     saved_step = start_step if resume_dir == ckpt.step_dir(start_step) else -1
-    metrics.start(world_size=info.world_size, resumed_from_step=start_step, device=str(info.device))
+    metrics.start(
+        world_size=info.world_size,
+        resumed_from_step=start_step,
+        device=str(info.device),
+        total_steps=cfg.train.steps,
+    )
     print(
         f"{tag}trainer: {model.num_params():,} params, dataset {dataset.uri}, "
         f"world size {info.world_size}, device {info.device}, "

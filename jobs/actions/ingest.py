@@ -247,6 +247,7 @@ def layout_sentence(chosen: dict) -> str:
 def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[dict]:
     points, pushed = [], []
     read_step = attempt.last_step  # as the row said when read
+    first_seen: int | None = None  # the batch's lowest step: the attempt's first, if it has none
     step_keys = set()  # points that are steps (progress); the rest are a framework's scalars
     for record in records:
         if not isinstance(record, dict):
@@ -270,6 +271,7 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
                         points.append(_Point(rank, step, name, value, when))
                         step_keys.add((rank, step, name))
                 attempt.last_step = max(attempt.last_step, step)
+                first_seen = step if first_seen is None else min(first_seen, step)
             elif kind == "scalar":
                 point = _scalar(rank, record, now)
                 if point is not None:
@@ -277,14 +279,11 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
             elif kind == "checkpoint":
                 _record_checkpoint(attempt, record, now=now)
             elif kind == "start" and rank == 0:
-                record_event(
-                    EventKind.ATTEMPT_TRAINER_STARTED,
-                    f"trainer up: world size {record.get('world_size')}"
-                    + (f" on {record['device']}" if record.get("device") else "")
-                    + f", resumed from step {record.get('resumed_from_step', 0)}",
-                    job_id=attempt.job_id,
-                    attempt=attempt,
-                )
+                _trainer_up(attempt, record)
+                if record.get("total_steps") is not None:
+                    _record_total_steps(attempt, record["total_steps"])
+            elif kind == "total_steps" and rank == 0:
+                _record_total_steps(attempt, record.get("total_steps"))
             elif kind == "layout":
                 _record_layout(attempt, rank, record)
             elif kind == "end" and rank == 0:
@@ -312,7 +311,7 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
     if points:
         _insert_points(attempt.job_id, attempt.id, points)
     if any((p.rank, p.step, p.name) in step_keys for p in points):
-        _note_progress(attempt, read_step, now)
+        _note_progress(attempt, read_step, first_seen, now)
     if points:
         # Last: the series' header rows are locked from here to the heartbeat's commit, and
         # every node of the job takes them (the attempt's row, above, comes first in both
@@ -376,20 +375,46 @@ def _fresh(attempt: Attempt, points: list[_Point], step_keys: set) -> list[_Poin
     return fresh
 
 
-def _note_progress(attempt: Attempt, read_step: int, now: datetime) -> None:
+def _note_progress(attempt: Attempt, read_step: int, first_seen: int | None, now: datetime) -> None:
     """Progress is what the hang detector watches: the portal's clock, not the workers'.
     The attempt may be read unlocked (a steady heartbeat, jobs/actions/heartbeat.py), so the
-    write keeps the greatest step and the first first step whatever another node wrote
-    meanwhile; it is skipped when the row already says as much and is fresh."""
+    write keeps the greatest step and the first first step (and its step number, the pace's
+    start: jobs/progress.py) whatever another node wrote meanwhile; it is skipped when the
+    row already says as much and is fresh."""
     recent = attempt.last_progress_at is not None and (
         (now - attempt.last_progress_at).total_seconds() < PROGRESS_WRITE_S
     )
     if recent and attempt.first_step_at is not None and attempt.last_step <= read_step:
         return
+    changes = {
+        "last_step": Greatest("last_step", Value(attempt.last_step)),
+        "last_progress_at": now,
+        "first_step_at": Coalesce("first_step_at", Value(now)),
+    }
+    if attempt.first_step_at is None:  # this batch holds the first step (as this node read it)
+        attempt.first_step = first_seen if first_seen is not None else attempt.last_step
+        changes["first_step"] = Coalesce("first_step", Value(attempt.first_step))
     attempt.last_progress_at = now
     attempt.first_step_at = attempt.first_step_at or now
-    Attempt.objects.filter(pk=attempt.pk).update(
-        last_step=Greatest("last_step", Value(attempt.last_step)),
-        last_progress_at=now,
-        first_step_at=Coalesce("first_step_at", Value(now)),
+    Attempt.objects.filter(pk=attempt.pk).update(**changes)
+
+
+def _record_total_steps(attempt: Attempt, value: object) -> None:
+    """The run's length in steps, as rank 0 says it (a later record replaces it: a script may
+    learn its length only once its data is loaded)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_COUNTER:
+        raise ValueError(f"total_steps {value!r} is not a positive step count")
+    if attempt.total_steps != value:
+        attempt.total_steps = value
+        Attempt.objects.filter(pk=attempt.pk).update(total_steps=value)
+
+
+def _trainer_up(attempt: Attempt, record: dict) -> None:
+    record_event(
+        EventKind.ATTEMPT_TRAINER_STARTED,
+        f"trainer up: world size {record.get('world_size')}"
+        + (f" on {record['device']}" if record.get("device") else "")
+        + f", resumed from step {record.get('resumed_from_step', 0)}",
+        job_id=attempt.job_id,
+        attempt=attempt,
     )

@@ -1,9 +1,11 @@
 """When will each queued job start? Run the same pure plan() forward on a virtual clock.
 
-Running jobs end at their expected end (time limit) or, when unknown, after DEFAULT_RUNTIME_S
-more; queued jobs run for their estimate or DEFAULT_RUNTIME_S. A preemption the policy plans
-on the way is assumed carried out: its victim ends after the stop grace (plus the approval
-delay for a priority preemption), and no later plan of the replay takes it again. Pure.
+Running jobs end when their steps are done at their pace (jobs.progress, where the script says
+how many it takes), else at their expected end (time limit) or, when unknown, after
+DEFAULT_RUNTIME_S more; queued jobs run for their estimate or DEFAULT_RUNTIME_S. A preemption
+the policy plans on the way is assumed carried out: its victim ends after the stop grace (plus
+the approval delay for a priority preemption), and no later plan of the replay takes it again.
+Pure.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ def estimate_starts(
     now = snapshot.now
     ends: dict[int, datetime] = {}
     for run in snapshot.running:
-        ends[run.id] = run.expected_end or max(
-            now, run.started_at + timedelta(seconds=default_runtime_s)
+        ends[run.id] = (
+            run.projected_end
+            or run.expected_end
+            or max(now, run.started_at + timedelta(seconds=default_runtime_s))
         )
         if ends[run.id] < now:
             ends[run.id] = now + timedelta(seconds=60)  # overdue: soon, say

@@ -13,6 +13,7 @@ from django.db.models import Count, Max, Q
 from jobs.bulk_sql import read_rows
 from jobs.conf import lockstep_setting
 from jobs.models import GPU, PRIORITY_RANK, Allocation, Attempt, Job, Node, PreemptionRequest
+from jobs.progress import pace
 from jobs.queries import (
     attempt_protected_until,
     last_reclaims,
@@ -204,7 +205,8 @@ def take_snapshot(
             priority=PRIORITY_RANK[a.job.priority],
             slots=tuple(slots.get(a.id, ())),
             started_at=a.created_at,
-            expected_end=_expected_end(a, ran_before.get(a.job_id, 0.0)),
+            expected_end=(end := _expected_end(a, ran_before.get(a.job_id, 0.0))),
+            projected_end=_projected_end(a, end),
             last_checkpoint_at=last_saves.get(a.job_id),
             stopping=a.state == Attempt.State.STOPPING,
             claimant_id=claimant_of.get(a.id) if a.state == Attempt.State.STOPPING else None,
@@ -279,6 +281,17 @@ def _expected_end(attempt, ran_before_s: float) -> datetime | None:
     if deadline is not None:
         end = deadline if end is None else min(end, deadline)
     return end
+
+
+def _projected_end(attempt, expected_end: datetime | None) -> datetime | None:
+    """When its steps should be done at its pace, no later than its expected end (a time
+    limit or a stop deadline ends it first)."""
+    at_pace = pace(attempt)
+    if at_pace is None:
+        return None
+    if expected_end is None:
+        return at_pace.projected_end
+    return min(at_pace.projected_end, expected_end)
 
 
 # How long after its last victim has gone a claim still holds (a few scheduler ticks: the

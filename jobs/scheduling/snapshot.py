@@ -58,6 +58,9 @@ class RunningView:
     slots: tuple[tuple[int, int], ...]  # (node id, GPU index) per rank
     started_at: datetime
     expected_end: datetime | None = None  # from its time limit or estimate; None = unknown
+    # When its steps should be done at its pace (jobs.progress), no later than expected_end.
+    # Advice: start estimates end it there; the policy plans with expected_end only.
+    projected_end: datetime | None = None
     last_checkpoint_at: datetime | None = None
     stopping: bool = False  # already told to checkpoint and stop
     claimant_id: int | None = None  # stopping for this queued job (a preemption's claimant)

@@ -38,6 +38,7 @@ def main() -> None:
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
+    trainer.set_total_steps(args.steps)  # Lockstep: progress and the projected end
 
     for step in range(start + 1, args.steps + 1):
         began = time.perf_counter()
