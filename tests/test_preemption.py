@@ -10,6 +10,7 @@ from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from jobs.actions import do_cancel_job
 from jobs.actions import preemption as preemption_actions
 from jobs.models import Event, Job, PreemptionRequest
 from jobs.scheduling.loop import run_pass
@@ -404,3 +405,101 @@ def test_a_filler_runs_on_a_reservations_draining_node_and_is_stopped_for_it(
     assert (queued.id, queued.filled) == (filler.id, True)
     # Its minimum run, should it start again: the assumed start-up (120 s) and its interval.
     assert queued.min_run_s == 120 + 1200
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("how", ["admin", "deadline"])
+def test_a_job_cancelled_while_its_preemption_waits_is_not_requeued_by_the_approval(
+    two_teams, make_user, how
+):
+    """The proposal outlived its victim: approved by an admin, or by its deadline, while the
+    cancelled job checkpointed and stopped, it used to set the job PREEMPTING, and the job's
+    exit then requeued it and it ran again."""
+    (owner, olga), _, node, root = two_teams
+    owner.quota = 4
+    owner.save()
+    low = submit(owner, olga, gpus=2, priority="low")
+    run_pass()
+    attempt = live_attempt(low)
+    beat(node, attempt, {0: None, 1: None})
+    past_protection()
+    submit(owner, olga, gpus=2, priority="high")
+    run_pass()
+    (request,) = PreemptionRequest.objects.all()
+    do_cancel_job(low, actor=olga, now=timezone.now())
+    request.refresh_from_db()
+    assert request.state == "withdrawn"  # the cancel withdraws what it made moot
+    PreemptionRequest.objects.filter(pk=request.pk).update(state="proposed")  # a race's leftover
+    if how == "admin":
+        root = make_user("root", staff=True)
+        preemption_actions.do_decide_preemption(
+            request, approve=True, actor=root, now=timezone.now()
+        )
+    else:
+        later = timezone.now() + timedelta(seconds=121)
+        beat(node, attempt, {0: None, 1: None}, now=later)
+        run_pass(now=later)
+    request.refresh_from_db()
+    assert request.state == "withdrawn" and request.executed_at is None
+    assert Event.objects.filter(
+        kind="preemption.withdrawn", message__contains=f"job {low.id} no longer runs (cancelled)"
+    ).exists()
+    beat(node, attempt, {0: 0, 1: 0})
+    low.refresh_from_db()
+    assert low.state == "CANCELLED" and low.reason.startswith("cancelled by olga")
+
+
+@pytest.mark.django_db
+def test_a_cross_team_preemption_whose_victim_is_guaranteed_again_is_withdrawn(
+    two_teams, make_team, make_user
+):
+    """Invariant 6 at execution: a priority preemption takes only another team's borrowed
+    work, and its approval may come minutes after the plan. If the victim's team is within
+    its quota by then, the request is withdrawn and the victim runs on."""
+    (owner, _), (guest, gus), node, _ = two_teams
+    rival = make_team("rival", quota=0, borrow_limit=2)
+    low = submit(guest, gus, gpus=2, priority="low")
+    run_pass()
+    attempt = live_attempt(low)
+    beat(node, attempt, {0: None, 1: None})
+    past_protection()
+    owner.quota = 0  # nobody is owed these GPUs: only a priority preemption could take them
+    owner.save()
+    submit(rival, make_user("rita", team=rival), gpus=2, priority="urgent")
+    run_pass()
+    (request,) = PreemptionRequest.objects.all()
+    assert (request.kind, request.state) == ("priority", "proposed")
+    guest.quota = 2  # the guest's 2 GPUs are its quota now: guaranteed
+    guest.save()
+    root = make_user("root", staff=True)
+    preemption_actions.do_decide_preemption(request, approve=True, actor=root, now=timezone.now())
+    request.refresh_from_db()
+    assert request.state == "withdrawn"
+    assert "team guest is within its quota again (2 of 2 GPUs)" in (
+        Event.objects.get(kind="preemption.withdrawn").message
+    )
+    assert live_attempt(low).state == "running"
+    low.refresh_from_db()
+    assert low.state == "RUNNING"
+
+
+@pytest.mark.django_db
+def test_withdrawing_a_stale_proposal_never_overwrites_an_executed_one(two_teams):
+    (owner, olga), _, node, _ = two_teams
+    owner.quota = 4
+    owner.save()
+    low = submit(owner, olga, gpus=2, priority="low")
+    run_pass()
+    beat(node, live_attempt(low), {0: None, 1: None})
+    past_protection()
+    high = submit(owner, olga, gpus=2, priority="high")
+    run_pass()
+    (request,) = PreemptionRequest.objects.all()
+    # An admin's approval committed between the stale-proposal query and its update.
+    PreemptionRequest.objects.filter(pk=request.pk).update(state="executed")
+    assert not preemption_actions._withdraw(request, why="test", now=timezone.now())
+    Job.objects.filter(pk=high.pk).update(state="CANCELLED")
+    preemption_actions.do_withdraw_stale_preemptions(now=timezone.now())
+    request.refresh_from_db()
+    assert request.state == "executed"
+    assert not Event.objects.filter(kind="preemption.withdrawn").exists()

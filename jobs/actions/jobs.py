@@ -7,6 +7,7 @@ from datetime import datetime
 from django.db import transaction
 
 from jobs.actions.base import begin_stop, lock_job_for_stop, push_state, record_event, wake
+from jobs.actions.preemption import withdraw_open_preemptions_of
 from jobs.event_kinds import EventKind
 from jobs.models import (
     Job,
@@ -53,6 +54,7 @@ def do_cancel_job(job: Job, *, actor, now: datetime, reason: str = "") -> Job:
     job.finished_at = now
     job.save(update_fields=["state", "reason", "finished_at"])
     record_event(EventKind.JOB_CANCELLED, why, job=job, team_id=job.team_id, actor=actor)
+    withdraw_open_preemptions_of(job, why=f"job {job.id} was cancelled", now=now)
     push_state(job)
     wake("job cancelled")
     return job
@@ -74,6 +76,7 @@ def do_enforce_time_limit(job: Job, *, now: datetime) -> bool:
     job.state, job.reason, job.finished_at = Job.State.FAILED, why, now
     job.save(update_fields=["state", "reason", "finished_at"])
     record_event(EventKind.JOB_TIME_LIMIT, why, job=job, team_id=job.team_id)
+    withdraw_open_preemptions_of(job, why=f"job {job.id} reached its time limit", now=now)
     push_state(job)
     wake("time limit")
     return True

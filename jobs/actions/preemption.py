@@ -21,8 +21,10 @@ from jobs.queries import (
     SAFETY_WINDOW,
     latest_checkpoint,
     recent_preemptions,
+    teams_with_usage,
     world_size,
 )
+from teams.models import Team
 
 
 def do_propose_preemption(
@@ -138,10 +140,16 @@ def do_decide_preemption(
 
 def _execute_preemption(request: PreemptionRequest, *, now: datetime) -> None:
     victim, attempt = lock_job_for_stop(request.victim_id)
+    # A proposal waits up to the approval delay: what the plan saw then may be gone. Carried
+    # out blindly, it requeued a job cancelled (or timed out) meanwhile, which then ran again,
+    # and stopped a job whose team had fallen back within its quota for another team's
+    # borrowing (invariant 6).
+    stale = _no_longer_takable(request, victim, attempt)
+    if stale:
+        _withdraw(request, why=stale, now=now)
+        return
     request.state, request.executed_at = PreemptionRequest.State.EXECUTED, now
     request.save(update_fields=["state", "executed_at"])
-    if attempt is None:
-        return
     why = f"preempted ({request.kind}) for job {request.claimant_id}: {request.reason}"
     stop_to_requeue(
         victim,
@@ -151,6 +159,58 @@ def _execute_preemption(request: PreemptionRequest, *, now: datetime) -> None:
         kind=EventKind.JOB_PREEMPTING,
         data={"request": request.id, "kind": request.kind},
     )
+
+
+def _no_longer_takable(request: PreemptionRequest, victim: Job, attempt: Attempt | None) -> str:
+    """Why the request may not be carried out now ("" if it may): the victim no longer runs,
+    the claimant no longer waits, or a victim of another team is no longer beyond its team's
+    quota (its GPUs guaranteed again). The victim is locked; the counts are read now."""
+    if victim.state not in (Job.State.RUNNING, Job.State.STARTING) or attempt is None:
+        return f"job {victim.id} no longer runs ({victim.state.lower()})"
+    if attempt.state == Attempt.State.STOPPING:
+        return f"job {victim.id} is already stopping ({attempt.end_reason})"
+    claimant = Job.objects.only("state", "team_id").get(pk=request.claimant_id)
+    if claimant.state != Job.State.QUEUED:
+        return f"job {request.claimant_id} no longer waits"
+    if victim.team_id == claimant.team_id or request.kind == PreemptionRequest.Kind.BACKFILL:
+        return ""
+    team = teams_with_usage(Team.objects.filter(pk=victim.team_id)).get()
+    beyond = team.used - team.quota
+    # A reclaim may take the job that straddles its team's quota (victims.py); the others
+    # take only work wholly beyond it.
+    needed = 1 if request.kind == PreemptionRequest.Kind.RECLAIM else world_size(attempt)
+    if beyond < needed:
+        return f"team {team.name} is within its quota again ({team.used} of {team.quota} GPUs)"
+    return ""
+
+
+def _withdraw(request: PreemptionRequest, *, why: str, now: datetime) -> bool:
+    """Withdraw a proposal that is still open, with its Event; False if it was decided
+    meanwhile (the state is part of the update, so an executed request stays executed)."""
+    undecided = (PreemptionRequest.State.PROPOSED, PreemptionRequest.State.APPROVED)
+    changed = PreemptionRequest.objects.filter(pk=request.pk, state__in=undecided).update(
+        state=PreemptionRequest.State.WITHDRAWN, decided_at=now
+    )
+    if not changed:
+        return False
+    request.state = PreemptionRequest.State.WITHDRAWN
+    record_event(
+        EventKind.PREEMPTION_WITHDRAWN,
+        f"preemption of job {request.victim_id} for job {request.claimant_id} withdrawn: {why}",
+        job_id=request.victim_id,
+        data={"request": request.id},
+    )
+    wake("preemption withdrawn")
+    return True
+
+
+def withdraw_open_preemptions_of(job: Job, *, why: str, now: datetime) -> None:
+    """A job that ends (cancelled, timed out) is nobody's victim any more: its open proposals
+    go, so an admin's queue holds only what could still be carried out."""
+    for request in PreemptionRequest.objects.filter(
+        victim_id=job.id, state=PreemptionRequest.State.PROPOSED
+    ):
+        _withdraw(request, why=why, now=now)
 
 
 def stop_to_requeue(
@@ -165,7 +225,11 @@ def stop_to_requeue(
     grace_s: float | None = None,
 ) -> None:
     """Checkpoint-and-stop the job's live attempt; the job is requeued when it exits
-    (`do_end_attempt`). `message` is the Event's text (default: the job's new reason)."""
+    (`do_end_attempt`). `message` is the Event's text (default: the job's new reason). A job
+    that has ended (cancelled while this was decided) is left as it is: requeued, it ran
+    again."""
+    if job.is_terminal:
+        return
     begin_stop(attempt, now=now, reason=why, grace_s=grace_s)
     job.state, job.reason = Job.State.PREEMPTING, f"checkpointing and stopping: {why}"
     job.save(update_fields=["state", "reason"])
@@ -207,12 +271,5 @@ def do_withdraw_stale_preemptions(*, now: datetime) -> None:
     for request in PreemptionRequest.objects.filter(state=PreemptionRequest.State.PROPOSED).exclude(
         claimant__state=Job.State.QUEUED
     ):
-        PreemptionRequest.objects.filter(pk=request.pk).update(
-            state=PreemptionRequest.State.WITHDRAWN, decided_at=now
-        )
-        record_event(
-            EventKind.PREEMPTION_WITHDRAWN,
-            f"preemption of job {request.victim_id} withdrawn: "
-            f"job {request.claimant_id} no longer waits",
-            job_id=request.victim_id,
-        )
+        # Only while still proposed: an admin's concurrent approval is not overwritten.
+        _withdraw(request, why=f"job {request.claimant_id} no longer waits", now=now)
