@@ -36,6 +36,11 @@ class Node(models.Model):
     # for an upgrade, Ctrl-C); cleared when an agent registers with a new boot. Its return is
     # then no crash: no strike, and its checkpoint-stopped attempts were requeued, not lost.
     leaving_at = models.DateTimeField(null=True, blank=True)
+    # The cordon or drain it was under when it went down (lost, or a planned leave), and why:
+    # liveness is not an admin's decision, so it is put back when the node is heard again.
+    # Empty: it comes back up.
+    held_state = models.CharField(max_length=16, blank=True)
+    held_reason = models.CharField(max_length=500, blank=True)
     # How its agent runs jobs: "container" (each job in its own image, isolated; `engine` is
     # podman or docker) or "process" (plain processes of the agent's user: not isolated).
     runtime = models.CharField(max_length=16, default="process")

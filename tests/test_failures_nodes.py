@@ -12,9 +12,11 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from jobs import actions, queries
+from jobs.actions.nodes import cordoned_automatically
+from jobs.actions.strikes import strike_node
 from jobs.health import find_stragglers
 from jobs.models import Attempt, Event, Job, Node
-from jobs.scheduling.loop import run_pass
+from jobs.scheduling.loop import housekeeping, run_pass
 from tests.failures_helpers import _run, _steps
 from tests.heartbeats import beat, commit_checkpoint, live_attempt, submit
 
@@ -241,6 +243,111 @@ def test_a_cordoned_node_that_restarts_as_planned_stays_cordoned(setup, make_use
         name=a.name, gpus=2, address="127.0.0.1", boot_id="next", now=timezone.now()
     )
     assert (a.state, a.state_reason) == ("cordoned", "maintenance")
+
+
+@pytest.mark.django_db
+def test_a_cordoned_node_restarting_as_planned_while_its_job_runs_takes_no_strike(setup, make_user):
+    """Cordoned for maintenance, then its agent is upgraded while a job still runs there: the
+    leave takes the node down at once (holding the cordon), so its silence is not a loss,
+    the job is requeued without a strike or a restart, and the cordon is back with it."""
+    job, attempt, a, b, _ = _run(setup)
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 3))
+    admin = make_user("root", staff=True)
+    t0 = timezone.now()
+    actions.do_cordon_node(a, actor=admin, reason="maintenance", now=t0)
+    actions.do_node_leaving(a, reason="upgrade", now=t0)
+    later = t0 + timedelta(seconds=40)  # past the heartbeat timeout, b still beating
+    actions.do_heartbeat(b, {"boot_id": b.boot_id, "attempts": []}, now=later)
+    housekeeping(later)
+    a, _ = actions.do_register_node(
+        name=a.name, gpus=2, address="127.0.0.1", boot_id="upgraded", now=later
+    )
+    attempt.refresh_from_db()
+    job.refresh_from_db()
+    assert attempt.state == "preempted" and job.restart_count == 0
+    assert not Event.objects.filter(kind="node.strike").exists()
+    assert (a.state, a.state_reason, a.held_state) == ("cordoned", "maintenance", "")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("state", ["cordoned", "draining"])
+def test_a_cordon_or_drain_outlives_the_node_going_silent_and_coming_back(setup, make_user, state):
+    """Liveness is not an admin's decision: a cordoned (or draining) node lost for a while
+    used to come back up, taking work in the middle of its maintenance."""
+    team, user, (a, b), _ = setup
+    admin = make_user("root", staff=True)
+    t0 = timezone.now()
+    actions.do_cordon_node(a, actor=admin, reason="bad DIMM", drain=state == "draining", now=t0)
+    later = t0 + timedelta(seconds=40)
+    actions.do_heartbeat(b, {"boot_id": b.boot_id, "attempts": []}, now=later)
+    housekeeping(later)
+    a.refresh_from_db()
+    assert (a.state, a.held_state) == ("down", state)
+    actions.do_heartbeat(a, {"boot_id": a.boot_id, "attempts": []}, now=later)
+    a.refresh_from_db()
+    assert (a.state, a.state_reason) == (state, "bad DIMM")
+    back = Event.objects.filter(node=a, kind="node.up").latest("id")
+    assert back.message.endswith(f"still {state}: bad DIMM")
+    # Cordoned while down, then uncordoned while still down: it comes back up.
+    actions.do_mark_node_lost(a, now=later, reason="test")
+    actions.do_uncordon_node(a, actor=admin)
+    actions.do_register_node(name=a.name, gpus=2, address="127.0.0.1", boot_id="new", now=later)
+    a.refresh_from_db()
+    assert a.state == "up"
+
+
+@pytest.mark.django_db
+def test_the_strike_that_loses_a_node_cordons_it_when_it_is_back(setup):
+    """Two strikes, then the node is lost with a job on it: the third strike came while it
+    was down, and the conditional cordon (up nodes only) skipped it, so the node came back
+    up, uncordoned by its own crash."""
+    job, attempt, a, b, _ = _run(setup)
+    for n in range(2):
+        _strike(a, n)
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 3))
+    actions.do_mark_node_lost(a, now=timezone.now(), reason="no heartbeat for 31s")
+    assert Event.objects.filter(node=a, kind="node.strike").count() == 3
+    a.refresh_from_db()
+    assert (a.state, a.held_state) == ("down", "cordoned")
+    actions.do_heartbeat(a, {"boot_id": a.boot_id, "attempts": []}, now=timezone.now())
+    a.refresh_from_db()
+    assert a.state == "cordoned" and "3 failures in 24h" in a.state_reason
+    assert cordoned_automatically(a)  # so `make up` may release its own demo nodes
+
+
+def _strike(node, n):
+    strike_node(node, f"test failure {n}", now=timezone.now())
+
+
+@pytest.mark.django_db
+def test_a_heartbeat_that_says_leaving_applies_the_leave_before_the_exits(setup):
+    """The agent is leaving but its leaving/ call failed (a 5xx): its heartbeats say
+    `leaving`, and the ranks' exit 0 after their checkpoint is a stop, not a finished job."""
+    job, attempt, a, b, _ = _run(setup, max_restarts=2)
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 5))
+    body = {
+        "boot_id": a.boot_id,
+        "leaving": True,
+        "attempts": [
+            {
+                "attempt_id": attempt.id,
+                "ranks": [
+                    {"rank": r, "pid": 100 + r, "state": "exited", "exit_code": 0} for r in (0, 1)
+                ],
+            }
+        ],
+    }
+    actions.do_heartbeat(a, body, now=timezone.now())
+    attempt.refresh_from_db()
+    job.refresh_from_db()
+    a.refresh_from_db()
+    assert attempt.state == "stopping" and job.state == "PREEMPTING"
+    assert a.state == "down" and a.leaving_at is not None
+    beat(b, attempt, {2: 0, 3: 0})
+    attempt.refresh_from_db()
+    job.refresh_from_db()
+    assert attempt.state == "preempted" and job.state == "QUEUED" and job.restart_count == 0
+    assert not Event.objects.filter(kind="node.strike").exists()
 
 
 @pytest.mark.django_db

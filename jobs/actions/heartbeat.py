@@ -20,6 +20,7 @@ from jobs.actions.failures import (
 )
 from jobs.actions.ingest import ingest_records
 from jobs.actions.node_health import do_record_health, requeue_off_unhealthy_node, wants_check
+from jobs.actions.nodes import back_from_down, do_node_leaving
 from jobs.conf import lockstep_setting
 from jobs.event_kinds import EventKind
 from jobs.models import (
@@ -73,14 +74,32 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
         # everything it still holds that is not wanted (nodeagent/agent.py).
         rejoined = node.state == Node.State.DOWN and node.leaving_at is None
         if rejoined:
-            node.state, node.state_reason = Node.State.UP, ""
+            held = back_from_down(node)
             record_event(
-                EventKind.NODE_UP, f"node {node.name} is back (heartbeat resumed)", node=node
+                EventKind.NODE_UP,
+                f"node {node.name} is back (heartbeat resumed)"
+                + (f", still {held}: {node.state_reason}" if held else ""),
+                node=node,
             )
             wake("node up")
         node.last_heartbeat_at = now
         node.telemetry = body.get("telemetry") or []
-        node.save(update_fields=["state", "state_reason", "last_heartbeat_at", "telemetry"])
+        node.save(
+            update_fields=[
+                "state",
+                "state_reason",
+                "held_state",
+                "held_reason",
+                "last_heartbeat_at",
+                "telemetry",
+            ]
+        )
+        if body.get("leaving") is True and node.leaving_at is None:
+            # The agent is leaving but its leaving/ call has not got through (a 5xx, a
+            # timeout): its ranks were told to stop, and their exits, 0 after the checkpoint,
+            # would read as a finished job. The leave goes first.
+            do_node_leaving(node, reason="said in its heartbeat", now=now)
+            node.refresh_from_db()
         if isinstance(body.get("health"), dict):
             # First: a node that failed its check is out of scheduling before any attempt it
             # refused is requeued below.

@@ -98,8 +98,7 @@ def do_register_node(
         node.runtime, node.engine = runtime, engine
         node.token_digest, node.boot_id = token_digest(raw), boot_id
         node.registered_at = node.last_heartbeat_at = now
-        if was_down:
-            node.state, node.state_reason = Node.State.UP, ""
+        held = back_from_down(node) if was_down else ""
         if new_boot:
             node.leaving_at = None
         node.save()
@@ -107,7 +106,8 @@ def do_register_node(
             EventKind.NODE_REREGISTERED,
             f"node {name} re-registered ({gpus} GPUs)"
             + (" after a planned restart" if new_boot and planned else "")
-            + ("; back up" if was_down else "")
+            + (f"; back, still {held}: {node.state_reason}" if held else "")
+            + ("; back up" if was_down and not held else "")
             + (
                 f"; its agent killed {killed_orphans} orphaned worker(s) on start"
                 if killed_orphans
@@ -130,7 +130,7 @@ def do_node_leaving(
 ) -> list[int]:
     """The node's agent is stopping on purpose (an upgrade, Ctrl-C: SIGTERM or SIGINT) and said
     so first: a planned restart, not a failure. The node takes no new work until an agent
-    registers again (it is down meanwhile; a cordon or drain an admin set stays), and every
+    registers again (it is down meanwhile; a cordon or drain is held, and put back then), and every
     live attempt on it checkpoints and stops within STOP_GRACE_S (or the agent's `grace_s`,
     if shorter): the whole gang, its ranks on other nodes included. Each ends as stopped
     (`do_end_attempt`): the job is requeued from that checkpoint with no strike on any node
@@ -139,10 +139,15 @@ def do_node_leaving(
     node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     if node.leaving_at is None:
         node.leaving_at = now
-        if node.state == Node.State.UP:
+        if node.state != Node.State.DOWN:
+            # Down at once, so its silence is not taken for a loss; a cordon or drain is
+            # held and put back when an agent registers again.
+            hold_cordon(node)
             node.state = Node.State.DOWN
             node.state_reason = f"agent restarting (planned: {reason})"
-        node.save(update_fields=["leaving_at", "state", "state_reason"])
+        node.save(
+            update_fields=["leaving_at", "state", "state_reason", "held_state", "held_reason"]
+        )
     live = list(
         Attempt.objects.filter(ended_at__isnull=True, allocations__node=node)
         .distinct()
@@ -183,10 +188,25 @@ def do_mark_node_lost(node: Node, *, now: datetime, reason: str) -> None:
     node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     if node.state == Node.State.DOWN:
         return
+    hold_cordon(node)
     node.state, node.state_reason = Node.State.DOWN, reason
-    node.save(update_fields=["state", "state_reason"])
+    node.save(update_fields=["state", "state_reason", "held_state", "held_reason"])
     record_event(EventKind.NODE_DOWN, f"node {node.name} down: {reason}", node=node)
-    for attempt in Attempt.objects.filter(ended_at__isnull=True, allocations__node=node).distinct():
+    for attempt in (
+        Attempt.objects.filter(ended_at__isnull=True, allocations__node=node)
+        .distinct()
+        .select_related("job")
+    ):
+        if node.leaving_at is not None:
+            # Its agent said it was leaving (a cordoned node stays cordoned then, and only
+            # its silence brings it here): a planned restart, not a failure. No strike.
+            do_end_attempt(
+                attempt,
+                state=stopped_state(attempt.job),
+                now=now,
+                reason=f"{LEAVING_REASON} {node.name}'s agent: it left ({reason})",
+            )
+            continue
         do_end_attempt(
             attempt,
             state=Attempt.State.LOST,
@@ -198,16 +218,37 @@ def do_mark_node_lost(node: Node, *, now: datetime, reason: str) -> None:
     wake("node down")
 
 
+def hold_cordon(node: Node) -> None:
+    """Going down: keep the node's cordon or drain to put back when it is heard again."""
+    if node.state in (Node.State.CORDONED, Node.State.DRAINING):
+        node.held_state, node.held_reason = node.state, node.state_reason
+
+
+def back_from_down(node: Node) -> str:
+    """A down node heard again: up, or back under the cordon or drain it had (an admin's, the
+    strikes', a health check's). Returns what it is held under, "" when it is up."""
+    held = node.held_state
+    node.state = held or Node.State.UP
+    node.state_reason = node.held_reason if held else ""
+    node.held_state = node.held_reason = ""
+    return held
+
+
 @transaction.atomic
 def do_cordon_node(node: Node, *, actor, reason: str, drain: bool = False, now: datetime) -> Node:
     """No new work on the node; with `drain`, its attempts also checkpoint, stop and requeue."""
     node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
-    node.state = Node.State.DRAINING if drain else Node.State.CORDONED
-    node.state_reason = reason
-    node.save(update_fields=["state", "state_reason"])
+    wanted = Node.State.DRAINING if drain else Node.State.CORDONED
+    if node.state == Node.State.DOWN:
+        # Down stays down (its heartbeats decide that); the cordon applies when it is back.
+        node.held_state, node.held_reason = wanted, reason
+    else:
+        node.state, node.state_reason = wanted, reason
+    node.save(update_fields=["state", "state_reason", "held_state", "held_reason"])
     record_event(
-        EventKind(f"node.{node.state}"),
-        f"node {node.name} {node.state} by {actor}: {reason}",
+        EventKind(f"node.{wanted}"),
+        f"node {node.name} {wanted} by {actor}: {reason}"
+        + (" (it is down: from when it is back)" if node.state == Node.State.DOWN else ""),
         node=node,
         actor=actor,
     )
@@ -224,9 +265,13 @@ def do_cordon_node(node: Node, *, actor, reason: str, drain: bool = False, now: 
 def do_uncordon_node(node: Node, *, actor, reason: str = "") -> Node:
     node = Node.objects.select_for_update(no_key=True).get(pk=node.pk)
     if node.state == Node.State.DOWN:
-        return node  # it comes back up with its next heartbeat
-    node.state, node.state_reason = Node.State.UP, ""
-    node.save(update_fields=["state", "state_reason"])
+        if not node.held_state:
+            return node  # it comes back up with its next heartbeat
+        # Down under a cordon: it comes back up, not cordoned.
+        node.held_state = node.held_reason = ""
+    else:
+        node.state, node.state_reason = Node.State.UP, ""
+    node.save(update_fields=["state", "state_reason", "held_state", "held_reason"])
     record_event(
         EventKind.NODE_UNCORDONED,
         f"node {node.name} uncordoned by {actor}" + (f": {reason}" if reason else ""),

@@ -68,3 +68,15 @@ def strike_node(node: Node, reason: str, *, now: datetime, attempt: Attempt | No
             node=node,
             data={"strikes": strikes, "automatic": True},
         )
+    elif Node.objects.filter(pk=node.pk, state=Node.State.DOWN, held_state="").update(
+        held_state=Node.State.CORDONED, held_reason=why
+    ):
+        # The strike that lost the node: it is down now, and without this it came back up
+        # with its next heartbeat, a node that keeps crashing uncordoned by its own crash.
+        node.held_state, node.held_reason = Node.State.CORDONED, why
+        record_event(
+            EventKind.NODE_CORDONED,
+            f"node {node.name} cordoned automatically (down now: from when it is back): {why}",
+            node=node,
+            data={"strikes": strikes, "automatic": True},
+        )
