@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from jobs import actions
 from jobs.health import innermost_frame, odd_rank_out
 from jobs.models import Event, LogChunk
 from jobs.scheduling.loop import run_pass
@@ -169,3 +170,27 @@ def test_a_hang_the_stacks_cannot_place_is_placed_by_the_flight_recorders(setup,
     assert set(failed.data["flight_recorder"]) == {"0", "1", "2", "3"}
     struck = set(Event.objects.filter(kind="node.strike").values_list("node__name", flat=True))
     assert struck == {"node-1"}
+
+
+@pytest.mark.django_db
+def test_a_hung_attempt_cancelled_while_its_stacks_are_dumped_keeps_its_stop(setup, settings):
+    """The dump's seconds are not a verdict on an attempt told to stop meanwhile: ending it
+    `failed` cut the stop's checkpoint grace short (and, preempted, used a restart)."""
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "HANG_MIN_S": 20.0, "DUMP_WAIT_S": 3.0}
+    job, attempt, a, b, _ = _run(setup)
+    t0 = timezone.now()
+    beat(a, attempt, {0: None, 1: None}, records=_steps(1, 10), now=t0)
+    t = t0 + timedelta(seconds=25)
+    for node, ranks in ((a, {0: None, 1: None}), (b, {2: None, 3: None})):
+        beat(node, attempt, ranks, now=t)
+    run_pass(now=t)
+    attempt.refresh_from_db()
+    assert attempt.dump_requested_at is not None
+    actions.do_cancel_job(job, actor=None, now=t + timedelta(seconds=1))
+    later = t + timedelta(seconds=4)
+    for node, ranks in ((a, {0: None, 1: None}), (b, {2: None, 3: None})):
+        beat(node, attempt, ranks, now=later)
+    run_pass(now=later)
+    attempt.refresh_from_db()
+    assert attempt.state == "stopping" and attempt.ended_at is None
+    assert not Event.objects.filter(kind="node.strike").exists()

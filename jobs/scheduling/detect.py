@@ -62,9 +62,14 @@ def detect_hangs(now: datetime, *, heard_since: datetime) -> None:
                 f"(timeout {timeout:.0f}s)",
             )
     wait = timedelta(seconds=lockstep_setting("DUMP_WAIT_S"))
-    for attempt in Attempt.objects.filter(
-        ended_at__isnull=True, dump_requested_at__lt=now - wait
-    ).select_related("job"):
+    # Not one told to stop meanwhile (preempted, cancelled, drained in the dump's seconds):
+    # ending it failed cut its checkpoint grace short, used a restart, and could fail the
+    # job; its stop deadline ends it if it is truly stuck.
+    for attempt in (
+        Attempt.objects.filter(ended_at__isnull=True, dump_requested_at__lt=now - wait)
+        .exclude(state=Attempt.State.STOPPING)
+        .select_related("job")
+    ):
         actions.do_end_hung_attempt(attempt, now=now)
 
 
