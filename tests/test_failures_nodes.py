@@ -365,6 +365,9 @@ def test_only_admins_cordon_drain_and_uncordon(setup, make_user):
     assert response.status_code == 200 and response.json()["state"] == "draining"
     attempt = live_attempt(job)
     assert attempt.state == "stopping" and "draining: bad fan" in attempt.end_reason
+    job.refresh_from_db()  # the job says it is being stopped, as for any preemption
+    assert job.state == "PREEMPTING" and job.reason.endswith("draining: bad fan")
+    assert Event.objects.filter(job=job, kind="job.preempting", data__drain=True).exists()
     beat(node, attempt, {0: 0, 1: 0})
     job.refresh_from_db()
     assert job.state == "QUEUED" and "requeued" in job.reason

@@ -10,7 +10,7 @@ from datetime import datetime
 from django.db import transaction
 
 from jobs.actions.attempts import LEAVING_REASON, do_end_attempt
-from jobs.actions.base import begin_stop, lock_job_for_stop, record_event, wake
+from jobs.actions.base import lock_job_for_stop, record_event, wake
 from jobs.actions.preemption import stop_to_requeue
 from jobs.event_kinds import EventKind
 from jobs.models import (
@@ -253,10 +253,29 @@ def do_cordon_node(node: Node, *, actor, reason: str, drain: bool = False, now: 
         actor=actor,
     )
     if drain:
-        for attempt in Attempt.objects.filter(
-            ended_at__isnull=True, allocations__node=node
-        ).distinct():
-            begin_stop(attempt, now=now, reason=f"node {node.name} draining: {reason}")
+        live = list(
+            Attempt.objects.filter(ended_at__isnull=True, allocations__node=node)
+            .distinct()
+            .order_by("id")
+            .values_list("id", "job_id")
+        )
+        why = f"node {node.name} draining: {reason}"
+        for attempt_id, job_id in live:
+            # Locked, as every stop is (attempt, then job): read unlocked, an attempt another
+            # node's heartbeat ended meanwhile was set stopping again over its end.
+            job, attempt = lock_job_for_stop(job_id)
+            if attempt is None or attempt.id != attempt_id:
+                continue
+            if attempt.state == Attempt.State.STOPPING or job.is_terminal:
+                continue  # already stopping (preempted, cancelled, leaving): that stop goes on
+            stop_to_requeue(
+                job,
+                attempt,
+                why=why,
+                now=now,
+                kind=EventKind.JOB_PREEMPTING,
+                data={"node": node.name, "drain": True},
+            )
     wake("node cordoned")
     return node
 
