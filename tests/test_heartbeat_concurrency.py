@@ -12,8 +12,11 @@ from django.db import connection, connections, transaction
 from django.utils import timezone
 
 from jobs import actions
-from jobs.models import Attempt, Job, MetricPoint, PreemptionRequest
+from jobs.models import GPU, Attempt, Job, MetricPoint, PreemptionRequest
+from jobs.scheduling.apply import apply_plan
 from jobs.scheduling.loop import run_pass
+from jobs.scheduling.vocab import Plan
+from tests.claims import placement_on
 from tests.heartbeats import beat, live_attempt, submit
 
 ROUNDS = 12
@@ -206,3 +209,31 @@ def _steps(first, last):
         {"kind": "step", "rank": 0, "step": s, "loss": 1.0, "tokens_per_s": 1.0}
         for s in range(first, last + 1)
     ]
+
+
+@_POSTGRES_ONLY
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_waits_for_a_drain_of_its_node_and_then_refuses_it(setup, make_user):
+    """The claim read its nodes' state unlocked: a drain committing between that read and
+    the claim's commit did not see the new attempt, which stayed on the draining node. The
+    claim now takes a share lock on its nodes, waits for the drain, and finds the node
+    draining."""
+    team, user, (a, b), _ = setup
+    admin = make_user("root", staff=True)
+    job = submit(team, user, gpus=2)
+    placement = placement_on(job, list(GPU.objects.filter(node=a).order_by("index")))
+    results = []
+    errors = _race(
+        lambda *_: results.append(apply_plan(Plan(placements=(placement,)), now=timezone.now())),
+        job,
+        user,
+        lambda: actions.do_cordon_node(
+            a, actor=admin, reason="firmware", drain=True, now=timezone.now()
+        ),
+        lambda: None,
+    )
+    assert not errors, errors
+    assert not Attempt.objects.filter(job=job).exists()
+    assert Job.objects.get(pk=job.pk).state == Job.State.QUEUED
+    (applied,) = results
+    assert "no longer up" in applied.rejected[job.id]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from datetime import datetime
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count, Max
 
 from jobs.actions.base import push_state, record_event
@@ -187,6 +187,23 @@ def do_start_attempts(placements, *, now: datetime) -> tuple[dict[int, Attempt],
     return started, rejected
 
 
+def _lock_up_nodes(node_ids) -> dict[int, Node]:
+    """The placements' nodes that are up, read under a share lock on PostgreSQL (in id order,
+    after the jobs). Read plainly, a drain, a planned leave or a health hold that committed
+    between this read and the claim's commit missed the new attempt, which then stayed on a
+    draining node or waited out its start timeout on a leaving one. FOR SHARE waits for those
+    writers (FOR NO KEY UPDATE) and blocks none of the allocations' foreign-key checks.
+    SQLite serializes writers: a plain read is already the latest."""
+    if connection.vendor != "postgresql":
+        return {n.id: n for n in Node.objects.filter(id__in=node_ids, state=Node.State.UP)}
+    table = Node._meta.db_table
+    locked = Node.objects.raw(
+        f"SELECT * FROM {table} WHERE id = ANY(%s) ORDER BY id FOR SHARE",  # noqa: S608
+        [sorted(node_ids)],
+    )
+    return {n.id: n for n in locked if n.state == Node.State.UP}
+
+
 def _check_gangs(placements) -> tuple[list, dict[int, str], dict[int, Node]]:
     """Lock the teams, then the jobs (id order), read usage, nodes and held GPUs in one query
     each, and check every gang in memory in plan order: (accepted (placement, job, team) in
@@ -210,12 +227,7 @@ def _check_gangs(placements) -> tuple[list, dict[int, str], dict[int, Node]]:
         .annotate(n=Count("id"))
         .values_list("attempt__job__team_id", "n")
     )
-    nodes = {
-        n.id: n
-        for n in Node.objects.filter(
-            id__in={s.node_id for p in placements for s in p.slots}, state=Node.State.UP
-        )
-    }
+    nodes = _lock_up_nodes({s.node_id for p in placements for s in p.slots})
     all_gpus = {s.gpu_id for p in placements for s in p.slots}
     gpu_node = dict(GPU.objects.filter(id__in=all_gpus).values_list("id", "node_id"))
     held = _held_gpus(all_gpus)
