@@ -23,17 +23,17 @@ from typing import Any
 import requests
 
 from nodeagent import stack_sampler
-from nodeagent.attempt_report import RankTails, Tracked, attempt_report
+from nodeagent.attempt_report import RankTails, Tracked
 from nodeagent.container import Engine
 from nodeagent.contract import inheritable_env
 from nodeagent.health_check import HealthChecker
+from nodeagent.heartbeat_body import build_heartbeat, tracked_for
 from nodeagent.leaving import Leaving, bearer, short_error
 from nodeagent.saves import SaveWatcher
 from nodeagent.scalars import ScalarTail
 from nodeagent.supervisor import WorkerSupervisor
 from nodeagent.tail import LogTail, MetricsTail
 from nodeagent.telemetry import Telemetry
-from nodeagent.xid import fault_report
 
 logger = logging.getLogger("nodeagent")
 
@@ -273,7 +273,7 @@ class Agent(Leaving):
         for tail, offset in acks:
             tail.ack(offset)
         for attempt_id in exits:
-            self._tracked[attempt_id].exit_reported = True
+            tracked_for(self._tracked, attempt_id).exit_reported = True
         self.apply(data)
         return True
 
@@ -300,7 +300,12 @@ class Agent(Leaving):
         next_exchange = time.monotonic()
         try:
             while not self._stop.is_set():
-                self.supervisor.poll()
+                try:
+                    self.supervisor.poll()
+                except Exception:
+                    # Each attempt is polled in its own try (WorkerSupervisor.poll); nothing
+                    # else there may end this loop either, whose end kills every job here.
+                    self.log.exception("unexpected error polling the workers")
                 now = time.monotonic()
                 if self._leave.is_set():
                     if self._leave_deadline is None:
@@ -391,30 +396,16 @@ class Agent(Leaving):
 
     # -- heartbeat contents and response -------------------------------------------------------
 
-    def _build_heartbeat(self) -> tuple[dict[str, Any], list[tuple[Any, int]], list[int]]:
-        """The heartbeat body, the (tail, offset) acks to apply if it is accepted, and the
-        attempts whose exit and final data it carries in full."""
-        attempts = []
-        acks: list[tuple[Any, int]] = []
-        exits = []
-        for attempt_id in self.supervisor.attempt_ids():
-            report, attempt_acks, finished = attempt_report(
-                self.supervisor, attempt_id, self._tracked[attempt_id], self.log
-            )
-            attempts.append(report)
-            acks += attempt_acks
-            if finished:
-                exits.append(attempt_id)
-        body = {"boot_id": self.boot_id, "telemetry": self.telemetry.read(), "attempts": attempts}
-        if self.health.pending is None and self.telemetry.faults:
-            # A GPU's own Xid (fell off the bus, uncorrectable ECC): a failed check, so the
-            # portal cordons the node with the Xid as the reason until a full check passes.
-            self.health.pending = fault_report(self.telemetry.faults)
-            self.telemetry.faults = []
-        if self.health.pending is not None:
-            body["health"] = self.health.pending
-            acks.append((self.health, self.health.pending))  # held until the portal has it
-        return body, acks, exits
+    def _build_heartbeat(self) -> tuple[dict[str, Any], list[tuple[Any, Any]], list[int]]:
+        return build_heartbeat(
+            self.supervisor,
+            self._tracked,
+            boot_id=self.boot_id,
+            telemetry=self.telemetry,
+            health=self.health,
+            leaving=self._leave.is_set(),
+            log=self.log,
+        )
 
     def apply(self, response: dict[str, Any]) -> None:
         """Carry out a heartbeat response: fence, stop, dump, launch, forget."""
@@ -499,7 +490,7 @@ class Agent(Leaving):
             except (TypeError, ValueError):
                 continue
         for attempt_id in self.supervisor.attempt_ids():
-            tracked = self._tracked[attempt_id]
+            tracked = tracked_for(self._tracked, attempt_id)
             if (
                 self.supervisor.all_exited(attempt_id)
                 and tracked.exit_reported
@@ -508,7 +499,7 @@ class Agent(Leaving):
                 self.supervisor.forget(attempt_id)
                 if tracked.scalars is not None:
                     tracked.scalars.close()
-                del self._tracked[attempt_id]
+                self._tracked.pop(attempt_id, None)
                 self._finished.add(attempt_id)
                 self.log.info("attempt %s: exit recorded by the portal; forgotten", attempt_id)
 
@@ -546,10 +537,13 @@ class Agent(Leaving):
             return
         try:
             attempt = self.supervisor.launch(attempt_id, launch)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OSError) as exc:
+            # A plain-process launch turns an OSError part-way into a failed attempt itself;
+            # one that still gets here (the container runtime's) must not end the beat.
             self.log.error(
-                "attempt %s: malformed launch (%s: %s); not started",
+                "attempt %s: %s (%s: %s); not started",
                 attempt_id,
+                "cannot launch" if isinstance(exc, OSError) else "malformed launch",
                 type(exc).__name__,
                 exc,
             )

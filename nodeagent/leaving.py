@@ -13,6 +13,8 @@ import time
 
 import requests
 
+from nodeagent.heartbeat_body import tracked_for
+
 LEAVING_PATH = "/api/v1/agent/leaving/"
 
 
@@ -95,7 +97,8 @@ class Leaving:
             if all(self.supervisor.all_exited(a) for a in ids):
                 return True
         elif self._leave_told and all(
-            self.supervisor.all_exited(a) and self._tracked[a].exit_reported for a in ids
+            self.supervisor.all_exited(a) and tracked_for(self._tracked, a).exit_reported
+            for a in ids
         ):
             return True
         if self._leave_deadline is None or now < self._leave_deadline:

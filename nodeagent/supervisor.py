@@ -9,7 +9,6 @@ their stacks (SIGUSR1) when the portal thinks the attempt hangs.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -19,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nodeagent import hang_evidence
+from nodeagent import hang_evidence, orphans
 from nodeagent.container import ContainerRank, Engine, agent_identity
 from nodeagent.container_launch import ContainerLaunch
 from nodeagent.contract import (
@@ -30,6 +29,7 @@ from nodeagent.contract import (
 )
 from nodeagent.exit_clock import ExitClock
 from nodeagent.launch import session_cpu_seconds
+from nodeagent.orphans import WORKERS_FILE
 from nodeagent.saves import seed_resume
 from nodeagent.stacks import container_host_pids
 from nodeagent.warm_container import DEFAULT_IDLE_S, WarmContainers
@@ -42,8 +42,6 @@ logger = logging.getLogger("nodeagent.supervisor")
 # convention so "command not found" reads the same as it would from a terminal.
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
-
-WORKERS_FILE = "workers.json"
 
 CPU_READ_EVERY_S = 0.5  # the ranks' CPU use is a heartbeat's figure (one a second)
 
@@ -121,6 +119,9 @@ class WorkerSupervisor:
         # Warm start (nodeagent/zygote.py): workers forked from a process that has imported
         # torch already; started now, so it is warm before the first job arrives.
         self._zygote: Zygote | None = None
+        # Zygotes replaced after a deploy that still parent live workers: only a worker's parent
+        # learns its exit status, so each is closed once its last worker has exited.
+        self._retired: list[Zygote] = []
         if warm_start and engine is None:
             # The zygote never holds what workers may not see, either.
             agent_env = os.environ if base_env is None else base_env
@@ -177,6 +178,7 @@ class WorkerSupervisor:
         Raises KeyError/ValueError/TypeError on a malformed launch, before spawning anything.
         A rank whose command cannot be started is reported as exited (127 or 126) with the
         reason in its log, so the portal sees a failed gang rather than one that never starts.
+        An OSError part-way (a full disk) ends the whole launch that way (`_launch_failed`).
         """
         if attempt_id in self._attempts:
             raise ValueError(f"attempt {attempt_id} already has workers on this node")
@@ -225,9 +227,32 @@ class WorkerSupervisor:
                     env=env,
                 )
             )
-        attempt_dir.mkdir(parents=True, exist_ok=True)
         attempt = AttemptWorkers(attempt_id=attempt_id, launch=dict(launch), dir=attempt_dir)
         self._attempts[attempt_id] = attempt
+        try:
+            attempt_dir.mkdir(parents=True, exist_ok=True)
+            self._spawn(attempt, command, planned)
+            self._write_workers_file(attempt)
+        except OSError as exc:
+            self._launch_failed(attempt, planned, exc)
+            return attempt
+        forked = sum(isinstance(w.popen, ForkedWorker) for w in attempt.workers)
+        self._log.info(
+            "attempt %s: launched ranks %s (pids %s) on %s, %s",
+            attempt_id,
+            [w.rank for w in attempt.workers],
+            [w.pid for w in attempt.workers],
+            self.gpu_kind,
+            f"{forked} warm (forked from the zygote)" if forked else "cold",
+        )
+        return attempt
+
+    def _spawn(
+        self, attempt: AttemptWorkers, command: list[str], planned: list[RankWorker]
+    ) -> None:
+        """Start each planned rank, warm (forked from the zygote) where it can be, else as a
+        plain process; a rank whose command cannot start is exited (127 or 126)."""
+        attempt_id = attempt.attempt_id
         for worker in planned:
             # A fresh start: tails read from offset 0, so stale bytes would be re-shipped.
             worker.metrics_path.unlink(missing_ok=True)
@@ -242,10 +267,10 @@ class WorkerSupervisor:
                         self._log.warning("warm start unavailable (%s); starting cold", exc)
                         if str(exc).startswith("stale"):
                             # New code on disk: a new zygote imports it (warm again later).
-                            self._zygote.close()
-                            self._zygote = Zygote(
-                                env=self._zygote.env, preload=self._zygote.preload
-                            )
+                            # The old one forks no more but stays until its workers exit.
+                            old = self._zygote
+                            self._retired.append(old)
+                            self._zygote = Zygote(env=old.env, preload=old.preload)
                             self._zygote.start()
                 try:
                     worker.popen = subprocess.Popen(
@@ -258,9 +283,7 @@ class WorkerSupervisor:
                     )
                     self._exit_clock.watch(worker.popen.pid)
                 except OSError as exc:
-                    code = (
-                        EXIT_NOT_EXECUTABLE if isinstance(exc, PermissionError) else EXIT_NOT_FOUND
-                    )
+                    code = _cannot_start_code(exc)
                     log_file.write(f"lockstep agent: cannot start {argv!r}: {exc}\n".encode())
                     worker.state, worker.exit_code = "exited", code
                     worker.exited_at = time.time()
@@ -272,17 +295,26 @@ class WorkerSupervisor:
                         exc,
                     )
             attempt.workers.append(worker)
-        self._write_workers_file(attempt)
-        forked = sum(isinstance(w.popen, ForkedWorker) for w in attempt.workers)
-        self._log.info(
-            "attempt %s: launched ranks %s (pids %s) on %s, %s",
-            attempt_id,
-            [w.rank for w in attempt.workers],
-            [w.pid for w in attempt.workers],
-            self.gpu_kind,
-            f"{forked} warm (forked from the zygote)" if forked else "cold",
-        )
-        return attempt
+
+    def _launch_failed(
+        self, attempt: AttemptWorkers, planned: list[RankWorker], exc: OSError
+    ) -> None:
+        """A launch the node broke off half-way (the disk filled up under the attempt's files,
+        ...). Half a gang cannot train, and ranks the workers file does not list would escape
+        the next agent's fencing: the ranks started are killed, the others never start, and
+        every rank is reported exited, so the portal fails the attempt as it would one whose
+        command could not start, with the reason in the ranks' logs."""
+        why = f"launch failed: {type(exc).__name__}: {exc}"
+        self._log.error("attempt %s: %s; killing the ranks started", attempt.attempt_id, why)
+        attempt.workers = list(planned)  # those started are its first ones
+        attempt.killed = True
+        for worker in attempt.workers:
+            _note(worker.log_path, f"lockstep agent: {why}")
+            if worker.popen is None and worker.alive:
+                worker.state, worker.exit_code = "exited", _cannot_start_code(exc)
+                worker.exited_at = time.time()
+            elif worker.alive:
+                self._signal_group(worker, signal.SIGKILL)  # reaped, and reported, by poll()
 
     # -- polling -----------------------------------------------------------------------------
 
@@ -290,53 +322,63 @@ class WorkerSupervisor:
         """Reap exited workers and SIGKILL the survivors of stops whose deadline passed."""
         now = self._clock()
         for attempt in list(self._attempts.values()):
-            if attempt.pull is not None and self._containers is not None:
-                self._containers.poll(attempt)
-            for worker in attempt.workers:
-                if not worker.alive or worker.popen is None:
-                    continue
-                code = worker.popen.poll()
-                if code is None:
-                    worker.state = "running"
-                    continue
-                worker.state, worker.exit_code = "exited", code
-                # A forked worker's exit time is the zygote's, taken when it reaped it; a
-                # Popen child's is the exit clock's, which watches while this loop waits on
-                # the portal (this poll's time only if the clock had not looked yet).
-                worker.exited_at = (
-                    getattr(worker.popen, "exited_at", None)
-                    or self._exit_clock.exited_at(worker.popen.pid)
-                    or time.time()
-                )
-                # Leftover children of a finished worker (data loaders, a stray shell) would
-                # hold GPU memory the scheduler already considers free. (In a container, the
-                # launcher does this.)
-                self._signal_group(worker, signal.SIGKILL)
-                self._log.info(
-                    "attempt %s rank %s (pid %s) exited with %s",
-                    attempt.attempt_id,
-                    worker.rank,
-                    worker.pid,
-                    code,
-                )
-            if attempt.stop_deadline is not None and now >= attempt.stop_deadline:
-                survivors = [w for w in attempt.workers if w.alive]
-                if survivors:
-                    self._log.warning(
-                        "attempt %s: stop deadline passed; SIGKILL to ranks %s",
-                        attempt.attempt_id,
-                        [w.rank for w in survivors],
-                    )
-                    if attempt.container is not None:
-                        attempt.container.kill()
-                    for worker in survivors:
-                        self._signal_group(worker, signal.SIGKILL)
-                attempt.stop_deadline = None
-                attempt.killed = attempt.killed or bool(survivors)
-            if attempt.all_exited:
-                (attempt.dir / WORKERS_FILE).unlink(missing_ok=True)
+            try:
+                self._poll_attempt(attempt, now)
+            except Exception as exc:
+                # One attempt the agent can no longer watch must not end the loop that watches
+                # the others (its end kills every job on the node): that one is given up.
+                self._log.exception("attempt %s: polling its workers failed", attempt.attempt_id)
+                self.fail(attempt.attempt_id, f"supervising it failed: {type(exc).__name__}: {exc}")
+        self._close_retired()
         if self._warm is not None:
             self._warm.tick()  # after the exits above, so an idle container is seen idle now
+
+    def _poll_attempt(self, attempt: AttemptWorkers, now: float) -> None:
+        if attempt.pull is not None and self._containers is not None:
+            self._containers.poll(attempt)
+        for worker in attempt.workers:
+            if not worker.alive or worker.popen is None:
+                continue
+            code = worker.popen.poll()
+            if code is None:
+                worker.state = "running"
+                continue
+            worker.state, worker.exit_code = "exited", code
+            # A forked worker's exit time is the zygote's, taken when it reaped it; a
+            # Popen child's is the exit clock's, which watches while this loop waits on
+            # the portal (this poll's time only if the clock had not looked yet).
+            worker.exited_at = (
+                getattr(worker.popen, "exited_at", None)
+                or self._exit_clock.exited_at(worker.popen.pid)
+                or time.time()
+            )
+            # Leftover children of a finished worker (data loaders, a stray shell) would
+            # hold GPU memory the scheduler already considers free. (In a container, the
+            # launcher does this.)
+            self._signal_group(worker, signal.SIGKILL)
+            self._log.info(
+                "attempt %s rank %s (pid %s) exited with %s",
+                attempt.attempt_id,
+                worker.rank,
+                worker.pid,
+                code,
+            )
+        if attempt.stop_deadline is not None and now >= attempt.stop_deadline:
+            survivors = [w for w in attempt.workers if w.alive]
+            if survivors:
+                self._log.warning(
+                    "attempt %s: stop deadline passed; SIGKILL to ranks %s",
+                    attempt.attempt_id,
+                    [w.rank for w in survivors],
+                )
+                if attempt.container is not None:
+                    attempt.container.kill()
+                for worker in survivors:
+                    self._signal_group(worker, signal.SIGKILL)
+            attempt.stop_deadline = None
+            attempt.killed = attempt.killed or bool(survivors)
+        if attempt.all_exited:
+            (attempt.dir / WORKERS_FILE).unlink(missing_ok=True)
 
     def wait(self, attempt_id: int, timeout_s: float, interval_s: float = 0.02) -> bool:
         """Poll until every worker of the attempt exited; False on timeout. For tests/tools."""
@@ -441,12 +483,44 @@ class WorkerSupervisor:
             if worker.alive:
                 self._signal_group(worker, signal.SIGKILL)
 
+    def fail(self, attempt_id: int, why: str) -> None:
+        """Give up an attempt this agent can no longer supervise: its ranks are killed and
+        reported exited (-9) at once, with `why` in their logs, so the portal ends it."""
+        attempt = self._attempts[attempt_id]
+        self._log.error("attempt %s: %s; its ranks are killed", attempt_id, why)
+        try:
+            self.kill(attempt_id)
+        except Exception:
+            self._log.exception("attempt %s: killing its ranks", attempt_id)
+            for worker in attempt.workers:
+                if worker.alive:
+                    self._signal_group(worker, signal.SIGKILL)
+        attempt.pull = None  # whatever broke is not polled again
+        for worker in attempt.workers:
+            _note(worker.log_path, f"lockstep agent: {why}")
+            if worker.alive:
+                # Not reaped through whatever failed: the kill above is what ended it.
+                worker.state, worker.exit_code = "exited", -signal.SIGKILL
+                worker.exited_at = time.time()
+
+    def _close_retired(self) -> None:
+        if not self._retired:
+            return
+        workers = [w.popen for a in self._attempts.values() for w in a.workers]
+        for zygote in list(self._retired):
+            if not zygote.has_live(w for w in workers if isinstance(w, ForkedWorker)):
+                self._retired.remove(zygote)
+                zygote.close()
+
     def close(self) -> None:
         """Let the zygote and the warm containers go (workers, if any are left, are the
         caller's to kill first), then every container of this agent that is still listed."""
         self._exit_clock.close()
         if self._warm is not None:
             self._warm.close()
+        for zygote in self._retired:
+            zygote.close()
+        self._retired = []
         if self._zygote is not None:
             self._zygote.close()
             self._zygote = None
@@ -485,14 +559,7 @@ class WorkerSupervisor:
     # -- orphans from an earlier agent process -----------------------------------------------
 
     def _write_workers_file(self, attempt: AttemptWorkers) -> None:
-        entries = [
-            {"rank": w.rank, "pid": w.pid, "start_time": _process_start_time(w.pid)}
-            for w in attempt.workers
-            if w.pid is not None
-        ]
-        (attempt.dir / WORKERS_FILE).write_text(
-            json.dumps({"boot_id": _kernel_boot_id(), "workers": entries})
-        )
+        orphans.write_workers_file(attempt.dir, attempt.workers)
 
     def remove_stale_containers(self, keep: set[int] = frozenset()) -> int:  # type: ignore[assignment]
         """Remove every container of this node that serves no attempt in `keep`: at start-up
@@ -516,51 +583,17 @@ class WorkerSupervisor:
         return removed
 
     def reap_orphans(self) -> int:
-        """SIGKILL the process groups of workers left running by an earlier agent process on
-        this work dir (it crashed or was SIGKILLed). This agent cannot wait on or report them,
-        and its portal has already given their GPUs away, so they must not keep running.
-        Returns how many were killed."""
-        killed = 0
-        boot_id = _kernel_boot_id()
-        for path in sorted(self.work_dir.glob(f"attempt-*/{WORKERS_FILE}")):
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                path.unlink(missing_ok=True)
-                continue
-            if data.get("boot_id") == boot_id:
-                for entry in data.get("workers", []):
-                    pid, start = entry.get("pid"), entry.get("start_time")
-                    # The start time tells a surviving worker from a new process given its pid;
-                    # a missing process may still have left children in its group, and Linux
-                    # keeps that group id from being reused while they live.
-                    now_start = _process_start_time(pid)
-                    if pid and (now_start is None or now_start == start):
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            os.killpg(pid, signal.SIGKILL)
-                            killed += 1
-                            self._log.warning(
-                                "killed orphan worker pid %s from %s", pid, path.parent.name
-                            )
-            path.unlink(missing_ok=True)
-        return killed
+        """SIGKILL the workers an earlier agent process left running on this work dir
+        (nodeagent/orphans.py); returns how many were killed."""
+        return orphans.kill_orphans(self.work_dir, self._log)
 
 
-def _process_start_time(pid: int | None) -> int | None:
-    """Start time of a process in clock ticks since boot (Linux /proc), None if unknown."""
-    if pid is None:
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name may contain spaces and parentheses; fields resume after the last ')'.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[19]) if len(fields) > 19 else None
+def _cannot_start_code(exc: OSError) -> int:
+    return EXIT_NOT_EXECUTABLE if isinstance(exc, PermissionError) else EXIT_NOT_FOUND
 
 
-def _kernel_boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
+def _note(log_path: Path, line: str) -> None:
+    """Add the agent's word to a rank's log, where the portal shows why it ended; best effort
+    (on a full disk it is in the agent's own log only)."""
+    with contextlib.suppress(OSError), open(log_path, "ab") as log_file:
+        log_file.write(line.encode() + b"\n")

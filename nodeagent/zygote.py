@@ -42,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 logger = logging.getLogger("nodeagent.zygote")
@@ -320,16 +321,15 @@ class ForkedWorker:
         self._zygote = zygote
         self.pid = pid
         self.returncode: int | None = None
+        # Wall-clock time the zygote reaped it (within 50 ms of the exit), once it has.
+        self.exited_at: float | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._zygote.exit_code(self.pid)
+            known = self._zygote.take_exit(self.pid)
+            if known is not None:
+                self.returncode, self.exited_at = known
         return self.returncode
-
-    @property
-    def exited_at(self) -> float | None:
-        """Wall-clock time the zygote reaped it (within 50 ms of the exit), if it has."""
-        return self._zygote.exited_at(self.pid)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -433,18 +433,20 @@ class Zygote:
             raise ZygoteError(reply.get("error", "fork refused"))
         return ForkedWorker(self, int(reply["pid"]))
 
-    def exit_code(self, pid: int) -> int | None:
+    def take_exit(self, pid: int) -> tuple[int, float | None] | None:
+        """(status, when it was reaped) once the worker `pid` exited, else None. Handed out
+        once: the entry goes, so that a later worker given the same pid (pids wrap round) is
+        not taken for this one."""
         with self._lock:
-            known = self._exits.get(pid)
+            known = self._exits.pop(pid, None)
         if known is None and self.failed and not _pid_alive(pid):
             # The zygote died before reporting: the status is lost with it.
-            return -signal.SIGKILL
-        return None if known is None else known[0]
+            return -signal.SIGKILL, None
+        return known
 
-    def exited_at(self, pid: int) -> float | None:
-        with self._lock:
-            known = self._exits.get(pid)
-        return None if known is None else known[1]
+    def has_live(self, workers: Iterable[ForkedWorker]) -> bool:
+        """Whether any of `workers` is one of this zygote's and has not been seen to exit."""
+        return any(w._zygote is self and w.poll() is None for w in workers)
 
     def close(self) -> None:
         if self._sock is not None:
@@ -490,6 +492,10 @@ class Zygote:
                 at = float(message.get("at") or time.time())
                 self._exits[int(message["exit"])] = (int(message["code"]), at)
             elif "id" in message:
+                if "pid" in message:
+                    # A new worker with this pid: an exit still filed under it was an earlier
+                    # worker's (pids wrap round) and would make this one look dead at once.
+                    self._exits.pop(int(message["pid"]), None)
                 self._replies[int(message["id"])] = message
             self._changed.notify_all()
 
