@@ -36,9 +36,19 @@ def build_heartbeat(
     acks: list[tuple[Any, Any]] = []
     exits = []
     for attempt_id in supervisor.attempt_ids():
-        report, attempt_acks, finished = attempt_report(
-            supervisor, attempt_id, tracked_for(tracked, attempt_id), log
-        )
+        try:
+            report, attempt_acks, finished = attempt_report(
+                supervisor, attempt_id, tracked_for(tracked, attempt_id), log
+            )
+        except Exception:
+            # One attempt whose files cannot be read (a disk error under its tails) must not
+            # silence the node: the portal would declare it lost, and its fencing, which
+            # rides on heartbeat responses, would reach none of its workers. Its ranks'
+            # states still go; its data waits, unacknowledged, for a beat that can read it.
+            log.exception("attempt %s: its report failed; sending its ranks only", attempt_id)
+            report, attempt_acks, finished = _ranks_only(supervisor, attempt_id, log), [], False
+            if report is None:
+                continue
         attempts.append(report)
         acks += attempt_acks
         if finished:
@@ -58,3 +68,11 @@ def build_heartbeat(
         body["health"] = health.pending
         acks.append((health, health.pending))  # held until the portal has it
     return body, acks, exits
+
+
+def _ranks_only(supervisor: Any, attempt_id: int, log: Log) -> dict[str, Any] | None:
+    try:
+        return {"attempt_id": attempt_id, "ranks": supervisor.status(attempt_id), "records": []}
+    except Exception:
+        log.exception("attempt %s: its ranks cannot be read either; left out", attempt_id)
+        return None

@@ -286,3 +286,50 @@ def test_a_replaced_zygote_stays_until_its_workers_exit_so_their_statuses_are_re
     finally:
         sup.kill_all()
         sup.close()
+
+
+def test_an_attempt_whose_report_fails_is_sent_with_its_ranks_and_the_others_whole(monkeypatch):
+    """A report that raises for one attempt (its tails unreadable) used to fail the whole
+    heartbeat: the node went silent, the portal declared it lost, and its fencing never
+    reached the workers."""
+    import logging
+
+    from nodeagent import heartbeat_body
+    from nodeagent.attempt_report import Tracked
+
+    class Supervisor:
+        def attempt_ids(self):
+            return [1, 2]
+
+        def status(self, attempt_id):
+            return [{"rank": 0, "state": "running"}]
+
+    def report(supervisor, attempt_id, tracked, log):
+        if attempt_id == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return {"attempt_id": 2, "ranks": [], "records": [{"kind": "step"}]}, [("t", 5)], True
+
+    class Health:
+        pending = None
+
+    class Telemetry:
+        faults: list = []
+
+        def read(self):
+            return []
+
+    monkeypatch.setattr(heartbeat_body, "attempt_report", report)
+    tracked: dict[int, Tracked] = {}
+    body, acks, exits = heartbeat_body.build_heartbeat(
+        Supervisor(),
+        tracked,
+        boot_id="b",
+        telemetry=Telemetry(),
+        health=Health(),
+        leaving=False,
+        log=logging.getLogger("test"),
+    )
+    first, second = body["attempts"]
+    assert first == {"attempt_id": 1, "ranks": [{"rank": 0, "state": "running"}], "records": []}
+    assert second["records"] == [{"kind": "step"}]
+    assert acks == [("t", 5)] and exits == [2]  # nothing of attempt 1 acknowledged or done
