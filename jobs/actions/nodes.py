@@ -148,13 +148,38 @@ def do_node_leaving(
         node.save(
             update_fields=["leaving_at", "state", "state_reason", "held_state", "held_reason"]
         )
+    stopping = _stop_attempts_on(
+        node,
+        why=f"{LEAVING_REASON} {node.name}'s agent ({reason})",
+        now=now,
+        kind=EventKind.NODE_LEAVING,
+        data={"node": node.name},
+        grace_s=grace_s,
+    )
+    record_event(
+        EventKind.NODE_LEAVING,
+        f"node {node.name}: its agent is stopping ({reason}), a planned restart; "
+        f"{len(stopping)} attempt(s) checkpoint and stop, to be requeued without a strike",
+        node=node,
+        data={"attempts": stopping, "grace_s": grace_s},
+    )
+    wake("node leaving")
+    return stopping
+
+
+def _stop_attempts_on(
+    node: Node, *, why: str, now: datetime, kind: str, data: dict, grace_s: float | None = None
+) -> list[int]:
+    """Checkpoint-and-stop every live attempt on the node (the whole gang, its ranks on other
+    nodes included), each to be requeued; the ids of the attempts stopping, those already
+    stopping included. Each is locked as every stop is (attempt, then job): read unlocked,
+    an attempt another node's heartbeat had just ended was set stopping again over its end."""
     live = list(
         Attempt.objects.filter(ended_at__isnull=True, allocations__node=node)
         .distinct()
         .order_by("id")
         .values_list("id", "job_id")
     )
-    why = f"{LEAVING_REASON} {node.name}'s agent ({reason})"
     stopping = []
     for attempt_id, job_id in live:
         job, attempt = lock_job_for_stop(job_id)
@@ -168,18 +193,10 @@ def do_node_leaving(
             attempt,
             why=why,
             now=now,
-            kind=EventKind.NODE_LEAVING,
-            data={"node": node.name, "attempt": attempt.id},
+            kind=kind,
+            data={**data, "attempt": attempt.id},
             grace_s=grace_s,
         )
-    record_event(
-        EventKind.NODE_LEAVING,
-        f"node {node.name}: its agent is stopping ({reason}), a planned restart; "
-        f"{len(stopping)} attempt(s) checkpoint and stop, to be requeued without a strike",
-        node=node,
-        data={"attempts": stopping, "grace_s": grace_s},
-    )
-    wake("node leaving")
     return stopping
 
 
@@ -253,29 +270,13 @@ def do_cordon_node(node: Node, *, actor, reason: str, drain: bool = False, now: 
         actor=actor,
     )
     if drain:
-        live = list(
-            Attempt.objects.filter(ended_at__isnull=True, allocations__node=node)
-            .distinct()
-            .order_by("id")
-            .values_list("id", "job_id")
+        _stop_attempts_on(
+            node,
+            why=f"node {node.name} draining: {reason}",
+            now=now,
+            kind=EventKind.JOB_PREEMPTING,
+            data={"node": node.name, "drain": True},
         )
-        why = f"node {node.name} draining: {reason}"
-        for attempt_id, job_id in live:
-            # Locked, as every stop is (attempt, then job): read unlocked, an attempt another
-            # node's heartbeat ended meanwhile was set stopping again over its end.
-            job, attempt = lock_job_for_stop(job_id)
-            if attempt is None or attempt.id != attempt_id:
-                continue
-            if attempt.state == Attempt.State.STOPPING or job.is_terminal:
-                continue  # already stopping (preempted, cancelled, leaving): that stop goes on
-            stop_to_requeue(
-                job,
-                attempt,
-                why=why,
-                now=now,
-                kind=EventKind.JOB_PREEMPTING,
-                data={"node": node.name, "drain": True},
-            )
     wake("node cordoned")
     return node
 
