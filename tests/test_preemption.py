@@ -503,3 +503,28 @@ def test_withdrawing_a_stale_proposal_never_overwrites_an_executed_one(two_teams
     request.refresh_from_db()
     assert request.state == "executed"
     assert not Event.objects.filter(kind="preemption.withdrawn").exists()
+
+
+@pytest.mark.django_db
+def test_a_priority_preemption_for_a_job_within_its_quota_is_carried_out_on_approval(
+    two_teams, make_user
+):
+    """The re-check withdraws only what invariant 6 forbids: a claimant within its own quota
+    borrows nothing, and (quotas overcommitted: 2 + 2 on 2 GPUs) may take another team's
+    lower-priority work that is within that team's quota."""
+    (owner, olga), (guest, gus), node, _ = two_teams
+    guest.quota = 2
+    guest.save()
+    low = submit(guest, gus, gpus=2, priority="low")
+    run_pass()
+    beat(node, live_attempt(low), {0: None, 1: None})
+    past_protection()
+    submit(owner, olga, gpus=2, priority="urgent")
+    run_pass()
+    (request,) = PreemptionRequest.objects.all()
+    assert (request.kind, request.state) == ("priority", "proposed")
+    root = make_user("root", staff=True)
+    preemption_actions.do_decide_preemption(request, approve=True, actor=root, now=timezone.now())
+    request.refresh_from_db()
+    assert request.state == "executed"
+    assert live_attempt(low).state == "stopping"

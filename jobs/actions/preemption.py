@@ -164,17 +164,25 @@ def _execute_preemption(request: PreemptionRequest, *, now: datetime) -> None:
 def _no_longer_takable(request: PreemptionRequest, victim: Job, attempt: Attempt | None) -> str:
     """Why the request may not be carried out now ("" if it may): the victim no longer runs,
     the claimant no longer waits, or a victim of another team is no longer beyond its team's
-    quota (its GPUs guaranteed again). The victim is locked; the counts are read now."""
+    quota (its GPUs guaranteed again) while the claimant would borrow. The victim is locked;
+    the counts are read now."""
     if victim.state not in (Job.State.RUNNING, Job.State.STARTING) or attempt is None:
         return f"job {victim.id} no longer runs ({victim.state.lower()})"
     if attempt.state == Attempt.State.STOPPING:
         return f"job {victim.id} is already stopping ({attempt.end_reason})"
-    claimant = Job.objects.only("state", "team_id").get(pk=request.claimant_id)
+    claimant = Job.objects.only("state", "team_id", "gpus").get(pk=request.claimant_id)
     if claimant.state != Job.State.QUEUED:
         return f"job {request.claimant_id} no longer waits"
     if victim.team_id == claimant.team_id or request.kind == PreemptionRequest.Kind.BACKFILL:
         return ""
-    team = teams_with_usage(Team.objects.filter(pk=victim.team_id)).get()
+    teams = {
+        t.id: t
+        for t in teams_with_usage(Team.objects.filter(pk__in=[victim.team_id, claimant.team_id]))
+    }
+    mine = teams[claimant.team_id]
+    if request.kind == PreemptionRequest.Kind.PRIORITY and mine.used + claimant.gpus <= mine.quota:
+        return ""  # a claimant within its own quota borrows nothing (victims.py: any lower work)
+    team = teams[victim.team_id]
     beyond = team.used - team.quota
     # A reclaim may take the job that straddles its team's quota (victims.py); the others
     # take only work wholly beyond it.
