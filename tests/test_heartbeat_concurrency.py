@@ -12,12 +12,13 @@ from django.db import connection, connections, transaction
 from django.utils import timezone
 
 from jobs import actions
+from jobs.actions import preemption as preemption_actions
 from jobs.models import GPU, Attempt, Job, MetricPoint, PreemptionRequest
 from jobs.scheduling.apply import apply_plan
 from jobs.scheduling.loop import run_pass
 from jobs.scheduling.vocab import Plan
 from tests.claims import placement_on
-from tests.heartbeats import beat, live_attempt, submit
+from tests.heartbeats import beat, live_attempt, past_protection, submit
 
 ROUNDS = 12
 
@@ -237,3 +238,66 @@ def test_a_claim_waits_for_a_drain_of_its_node_and_then_refuses_it(setup, make_u
     assert Job.objects.get(pk=job.pk).state == Job.State.QUEUED
     (applied,) = results
     assert "no longer up" in applied.rejected[job.id]
+
+
+@_POSTGRES_ONLY
+@pytest.mark.django_db(transaction=True)
+def test_a_cancel_while_its_preemption_is_being_approved_neither_waits_nor_deadlocks(
+    make_team, make_user, make_nodes, settings, tmp_path
+):
+    """An approval locks its request, then the victim's attempt and job; a cancel locks the
+    attempt and job, then withdraws the job's open requests. Waiting for the request there
+    deadlocked with the approval (PostgreSQL killed one: a user's cancel got a 500). The
+    cancel now skips a request being decided, and the approval, once it has the job, finds
+    it cancelled and withdraws itself."""
+    settings.LOCKSTEP = {
+        **settings.LOCKSTEP,
+        "CHECKPOINT_ROOT": str(tmp_path),
+        "PREEMPTION_APPROVAL_DELAY_S": 120.0,
+    }
+    owner = make_team("owner", quota=4)
+    olga = make_user("olga", team=owner)
+    (node,) = make_nodes(1, 2)
+    low = submit(owner, olga, gpus=2, priority="low")
+    run_pass()
+    beat(node, live_attempt(low), {0: None, 1: None})
+    past_protection()
+    submit(owner, olga, gpus=2, priority="high")
+    run_pass()
+    (request,) = PreemptionRequest.objects.all()
+    errors, locked, go = [], threading.Event(), threading.Event()
+
+    def approve():
+        try:
+            with transaction.atomic():
+                held = PreemptionRequest.objects.select_for_update(no_key=True).get(pk=request.pk)
+                locked.set()
+                assert go.wait(30)
+                held.state = PreemptionRequest.State.APPROVED
+                held.save(update_fields=["state"])
+                preemption_actions._execute_preemption(held, now=timezone.now())
+        except Exception as exc:
+            errors.append(("approve", exc))
+        finally:
+            connections.close_all()
+
+    def cancel():
+        try:
+            actions.do_cancel_job(Job.objects.get(pk=low.pk), actor=olga, now=timezone.now())
+        except Exception as exc:
+            errors.append(("cancel", exc))
+        finally:
+            connections.close_all()
+
+    approving = threading.Thread(target=approve)
+    approving.start()
+    assert locked.wait(30)
+    cancelling = threading.Thread(target=cancel)
+    cancelling.start()
+    cancelling.join(timeout=15)
+    assert not cancelling.is_alive(), "the cancel waited for the request being approved"
+    go.set()
+    approving.join(timeout=60)
+    assert not errors, errors
+    assert Job.objects.get(pk=low.pk).state == Job.State.CANCELLED
+    assert PreemptionRequest.objects.get(pk=request.pk).state == "withdrawn"

@@ -105,18 +105,19 @@ def test_the_trainers_total_and_its_steps_give_the_job_a_projected_end(lab):
     _report(attempt, [{**start, "total_steps": 600}, *step_records(0, range(1, 11))], t0)
     _report(attempt, step_records(0, range(11, 101)), t0 + timedelta(seconds=45))
     attempt.refresh_from_db()
-    assert (attempt.total_steps, attempt.first_step, attempt.last_step) == (600, 1, 100)
+    # The pace starts at the first batch's latest step, the one done when it came in.
+    assert (attempt.total_steps, attempt.first_step, attempt.last_step) == (600, 10, 100)
 
     body = client.get(f"/api/v1/jobs/{first.id}/").json()
     progress = body["progress"]
     assert progress["step"] == 100 and progress["total_steps"] == 600
-    assert progress["steps_per_s"] == pytest.approx(99 / 45, rel=1e-3)
-    end = attempt.last_progress_at + timedelta(seconds=500 / (99 / 45))
+    assert progress["steps_per_s"] == pytest.approx(90 / 45, rel=1e-3)
+    end = attempt.last_progress_at + timedelta(seconds=500 / (90 / 45))
     assert abs(_parse(progress["projected_end"]) - end) < timedelta(seconds=1)
     assert progress["time_limit_end"] is None  # the limit (2 h) is after the projected end
     assert body["attempts"][0]["total_steps"] == 600
     text = _progress_text(progress)
-    assert text.startswith("step 100 of 600 (17 %), 2.2 steps/s, ends about ")
+    assert text.startswith("step 100 of 600 (17 %), 2 steps/s, ends about ")
 
     # The straggler rule's remaining time is the pace's, not "as long again as it has run".
     left, basis = remaining_estimate(first, now=timezone.now())
@@ -143,9 +144,9 @@ def test_a_job_waiting_for_a_running_jobs_gpus_is_estimated_at_that_jobs_pace(la
     assert blind - attempt.created_at > timedelta(minutes=55)
     _report(attempt, [{"kind": "total_steps", "rank": 0, "total_steps": 100}], now)
     run_pass()
-    # 39 steps in 40 s, 60 left: about a minute from the last step.
+    # 38 steps in 40 s, 60 left: about a minute from the last step.
     estimated = Job.objects.get(pk=second.pk).estimated_start_at
-    assert abs(estimated - (now + timedelta(seconds=60 / (39 / 40)))) < timedelta(seconds=2)
+    assert abs(estimated - (now + timedelta(seconds=60 / (38 / 40)))) < timedelta(seconds=2)
     assert "est. start" in Job.objects.get(pk=second.pk).reason
 
 

@@ -247,7 +247,6 @@ def layout_sentence(chosen: dict) -> str:
 def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[dict]:
     points, pushed = [], []
     read_step = attempt.last_step  # as the row said when read
-    first_seen: int | None = None  # the batch's lowest step: the attempt's first, if it has none
     step_keys = set()  # points that are steps (progress); the rest are a framework's scalars
     for record in records:
         if not isinstance(record, dict):
@@ -271,7 +270,6 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
                         points.append(_Point(rank, step, name, value, when))
                         step_keys.add((rank, step, name))
                 attempt.last_step = max(attempt.last_step, step)
-                first_seen = step if first_seen is None else min(first_seen, step)
             elif kind == "scalar":
                 point = _scalar(rank, record, now)
                 if point is not None:
@@ -311,7 +309,7 @@ def ingest_records(attempt: Attempt, records: list, *, now: datetime) -> list[di
     if points:
         _insert_points(attempt.job_id, attempt.id, points)
     if any((p.rank, p.step, p.name) in step_keys for p in points):
-        _note_progress(attempt, read_step, first_seen, now)
+        _note_progress(attempt, read_step, now)
     if points:
         # Last: the series' header rows are locked from here to the heartbeat's commit, and
         # every node of the job takes them (the attempt's row, above, comes first in both
@@ -375,7 +373,7 @@ def _fresh(attempt: Attempt, points: list[_Point], step_keys: set) -> list[_Poin
     return fresh
 
 
-def _note_progress(attempt: Attempt, read_step: int, first_seen: int | None, now: datetime) -> None:
+def _note_progress(attempt: Attempt, read_step: int, now: datetime) -> None:
     """Progress is what the hang detector watches: the portal's clock, not the workers'.
     The attempt may be read unlocked (a steady heartbeat, jobs/actions/heartbeat.py), so the
     write keeps the greatest step and the first first step (and its step number, the pace's
@@ -391,8 +389,10 @@ def _note_progress(attempt: Attempt, read_step: int, first_seen: int | None, now
         "last_progress_at": now,
         "first_step_at": Coalesce("first_step_at", Value(now)),
     }
-    if attempt.first_step_at is None:  # this batch holds the first step (as this node read it)
-        attempt.first_step = first_seen if first_seen is not None else attempt.last_step
+    if attempt.first_step_at is None:  # this batch holds the first steps (as this node read it)
+        # The batch's latest step, the one done by `now` (first_step_at): its earlier steps
+        # took time before it, which counted as none made the first pace too fast.
+        attempt.first_step = attempt.last_step
         changes["first_step"] = Coalesce("first_step", Value(attempt.first_step))
     attempt.last_progress_at = now
     attempt.first_step_at = attempt.first_step_at or now

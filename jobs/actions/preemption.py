@@ -215,9 +215,13 @@ def _withdraw(request: PreemptionRequest, *, why: str, now: datetime) -> bool:
 def withdraw_open_preemptions_of(job: Job, *, why: str, now: datetime) -> None:
     """A job that ends (cancelled, timed out) is nobody's victim any more: its open proposals
     go, so an admin's queue holds only what could still be carried out."""
-    for request in PreemptionRequest.objects.filter(
-        victim_id=job.id, state=PreemptionRequest.State.PROPOSED
-    ):
+    # SKIP LOCKED: the caller holds the job's attempt and row, and an approval being decided
+    # holds its request and waits for them (request -> attempt -> job); waiting here for the
+    # request deadlocked with it. The approval re-checks the victim once it has the job, and
+    # withdraws itself then (`_no_longer_takable`).
+    for request in PreemptionRequest.objects.select_for_update(
+        skip_locked=True, no_key=True
+    ).filter(victim_id=job.id, state=PreemptionRequest.State.PROPOSED):
         _withdraw(request, why=why, now=now)
 
 
