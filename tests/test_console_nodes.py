@@ -32,7 +32,15 @@ def test_the_nodes_page_shows_state_gpus_heartbeat_strikes_and_recent_failures(s
     assert "0 / 2" in row1
     assert '<td data-label="Strikes">1</td>' in row1
     assert "node node-1 down" in row1 and "attempt 1 lost" in row1
-    assert "rejoins when its agent returns" in row1
+    assert "rejoins as up when its agent returns" in row1
+    # Cordoned while down: it will come back cordoned, and says so.
+    client = _client(shared["users"]["root"])
+    client.post("/console/nodes/", {"node": "node-1", "action": "cordon", "reason": "check fan"})
+    html = client.get("/console/nodes/").content.decode()
+    row1 = html.split('<tr data-node="node-1">')[1].split("</tr>")[0]
+    assert "state-down" in row1 and "rejoins as cordoned when its agent returns" in row1
+    node1.refresh_from_db()
+    assert (node1.state, node1.held_state, node1.held_reason) == ("down", "cordoned", "check fan")
 
 
 @pytest.mark.django_db

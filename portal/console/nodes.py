@@ -45,10 +45,17 @@ class NodeActionForm(forms.Form):
         if not node or not action:
             return data
         if node.state == Node.State.DOWN:
-            self.add_error(
-                "action",
-                f"{node.name} is down (no heartbeat); it rejoins as up when its agent returns.",
-            )
+            # What an admin sets on a down node applies when it is back (Node.held_state).
+            back_as = node.held_state or Node.State.UP
+            if (action == "uncordon" and back_as == Node.State.UP) or back_as == {
+                "cordon": Node.State.CORDONED,
+                "drain": Node.State.DRAINING,
+            }.get(action):
+                self.add_error(
+                    "action",
+                    f"{node.name} is down (no heartbeat); it rejoins as {back_as} when its agent "
+                    "returns.",
+                )
         elif action == "uncordon" and node.state == Node.State.UP:
             self.add_error("action", f"{node.name} is up already.")
         elif action in ("cordon", "drain") and node.state == {
