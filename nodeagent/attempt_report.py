@@ -43,6 +43,8 @@ class Tracked:
     # Each rank's log size once a stack dump had settled: `dumped` is reported when the logs
     # shipped reach these offsets, so the dump is in the same heartbeat or an earlier one.
     dump_log_ends: dict[int, int] | None = None
+    # Heartbeats in a row whose report of it failed (nodeagent/heartbeat_body.py).
+    report_failures: int = 0
 
 
 def _size(path: Path) -> int:

@@ -36,17 +36,19 @@ def build_heartbeat(
     acks: list[tuple[Any, Any]] = []
     exits = []
     for attempt_id in supervisor.attempt_ids():
+        remembered = tracked_for(tracked, attempt_id)
         try:
-            report, attempt_acks, finished = attempt_report(
-                supervisor, attempt_id, tracked_for(tracked, attempt_id), log
-            )
+            report, attempt_acks, finished = attempt_report(supervisor, attempt_id, remembered, log)
+            remembered.report_failures = 0
         except Exception:
             # One attempt whose files cannot be read (a disk error under its tails) must not
             # silence the node: the portal would declare it lost, and its fencing, which
             # rides on heartbeat responses, would reach none of its workers. Its ranks'
             # states still go; its data waits, unacknowledged, for a beat that can read it.
             log.exception("attempt %s: its report failed; sending its ranks only", attempt_id)
-            report, attempt_acks, finished = _ranks_only(supervisor, attempt_id, log), [], False
+            remembered.report_failures += 1
+            report = _ranks_only(supervisor, attempt_id, remembered.report_failures, log)
+            attempt_acks, finished = [], False
             if report is None:
                 continue
         attempts.append(report)
@@ -70,9 +72,23 @@ def build_heartbeat(
     return body, acks, exits
 
 
-def _ranks_only(supervisor: Any, attempt_id: int, log: Log) -> dict[str, Any] | None:
+# Beats a failing report holds its ranks' exits back for (about a heartbeat a second).
+HOLD_EXITS_BEATS = 30
+
+
+def _ranks_only(supervisor: Any, attempt_id: int, failures: int, log: Log) -> dict[str, Any] | None:
+    """The attempt's ranks, without its data. An exit goes once its data could be read, or
+    after HOLD_EXITS_BEATS failures: the portal ends an attempt on its exits and ignores what
+    comes after, so an exit sent ahead of the final checkpoint's record would resume the job
+    from an older one (invariant 7); an attempt that never ends would be worse."""
     try:
-        return {"attempt_id": attempt_id, "ranks": supervisor.status(attempt_id), "records": []}
+        ranks = supervisor.status(attempt_id)
     except Exception:
         log.exception("attempt %s: its ranks cannot be read either; left out", attempt_id)
         return None
+    if failures <= HOLD_EXITS_BEATS:
+        ranks = [
+            {**r, "state": "running", "exit_code": None} if r.get("state") == "exited" else r
+            for r in ranks
+        ]
+    return {"attempt_id": attempt_id, "ranks": ranks, "records": []}

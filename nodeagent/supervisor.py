@@ -302,12 +302,13 @@ class WorkerSupervisor:
         """A launch the node broke off half-way (the disk filled up under the attempt's files,
         ...). Half a gang cannot train, and ranks the workers file does not list would escape
         the next agent's fencing: the ranks started are killed, the others never start, and
-        every rank is reported exited, so the portal fails the attempt as it would one whose
-        command could not start, with the reason in the ranks' logs."""
+        the attempt is reported refused by the node's health (`error`; reason in the ranks'
+        logs): the node's fault. As the ranks' exit 127 it was the job's ("user error")."""
         why = f"launch failed: {type(exc).__name__}: {exc}"
         self._log.error("attempt %s: %s; killing the ranks started", attempt.attempt_id, why)
         attempt.workers = list(planned)  # those started are its first ones
         attempt.killed = True
+        attempt.error = {"kind": "health", "message": why}
         for worker in attempt.workers:
             _note(worker.log_path, f"lockstep agent: {why}")
             if worker.popen is None and worker.alive:

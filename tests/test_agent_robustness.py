@@ -137,6 +137,13 @@ def test_a_launch_that_fails_writing_its_files_is_killed_reported_exited_and_the
     assert report["ranks"][0]["exit_code"] == -signal.SIGKILL
     assert not process_alive(report["ranks"][0]["pid"])
     wait_until(lambda: "launch failed: OSError" in _log_text(portal, 41), what="the reason")
+    # The node's fault, not the job's: refused by its health, and a failed check to cordon it.
+    assert report["error"]["kind"] == "health" and "No space left" in report["error"]["message"]
+    health = wait_until(
+        lambda: next((b["health"] for b in portal.beats_since(0) if "health" in b), None),
+        what="the failed health report",
+    )
+    assert health["ok"] is False and "launch: launch failed: OSError" in health["reason"]
 
     # The node still answers its portal: given up, the attempt's exit is recorded and forgotten.
     portal.set_desired([])
@@ -333,3 +340,21 @@ def test_an_attempt_whose_report_fails_is_sent_with_its_ranks_and_the_others_who
     assert first == {"attempt_id": 1, "ranks": [{"rank": 0, "state": "running"}], "records": []}
     assert second["records"] == [{"kind": "step"}]
     assert acks == [("t", 5)] and exits == [2]  # nothing of attempt 1 acknowledged or done
+
+    # Its rank exits: the exit is held back while its data (the final checkpoint's record)
+    # cannot be read, since the portal ends an attempt on its exits; not for ever.
+    exited = {"rank": 0, "state": "exited", "exit_code": 0}
+    monkeypatch.setattr(Supervisor, "status", lambda self, attempt_id: [dict(exited)])
+    seen = []
+    for _ in range(heartbeat_body.HOLD_EXITS_BEATS):  # the first failure was the beat above
+        body, _, _ = heartbeat_body.build_heartbeat(
+            Supervisor(),
+            tracked,
+            boot_id="b",
+            telemetry=Telemetry(),
+            health=Health(),
+            leaving=False,
+            log=logging.getLogger("test"),
+        )
+        seen.append(body["attempts"][0]["ranks"][0]["state"])
+    assert seen[:-1] == ["running"] * (heartbeat_body.HOLD_EXITS_BEATS - 1) and seen[-1] == "exited"
