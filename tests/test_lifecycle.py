@@ -347,8 +347,9 @@ def test_a_cause_reported_just_after_by_another_node_revises_the_blame(setup):
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("a_down", [False, True], ids=["a-cordoned", "a-down-cordon-held"])
 def test_a_revised_cause_moves_the_nodes_strike_to_the_culprits_node(
-    setup, settings, django_capture_on_commit_callbacks
+    setup, settings, django_capture_on_commit_callbacks, a_down
 ):
     """The attempt had trained (a failure after the first step strikes the blamed node). Node
     a was blamed first, and that strike cordoned it; once node b's report shows its rank died
@@ -365,6 +366,10 @@ def test_a_revised_cause_moves_the_nodes_strike_to_the_culprits_node(
     beat(a, attempt, {0: 1, 1: None}, now=t0)
     a.refresh_from_db()
     assert node_strikes(a, t0) == 2 and a.state == "cordoned"  # blamed first
+    if a_down:  # a went silent: down, its cordon held for its return
+        actions.do_mark_node_lost(a, now=t0, reason="no heartbeat for 31s")
+        a.refresh_from_db()
+        assert (a.state, a.held_state) == ("down", "cordoned")
     body = {
         "boot_id": b.boot_id,
         "attempts": [
@@ -386,6 +391,10 @@ def test_a_revised_cause_moves_the_nodes_strike_to_the_culprits_node(
         actions.do_heartbeat(b, body, now=t0 + timedelta(seconds=1))
     a.refresh_from_db()
     b.refresh_from_db()
+    if a_down:  # the held cordon goes with the strike: a comes back up
+        assert (a.state, a.held_state) == ("down", "")
+        actions.do_heartbeat(a, {"boot_id": a.boot_id, "attempts": []}, now=t0)
+        a.refresh_from_db()
     assert node_strikes(a, t0) == 1 and a.state == "up" and a.state_reason == ""
     assert Event.objects.filter(kind="node.uncordoned", node=a, data__automatic=True).exists()
     assert node_strikes(b, t0) == 2 and b.state == "cordoned"

@@ -146,15 +146,22 @@ def _move_strike(attempt_id: int, culprit_id: int, reason: str, *, now: datetime
         last_cordon = (
             Event.objects.filter(node=first, kind=EventKind.NODE_CORDONED).order_by("-id").first()
         )
+        # Cordoned now, or down with the cordon held for its return (nodes.hold_cordon).
+        cordoned = first.state == Node.State.CORDONED or (
+            first.state == Node.State.DOWN and first.held_state == Node.State.CORDONED
+        )
         if (
-            first.state == Node.State.CORDONED
+            cordoned
             and last_cordon is not None
             and last_cordon.id > strike.id
             and last_cordon.data.get("automatic")
             and node_strikes(first, now) < lockstep_setting("STRIKES_TO_CORDON")
         ):
-            first.state, first.state_reason = Node.State.UP, ""
-            first.save(update_fields=["state", "state_reason"])
+            if first.state == Node.State.DOWN:
+                first.held_state = first.held_reason = ""
+            else:
+                first.state, first.state_reason = Node.State.UP, ""
+            first.save(update_fields=["state", "state_reason", "held_state", "held_reason"])
             record_event(
                 EventKind.NODE_UNCORDONED,
                 f"node {first.name} uncordoned automatically: the strike that cordoned it "
