@@ -176,10 +176,8 @@ class WorkerSupervisor:
         """Start one worker per entry of `launch["ranks"]`.
 
         Raises KeyError/ValueError/TypeError on a malformed launch, before spawning anything.
-        A rank whose command cannot be started is reported as exited (127 or 126) with the
-        reason in its log, so the portal sees a failed gang rather than one that never starts.
-        An OSError part-way (a full disk) ends the whole launch that way (`_launch_failed`).
-        """
+        A rank whose command cannot start is reported exited (127 or 126), its reason logged;
+        an OSError part-way (a full disk) is the node's (`_launch_failed`, `refuse`)."""
         if attempt_id in self._attempts:
             raise ValueError(f"attempt {attempt_id} already has workers on this node")
         if launch.get("resume_format") and launch.get("checkpoint_dir"):
@@ -193,7 +191,11 @@ class WorkerSupervisor:
             except OSError as exc:
                 self._log.warning("attempt %s: resume save not laid out: %s", attempt_id, exc)
         if self._containers is not None:
-            attempt = self._containers.launch(attempt_id, launch, self.attempt_dir(attempt_id))
+            try:
+                attempt = self._containers.launch(attempt_id, launch, self.attempt_dir(attempt_id))
+            except OSError as exc:  # unregistered, it was launched again every heartbeat
+                why = f"launch failed: {type(exc).__name__}: {exc}"
+                return self.refuse(attempt_id, launch, {"kind": "health", "message": why})
             self._attempts[attempt_id] = attempt
             return attempt
         command = resolve_command(list(launch["command"]))
@@ -594,7 +596,6 @@ def _cannot_start_code(exc: OSError) -> int:
 
 
 def _note(log_path: Path, line: str) -> None:
-    """Add the agent's word to a rank's log, where the portal shows why it ended; best effort
-    (on a full disk it is in the agent's own log only)."""
+    """The agent's word in a rank's log, where the portal shows why it ended; best effort."""
     with contextlib.suppress(OSError), open(log_path, "ab") as log_file:
         log_file.write(line.encode() + b"\n")

@@ -358,3 +358,22 @@ def test_an_attempt_whose_report_fails_is_sent_with_its_ranks_and_the_others_who
         )
         seen.append(body["attempts"][0]["ranks"][0]["state"])
     assert seen[:-1] == ["running"] * (heartbeat_body.HOLD_EXITS_BEATS - 1) and seen[-1] == "exited"
+
+
+def test_a_container_launch_the_engine_fails_is_refused_by_the_nodes_health_once(
+    supervisor_factory,
+):
+    """Unregistered, a container launch that raised was launched again at every heartbeat
+    (and could create a container each time) until the portal's start timeout."""
+
+    class BrokenEngine:
+        def launch(self, attempt_id, launch, attempt_dir):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    sup = supervisor_factory()
+    sup._containers = BrokenEngine()
+    attempt = sup.launch(9, launch_spec(SLEEPER, one_rank()))
+    assert attempt.error["kind"] == "health" and "No space left" in attempt.error["message"]
+    assert 9 in sup and attempt.workers == []
+    with pytest.raises(ValueError, match="already has workers"):
+        sup.launch(9, launch_spec(SLEEPER, one_rank()))
