@@ -210,18 +210,26 @@ def test_priority_preemption_waits_for_an_admin_who_may_reject_it(two_teams, mak
     assert live_attempt(low).state == "running" or live_attempt(low).state == "starting"
 
 
-@pytest.mark.django_db
-def test_priority_preemption_approves_itself_at_its_deadline(two_teams):
-    (owner, olga), _, node, root = two_teams
+def _proposed_in_team(two_teams):
+    """The owner's low-priority job runs on the node (past its minimum run) and its own
+    high-priority job proposes to preempt it: (the low job, the open request)."""
+    (owner, olga), _, node, _ = two_teams
     owner.quota = 4
     owner.save()
     low = submit(owner, olga, gpus=2, priority="low")
     run_pass()
     beat(node, live_attempt(low), {0: None, 1: None})
     past_protection()
-    submit(owner, olga, gpus=2, priority="high")
+    high = submit(owner, olga, gpus=2, priority="high")
     run_pass()
     (request,) = PreemptionRequest.objects.all()
+    return low, high, request
+
+
+@pytest.mark.django_db
+def test_priority_preemption_approves_itself_at_its_deadline(two_teams):
+    _, _, node, _ = two_teams
+    low, _, request = _proposed_in_team(two_teams)
     run_pass(now=timezone.now() + timedelta(seconds=60))
     request.refresh_from_db()
     assert request.state == "proposed"
@@ -415,17 +423,9 @@ def test_a_job_cancelled_while_its_preemption_waits_is_not_requeued_by_the_appro
     """The proposal outlived its victim: approved by an admin, or by its deadline, while the
     cancelled job checkpointed and stopped, it used to set the job PREEMPTING, and the job's
     exit then requeued it and it ran again."""
-    (owner, olga), _, node, root = two_teams
-    owner.quota = 4
-    owner.save()
-    low = submit(owner, olga, gpus=2, priority="low")
-    run_pass()
+    (owner, olga), _, node, _ = two_teams
+    low, _, request = _proposed_in_team(two_teams)
     attempt = live_attempt(low)
-    beat(node, attempt, {0: None, 1: None})
-    past_protection()
-    submit(owner, olga, gpus=2, priority="high")
-    run_pass()
-    (request,) = PreemptionRequest.objects.all()
     do_cancel_job(low, actor=olga, now=timezone.now())
     request.refresh_from_db()
     assert request.state == "withdrawn"  # the cancel withdraws what it made moot
@@ -485,16 +485,7 @@ def test_a_cross_team_preemption_whose_victim_is_guaranteed_again_is_withdrawn(
 
 @pytest.mark.django_db
 def test_withdrawing_a_stale_proposal_never_overwrites_an_executed_one(two_teams):
-    (owner, olga), _, node, _ = two_teams
-    owner.quota = 4
-    owner.save()
-    low = submit(owner, olga, gpus=2, priority="low")
-    run_pass()
-    beat(node, live_attempt(low), {0: None, 1: None})
-    past_protection()
-    high = submit(owner, olga, gpus=2, priority="high")
-    run_pass()
-    (request,) = PreemptionRequest.objects.all()
+    _, high, request = _proposed_in_team(two_teams)
     # An admin's approval committed between the stale-proposal query and its update.
     PreemptionRequest.objects.filter(pk=request.pk).update(state="executed")
     assert not preemption_actions._withdraw(request, why="test", now=timezone.now())
