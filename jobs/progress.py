@@ -33,7 +33,12 @@ class Pace:
 
     @property
     def fraction(self) -> float:
-        return min(self.step / self.total_steps, 1.0) if self.total_steps else 1.0
+        return fraction(self.step, self.total_steps)
+
+
+def fraction(step: int, total_steps: int) -> float:
+    """How much of the run is done, 0 to 1."""
+    return min(step / total_steps, 1.0) if total_steps else 1.0
 
 
 def pace(attempt, *, min_pace_s: float = MIN_PACE_S) -> Pace | None:

@@ -20,7 +20,7 @@ from jobs.models import (
     Node,
     PreemptionRequest,
 )
-from jobs.progress import pace
+from jobs.progress import fraction, pace
 from jobs.scheduling.protection import min_run_s
 from jobs.validation import dataset_mounts, image_registry
 from trainer.checkpoint_layout import attempt_dir
@@ -276,7 +276,7 @@ def remaining_estimate(job: Job, *, now: datetime) -> tuple[float, str]:
     run; with neither, as long again as it has run so far (a job that has run an hour is as
     likely as not to run another)."""
     ran = run_seconds([job.id], now=now).get(job.id, 0.0)
-    limit = max(job.time_limit_s - ran, 0.0) if job.time_limit_s else None
+    limit = _limit_left(job, ran)
     attempt = job.attempts.filter(ended_at__isnull=True).first()
     at_pace = pace(attempt) if attempt is not None else None
     if at_pace is not None:
@@ -299,17 +299,22 @@ def progress(job: Job, *, now: datetime) -> dict | None:
     out = {
         "step": attempt.last_step,
         "total_steps": attempt.total_steps,
-        "fraction": round(min(attempt.last_step / attempt.total_steps, 1.0), 4),
+        "fraction": round(fraction(attempt.last_step, attempt.total_steps), 4),
         "steps_per_s": round(at_pace.steps_per_s, 3) if at_pace else None,
         "projected_end": at_pace.projected_end if at_pace else None,
         "time_limit_end": None,
     }
     if at_pace is not None and job.time_limit_s:
         ran = run_seconds([job.id], now=now).get(job.id, 0.0)
-        limit_end = now + timedelta(seconds=max(job.time_limit_s - ran, 0.0))
+        limit_end = now + timedelta(seconds=_limit_left(job, ran))
         if limit_end < at_pace.projected_end:
             out["time_limit_end"] = limit_end
     return out
+
+
+def _limit_left(job: Job, ran_s: float) -> float | None:
+    """Seconds of its time limit left after `ran_s` of run time; None without a limit."""
+    return max(job.time_limit_s - ran_s, 0.0) if job.time_limit_s else None
 
 
 def capacity_without(attempt: Attempt, node: Node) -> bool:

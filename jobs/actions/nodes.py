@@ -209,21 +209,8 @@ def do_mark_node_lost(node: Node, *, now: datetime, reason: str) -> None:
     node.state, node.state_reason = Node.State.DOWN, reason
     node.save(update_fields=["state", "state_reason", "held_state", "held_reason"])
     record_event(EventKind.NODE_DOWN, f"node {node.name} down: {reason}", node=node)
-    for attempt in (
-        Attempt.objects.filter(ended_at__isnull=True, allocations__node=node)
-        .distinct()
-        .select_related("job")
-    ):
-        if node.leaving_at is not None:
-            # Its agent said it was leaving (a cordoned node stays cordoned then, and only
-            # its silence brings it here): a planned restart, not a failure. No strike.
-            do_end_attempt(
-                attempt,
-                state=stopped_state(attempt.job),
-                now=now,
-                reason=f"{LEAVING_REASON} {node.name}'s agent: it left ({reason})",
-            )
-            continue
+    # A node whose agent said it is leaving never gets here: the leave took it down at once.
+    for attempt in Attempt.objects.filter(ended_at__isnull=True, allocations__node=node).distinct():
         do_end_attempt(
             attempt,
             state=Attempt.State.LOST,

@@ -44,24 +44,21 @@ class NodeActionForm(forms.Form):
         node, action = data.get("node"), data.get("action")
         if not node or not action:
             return data
+        wanted = {
+            "cordon": Node.State.CORDONED,
+            "drain": Node.State.DRAINING,
+            "uncordon": Node.State.UP,
+        }.get(action)
         if node.state == Node.State.DOWN:
             # What an admin sets on a down node applies when it is back (Node.held_state).
             back_as = node.held_state or Node.State.UP
-            if (action == "uncordon" and back_as == Node.State.UP) or back_as == {
-                "cordon": Node.State.CORDONED,
-                "drain": Node.State.DRAINING,
-            }.get(action):
+            if back_as == wanted:
                 self.add_error(
                     "action",
                     f"{node.name} is down (no heartbeat); it rejoins as {back_as} when its agent "
                     "returns.",
                 )
-        elif action == "uncordon" and node.state == Node.State.UP:
-            self.add_error("action", f"{node.name} is up already.")
-        elif action in ("cordon", "drain") and node.state == {
-            "cordon": Node.State.CORDONED,
-            "drain": Node.State.DRAINING,
-        }.get(action):
+        elif node.state == wanted:
             self.add_error("action", f"{node.name} is {node.state} already.")
         return data
 
