@@ -28,6 +28,20 @@ REPO = Path(__file__).resolve().parent.parent
 CLUSTER_TOKEN = "cluster-secret"
 
 
+def warm_supervisor(tmp_path: Path) -> tuple[WorkerSupervisor, Path]:
+    """A supervisor whose zygote preloads a small module of the test's (fast to warm, and a
+    `deploy` is a touch of its file)."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "warmmod.py").write_text("VERSION = 1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCKSTEP_", "OMP_"))}
+    env["PYTHONPATH"] = f"{lib}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["LOCKSTEP_ZYGOTE_PRELOAD"] = "warmmod"
+    sup = WorkerSupervisor(tmp_path / "work", gpu_kind="cpu", base_env=env, warm_start=True)
+    assert sup._zygote.wait_ready(90), sup._zygote.failed
+    return sup, lib / "warmmod.py"
+
+
 def launch_spec(script: str, ranks: list[dict[str, int]], **overrides: Any) -> dict[str, Any]:
     """A launch dict as the portal sends it, running `python -c script` on each rank."""
     spec = {

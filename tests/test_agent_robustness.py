@@ -34,6 +34,7 @@ from tests.nodeagent_helpers import (
     supervisor_factory_fixture,  # noqa: F401 (fixture)
     wait_launched,
     wait_until,
+    warm_supervisor,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -56,20 +57,6 @@ def _log_text(portal, attempt_id: int) -> str:
     return "".join(
         chunk["text"] for report in portal.attempt_in_beats(attempt_id) for chunk in report["logs"]
     )
-
-
-def _warm_supervisor(tmp_path: Path) -> tuple[WorkerSupervisor, Path]:
-    """A supervisor whose zygote preloads a small module of the test's (fast to warm, and a
-    `deploy` is a touch of its file)."""
-    lib = tmp_path / "lib"
-    lib.mkdir()
-    (lib / "warmmod.py").write_text("VERSION = 1\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCKSTEP_", "OMP_"))}
-    env["PYTHONPATH"] = f"{lib}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env["LOCKSTEP_ZYGOTE_PRELOAD"] = "warmmod"
-    sup = WorkerSupervisor(tmp_path / "work", gpu_kind="cpu", base_env=env, warm_start=True)
-    assert sup._zygote.wait_ready(90), sup._zygote.failed
-    return sup, lib / "warmmod.py"
 
 
 def _script(tmp_path: Path, name: str, text: str) -> list[str]:
@@ -234,7 +221,7 @@ NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
     not os.access(NS_LAST_PID, os.W_OK), reason="setting the next pid needs root (ns_last_pid)"
 )
 def test_a_forked_worker_given_an_earlier_workers_pid_runs_on(tmp_path):
-    sup, _ = _warm_supervisor(tmp_path)
+    sup, _ = warm_supervisor(tmp_path)
     exit7, sleep = _script(tmp_path, "exit7.py", EXIT7), _script(tmp_path, "sleep.py", SLEEP)
     try:
         reused = None
@@ -270,7 +257,7 @@ sys.exit(int(os.environ["RANK"]) + 3)
 
 
 def test_a_replaced_zygote_stays_until_its_workers_exit_so_their_statuses_are_real(tmp_path):
-    sup, warmmod = _warm_supervisor(tmp_path)
+    sup, warmmod = warm_supervisor(tmp_path)
     command = _script(tmp_path, "wait_flag.py", FLAG_WAIT)
     try:
         first = sup.launch(1, launch_spec("", TWO_RANKS, command=command))
@@ -327,15 +314,19 @@ def test_an_attempt_whose_report_fails_is_sent_with_its_ranks_and_the_others_who
 
     monkeypatch.setattr(heartbeat_body, "attempt_report", report)
     tracked: dict[int, Tracked] = {}
-    body, acks, exits = heartbeat_body.build_heartbeat(
-        Supervisor(),
-        tracked,
-        boot_id="b",
-        telemetry=Telemetry(),
-        health=Health(),
-        leaving=False,
-        log=logging.getLogger("test"),
-    )
+
+    def build():
+        return heartbeat_body.build_heartbeat(
+            Supervisor(),
+            tracked,
+            boot_id="b",
+            telemetry=Telemetry(),
+            health=Health(),
+            leaving=False,
+            log=logging.getLogger("test"),
+        )
+
+    body, acks, exits = build()
     first, second = body["attempts"]
     assert first == {"attempt_id": 1, "ranks": [{"rank": 0, "state": "running"}], "records": []}
     assert second["records"] == [{"kind": "step"}]
@@ -347,15 +338,7 @@ def test_an_attempt_whose_report_fails_is_sent_with_its_ranks_and_the_others_who
     monkeypatch.setattr(Supervisor, "status", lambda self, attempt_id: [dict(exited)])
     seen = []
     for _ in range(heartbeat_body.HOLD_EXITS_BEATS):  # the first failure was the beat above
-        body, _, _ = heartbeat_body.build_heartbeat(
-            Supervisor(),
-            tracked,
-            boot_id="b",
-            telemetry=Telemetry(),
-            health=Health(),
-            leaving=False,
-            log=logging.getLogger("test"),
-        )
+        body, _, _ = build()
         seen.append(body["attempts"][0]["ranks"][0]["state"])
     assert seen[:-1] == ["running"] * (heartbeat_body.HOLD_EXITS_BEATS - 1) and seen[-1] == "exited"
 

@@ -14,7 +14,7 @@ import pytest
 
 from nodeagent.supervisor import WorkerSupervisor
 from nodeagent.zygote import ForkedWorker, Zygote, can_fork
-from tests.nodeagent_helpers import launch_spec, process_alive, wait_until
+from tests.nodeagent_helpers import launch_spec, process_alive, wait_until, warm_supervisor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -198,13 +198,7 @@ def test_can_fork_only_this_interpreter_running_a_module_or_script_with_threads_
 
 
 def test_code_changed_on_disk_starts_cold_then_a_new_zygote_warms_up_with_it(tmp_path, probe):
-    lib = tmp_path / "lib"
-    lib.mkdir()
-    (lib / "warmmod.py").write_text("VERSION = 1\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCKSTEP_", "OMP_"))}
-    env["PYTHONPATH"] = f"{lib}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env["LOCKSTEP_ZYGOTE_PRELOAD"] = "warmmod"
-    sup = WorkerSupervisor(tmp_path / "work", gpu_kind="cpu", base_env=env, warm_start=True)
+    sup, warmmod = warm_supervisor(tmp_path)
     try:
         first = sup._zygote
         assert first.wait_ready(90) and first.ready == ["warmmod"]
@@ -212,8 +206,8 @@ def test_code_changed_on_disk_starts_cold_then_a_new_zygote_warms_up_with_it(tmp
         assert all(isinstance(w.popen, ForkedWorker) for w in attempt.workers)
         # A deploy: the preloaded module's file changes. Forking the old code would run what a
         # fresh interpreter no longer would.
-        stamp = (lib / "warmmod.py").stat().st_mtime + 5
-        os.utime(lib / "warmmod.py", (stamp, stamp))
+        stamp = warmmod.stat().st_mtime + 5
+        os.utime(warmmod, (stamp, stamp))
         attempt, _ = _run(sup, 2, ["python", str(probe)])
         assert not any(isinstance(w.popen, ForkedWorker) for w in attempt.workers)
         assert sup._zygote is not first and sup._zygote.wait_ready(90)
