@@ -23,6 +23,8 @@ switches off one part of the policy at a time to see what each costs and buys:
   (before fair share): GPUs lent to short jobs come back by themselves more often.
 - `reclaim-backoff-1h`: a team whose GPUs were reclaimed may not borrow for 1 h (300 s).
 - `no-reclaim-backoff`: a team whose GPUs were reclaimed may borrow again at once.
+- `no-wait-for-ends`: a claim stops its victims even where jobs ending within the stop's
+  grace anyway (time limits, here exact estimates) would free its GPUs in time.
 - `quota-promise`: the settings AGED_BORROWED_FIRST=false and QUOTA_BEFORE_DRAIN=true (aged
   borrowed work after guaranteed work; a job within its quota may start on a borrowing head's
   draining nodes).
@@ -67,6 +69,7 @@ VARIANTS = (
     "reclaim-backoff-1h",
     "no-reclaim-backoff",
     "quota-promise",
+    "no-wait-for-ends",
 )
 KEYS = (
     "work_utilization",
@@ -164,6 +167,9 @@ def _ablate(variant: str):
             trace,
             replace(config, aged_borrowed_first=False, quota_before_drain=True),
         )
+    if variant == "no-wait-for-ends":  # claims stop victims even where jobs end in the grace
+        policy.SchedulingPass._wait_for_ends = lambda self, *args: False
+        return same
     raise ValueError(f"unknown variant {variant!r}")
 
 

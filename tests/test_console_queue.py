@@ -134,11 +134,12 @@ def test_reservations_are_read_from_the_wait_data_the_scheduler_writes():
     """The queue page renders what a job holds from Job.wait (the plan's WaitReason as data),
     not by parsing the sentence."""
     import dataclasses
+    from datetime import timedelta
 
     from jobs.scheduling.policy import plan
     from jobs.scheduling.vocab import WaitReason
     from portal.console.queue import reservation_of
-    from tests.builders import job, node, running, snapshot, team
+    from tests.builders import T0, job, node, running, snapshot, team
 
     held = WaitReason("reserved", {"gpus": 16, "free": 3, "nodes": ["n1", "n2"], "ahead": 2})
     assert reservation_of(held.to_json()) == "nodes n1, n2"
@@ -157,6 +158,14 @@ def test_reservations_are_read_from_the_wait_data_the_scheduler_writes():
     stopping = dataclasses.replace(low, stopping=True, claimant_id=2)
     wait = plan(snapshot([n1], [claimant], [lab], [stopping])).waits[2]
     assert reservation_of(wait.to_json()).startswith("the GPUs of job 10"), wait
+    # A claim waiting for a job that ends within the grace anyway: nothing is stopped.
+    guest = team("guest", quota=0, borrow=8, used=8)
+    lent = running(10, n1, range(8), team_id=guest.id)
+    ending = dataclasses.replace(lent, frees_by=T0 + timedelta(seconds=30))
+    owner = team("owner", quota=8, used=0)
+    wait = plan(snapshot([n1], [job(1, 8, team_id=owner.id)], [owner, guest], [ending])).waits[1]
+    assert wait.code == "ending"
+    assert reservation_of(wait.to_json()) == "the GPUs of job 10, once ended (nothing stopped)"
 
 
 # --- preemptions -----------------------------------------------------------------------------

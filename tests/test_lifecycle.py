@@ -11,6 +11,7 @@ from django.utils import timezone
 from jobs import actions, queries
 from jobs.actions import strikes
 from jobs.actions.strikes import node_strikes
+from jobs.conf import lockstep_setting
 from jobs.models import Allocation, Event, Job
 from jobs.scheduling.loop import run_pass
 from tests.heartbeats import beat, commit_checkpoint, launch_of, live_attempt, submit
@@ -186,6 +187,9 @@ def test_time_limit_counts_run_time_so_time_spent_requeued_is_not_charged(setup)
     (run,) = take_snapshot(queued_at).running
     # 40 s of the limit are left, counted from the second attempt's start.
     assert run.expected_end == queued_at + timedelta(seconds=40)
+    # Its GPUs are free at the latest once the stop at the limit has had its grace to save.
+    grace = timedelta(seconds=lockstep_setting("STOP_GRACE_S"))
+    assert run.frees_by == run.expected_end + grace
 
     def beat_both(at):
         for node in (a, b):

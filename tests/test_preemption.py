@@ -167,6 +167,7 @@ def test_a_reclaims_gpus_go_to_its_claimant_even_past_a_higher_priority_job(
     (stopping,) = snap.running
     victim_attempt.refresh_from_db()
     assert stopping.expected_end == victim_attempt.stop_deadline is not None
+    assert stopping.frees_by == victim_attempt.stop_deadline  # killed then at the latest
     # A higher-priority job arrives while the victim checkpoints: it is ordered first.
     rival = submit(rival_team, rival_user, gpus=2, priority="high")
     run_pass()

@@ -143,6 +143,20 @@ class SchedulingPass:
             if j.team_id in self.teams
             and self.teams[j.team_id].used + j.gpus <= self.teams[j.team_id].quota
         }
+        # Running jobs whose GPUs free up within a stop's grace without anyone stopping them
+        # (time limits, stop deadlines not for another claimant), soonest first: a claim
+        # met by them waits for them instead of stopping a job (`_wait_for_ends`).
+        now_s, horizon = self.now.timestamp(), self.now.timestamp() + snapshot.stop_grace_s
+        self.ending = sorted(
+            (
+                r
+                for r in snapshot.running
+                if r.frees_by is not None
+                and now_s < r.frees_by.timestamp() <= horizon
+                and r.claimant_id is None
+            ),
+            key=lambda r: r.frees_by,
+        )
         # Built once the claims already carried out hold their nodes (`run`).
         self.reservations: Reservations
 
@@ -361,6 +375,8 @@ class SchedulingPass:
         # reclaim takes one stop grace, not one grace per queued job. A priority preemption or
         # a plain reservation stays one per pass.
         guaranteed = self.used[team.id] + self.claiming[team.id] + job.gpus <= team.quota
+        if self._wait_for_ends(job, team, guaranteed):
+            return None
         claimed = self._claim(job, team, guaranteed)
         if claimed is None:
             self.guaranteed_waiting |= guaranteed
@@ -378,6 +394,39 @@ class SchedulingPass:
         if claimed is None and stretch(job, self.now) >= STARVING_CLAIM_STRETCH:
             self.starving.append((job, team))
         return None
+
+    def _wait_for_ends(self, job: JobView, team: TeamView, guaranteed: bool) -> bool:
+        """Where jobs that end within a stop's grace anyway (their time limits, their stop
+        deadlines) free enough GPUs for a job that could claim, it waits for them and holds
+        their nodes, as a claim would, instead of stopping a job: the claim would wait the
+        grace for its victims in any case, and each stop costs its victim a restart (about 85 %
+        of the policy's stops were reclaims, docs/thrash.md). True if it waits."""
+        if not self.ending or not (self.reservations.holder is None or guaranteed):
+            return False
+        found = self.victims.find(
+            job,
+            [r for r in self.ending if r.id not in self.taken],
+            allowed(team, self.reservations.claimable),
+            lambda run, chosen: True,
+        )
+        if found is None:
+            return False
+        ending, choice = found
+        if guaranteed:
+            self.claiming[team.id] += job.gpus
+        nodes = [node.id for node, _ in choice]
+        self.reservations.reserve(job.id, nodes)
+        occupy(self.free, choice)
+        self.reservations.placed()
+        self.wait(
+            job,
+            "ending",
+            ending=tuple(r.id for r in ending),
+            gpus=job.gpus,
+            until=max(r.frees_by for r in ending).timestamp(),
+            nodes=tuple(self.names[n] for n in nodes),
+        )
+        return True
 
     def _claim(self, job: JobView, team: TeamView, guaranteed: bool):
         """Victims for a blocked job (`Victims.claim`) on nodes no earlier claim reserved:

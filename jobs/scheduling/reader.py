@@ -207,6 +207,7 @@ def take_snapshot(
             started_at=a.created_at,
             expected_end=(end := _expected_end(a, ran_before.get(a.job_id, 0.0))),
             projected_end=_projected_end(a, end),
+            frees_by=_frees_by(a, end),
             last_checkpoint_at=last_saves.get(a.job_id),
             stopping=a.state == Attempt.State.STOPPING,
             claimant_id=claimant_of.get(a.id) if a.state == Attempt.State.STOPPING else None,
@@ -239,6 +240,7 @@ def live_rules() -> dict:
         "aged_borrowed_first": bool(lockstep_setting("AGED_BORROWED_FIRST")),
         "quota_before_drain": bool(lockstep_setting("QUOTA_BEFORE_DRAIN")),
         "grow_after_s": lockstep_setting("ELASTIC_GROW_AFTER_S"),
+        "stop_grace_s": lockstep_setting("STOP_GRACE_S"),
     }
 
 
@@ -281,6 +283,15 @@ def _expected_end(attempt, ran_before_s: float) -> datetime | None:
     if deadline is not None:
         end = deadline if end is None else min(end, deadline)
     return end
+
+
+def _frees_by(attempt, expected_end: datetime | None) -> datetime | None:
+    """When the attempt's GPUs are free at the latest: a running one is told to stop at its
+    time limit and has the stop grace to save (do_enforce_time_limit); a stopping one is
+    killed at its deadline (expected_end is already that)."""
+    if expected_end is None or attempt.state == attempt.State.STOPPING:
+        return expected_end
+    return expected_end + timedelta(seconds=lockstep_setting("STOP_GRACE_S"))
 
 
 def _projected_end(attempt, expected_end: datetime | None) -> datetime | None:

@@ -373,6 +373,7 @@ class _Engine:
             gang_reclaim_exempt_s=self.cfg.gang_reclaim_exempt_s,
             aged_borrowed_first=self.cfg.aged_borrowed_first,
             quota_before_drain=self.cfg.quota_before_drain,
+            stop_grace_s=self.cfg.grace_s,
         )
 
     def _due_checkpoints(self, t: float) -> None:
@@ -487,6 +488,8 @@ class _Engine:
                 slots=tuple((self.node_ids[n], g) for n, g in slots),
                 started_at=_at(t),
                 expected_end=_at(expected),
+                # Its estimate stands for its time limit (exact unless estimate_noise is set).
+                frees_by=_at(expected),
                 protected_until=_at(t + protect),
                 restart_s=cfg.restart_s,
                 preemptions=recent,
@@ -577,6 +580,7 @@ class _Engine:
             run.view,
             stopping=True,
             expected_end=_at(min(run.expected, stop)),
+            frees_by=_at(min(run.expected, stop)),
             claimant_id=claimant,
         )
         view = self.queue.get(claimant)

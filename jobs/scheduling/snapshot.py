@@ -61,6 +61,10 @@ class RunningView:
     # When its steps should be done at its pace (jobs.progress), no later than expected_end.
     # Advice: start estimates end it there; the policy plans with expected_end only.
     projected_end: datetime | None = None
+    # When its GPUs are free again at the latest, without anyone stopping it: its time limit
+    # plus the checkpoint-first stop's grace, or its stop deadline if already told to stop.
+    # A claim that would be met by then waits for it instead of stopping a job (rule 5).
+    frees_by: datetime | None = None
     last_checkpoint_at: datetime | None = None
     stopping: bool = False  # already told to checkpoint and stop
     claimant_id: int | None = None  # stopping for this queued job (a preemption's claimant)
@@ -123,6 +127,9 @@ class Snapshot:
     # A shrunk elastic job grows back (rule 8) only after running this long at its smaller
     # size: each grow costs a checkpoint and a restart.
     grow_after_s: float = 600.0
+    # How long a stopped job has to checkpoint before it is killed (STOP_GRACE_S): what a
+    # claim waits for its victims anyway, and so how long it may wait for jobs ending.
+    stop_grace_s: float = 60.0
 
     def team(self, team_id: int) -> TeamView:
         for team in self.teams:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 
 
@@ -93,6 +94,15 @@ def _stopping(data: Mapping) -> str:
     )
 
 
+def _ending(data: Mapping) -> str:
+    jobs = ", ".join(f"job {j}" for j in data["ending"])
+    until = datetime.fromtimestamp(data["until"], tz=UTC).strftime("%H:%M:%S UTC")
+    return (
+        f"waiting for {jobs} to end by {until} (time limit or stop deadline); nothing is "
+        f"stopped for it; {data['gpus']} GPUs held on {', '.join(data['nodes'])}"
+    )
+
+
 def _team_queue(data: Mapping) -> str:
     return (
         f"behind job {data['job']} of team {data['team']}, which waits for the team's GPUs "
@@ -166,6 +176,7 @@ def _behind_reservation(data: Mapping) -> str:
 _TEXTS = {
     "no_team": lambda data: "team not found",
     "stopping": _stopping,
+    "ending": _ending,
     "team_queue": _team_queue,
     "team_limit": _team_limit,
     "too_large": lambda data: (
@@ -197,6 +208,8 @@ class WaitReason:
     - no_team: {}
     - stopping: its claim's victims were told to stop and its GPUs are held:
       {victims: job ids, gpus, nodes: names held}
+    - ending: jobs ending within a stop's grace anyway free its GPUs, so nothing is stopped
+      for it: {ending: their job ids, gpus, until: epoch seconds, nodes: names held}
     - team_queue: behind its team's first job blocked by the team's cap:
       {job, team: name, cap, until: epoch seconds the team's GPUs free up, or None}
     - team_limit: {team: name, used, cap, quota, borrow_limit, paused: bool, gpus}
@@ -232,7 +245,7 @@ class WaitReason:
     @property
     def reserved_nodes(self) -> tuple[str, ...]:
         """Names of the nodes it holds, if any."""
-        if self.code in ("stopping", "reserved", "reserved_starving"):
+        if self.code in ("stopping", "ending", "reserved", "reserved_starving"):
             return tuple(self.data["nodes"])
         return ()
 

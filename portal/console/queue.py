@@ -38,6 +38,9 @@ def reservation_of(wait: dict) -> str | None:
     reason = WaitReason.from_json(wait)
     if reason.code in ("reserved", "reserved_starving"):
         return "nodes " + ", ".join(reason.reserved_nodes)
+    if reason.code == "ending":
+        ending = ", ".join(f"job {j}" for j in reason.data["ending"])
+        return f"the GPUs of {ending}, once ended (nothing stopped)"
     if reason.victims:
         victims = ", ".join(f"job {victim}" for victim in reason.victims)
         return f"the GPUs of {victims}, once preempted (checkpoint, then stop)"
