@@ -32,6 +32,7 @@ urlpatterns = [
     path("jobs/<int:job_id>/", views.job_page, name="job"),
     path("jobs/<int:job_id>/cancel/", views.cancel_job, name="cancel"),
     path("jobs/<int:job_id>/spec/", views.job_spec_download, name="job_spec"),
+    path("jobs/<int:job_id>/progress/", views.job_progress, name="job_progress"),
     path("checkpoints/<int:checkpoint_id>/register/", views.register_model, name="register"),
     path("models/", views.model_registry, name="models"),
     path("models/<int:version_id>/weights/", views.model_weights, name="model_weights"),

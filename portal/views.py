@@ -174,6 +174,15 @@ def _submit_initial(request, teams) -> dict:
 
 
 @login_required
+def job_progress(request, job_id: int):
+    """The job page's Progress row again (templates/job_progress.html): the page redraws it
+    every few seconds while the job runs, so its step, pace and projected end stay current.
+    Empty while the job runs no attempt that said how many steps it takes."""
+    job = _job_or_404(request.user, job_id)
+    return render(request, "job_progress.html", {"progress": progress(job, now=timezone.now())})
+
+
+@login_required
 def job_spec_download(request, job_id: int):
     job = _job_or_404(request.user, job_id)
     response = JsonResponse(job_spec(job), json_dumps_params={"indent": 2})

@@ -237,6 +237,24 @@ def test_live_points_reach_the_chart_within_2_s_of_their_step(cluster, page):
     assert median < 2.0, latencies
 
 
+def test_the_progress_row_moves_with_the_run(cluster, page):
+    """The Progress row (step, pace, projected end) is drawn again while the job runs
+    (job_progress.js), not left as it was when the page loaded."""
+    page.goto(f"{cluster.url}/jobs/{cluster.running}/")
+    step = re.compile(r"step (\d+) of 100000")
+    page.wait_for_function(
+        "() => { const p = document.getElementById('progress');"
+        " return p && / steps\\/s /.test(p.textContent); }",
+        timeout=120_000,
+    )
+    first = int(step.search(page.inner_text("#progress")).group(1))
+    page.wait_for_function("() => window.lockstepJobProgress.redraws >= 2", timeout=30_000)
+    later = int(step.search(page.inner_text("#progress")).group(1))
+    assert later > first, (first, later)
+    assert not page.is_hidden("#progress-row")
+    assert "ends about" in page.inner_text("#progress")
+
+
 def test_lost_pushes_and_a_dropped_socket_are_refilled_from_the_server(cluster, page):
     """The channel layer may lose a push (a watcher's queue full while its portal process
     stalls), and a socket that reconnects misses what was pushed meanwhile. Between the

@@ -203,3 +203,33 @@ def _parse(text):
     from datetime import datetime
 
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+@pytest.mark.django_db
+def test_the_job_pages_progress_row_is_drawn_again_as_the_run_goes(lab, make_team, make_user):
+    """views.job_progress: the row job_progress.js swaps in every few seconds, from the same
+    template as the page's; empty before the script said its total; not another team's."""
+    from django.test import Client
+
+    _, user, client = lab
+    first = _start(client)
+    attempt = live_attempt(first)
+    browser = Client()
+    browser.force_login(user)
+    url = f"/jobs/{first.id}/progress/"
+    assert browser.get(url).content.decode().strip() == ""  # no total said yet
+    page = browser.get(f"/jobs/{first.id}/").content.decode()
+    assert '<tr id="progress-row" hidden>' in page and "job_progress.js" in page
+    now = timezone.now()
+    start = {"kind": "start", "rank": 0, "world_size": 8, "resumed_from_step": 0}
+    _report(attempt, [{**start, "total_steps": 1000}, *step_records(0, [1])], now)
+    _report(attempt, step_records(0, range(2, 101)), now + timedelta(seconds=20))
+    row = browser.get(url).content.decode()
+    assert "step 100 of 1000 (10%)" in row and 'id="projected-end"' in row
+    _report(attempt, step_records(0, range(101, 201)), now + timedelta(seconds=40))
+    assert "step 200 of 1000 (20%)" in browser.get(url).content.decode()
+    # Another team's member: the same 404 as for the page.
+    stranger = Client()
+    stranger.force_login(make_user("eve", team=make_team("other", quota=8)))
+    assert stranger.get(url).status_code == 404
+    assert Client().get(url).status_code == 302  # not logged in: to the login page

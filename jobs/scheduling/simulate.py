@@ -7,9 +7,10 @@ definitions are in docs/simulator.md; the measurements themselves in sim_metrics
 clocks in sim_reclaims.py.
 
 The engine is one state machine: its event handlers (start, preempt, approve, stop, complete)
-share the virtual cluster's state, which is why it stays one class (~680 lines) rather than
-handlers in several modules passing that state back and forth. Its inputs are in trace.py (and
-generate.py), its configuration and result in sim_config.py.
+share the virtual cluster's state, which is why it stays one class rather than handlers in
+several modules passing that state back and forth; the preemption handlers (a proposal carried
+out, approved, its victim stopped) are its mixin in sim_stops.py. Its inputs are in trace.py
+(and generate.py), its configuration and result in sim_config.py.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from jobs.scheduling.sim_config import (
 )
 from jobs.scheduling.sim_metrics import engine_metrics, fit_reason, queued_job_fits, waits_by_class
 from jobs.scheduling.sim_reclaims import ReclaimClocks
+from jobs.scheduling.sim_stops import _APPROVE, _COMPLETE, _STOP, _WAKE, Stops
 from jobs.scheduling.snapshot import JobView, NodeView, RunningView, Snapshot, TeamView
 from jobs.scheduling.trace import TeamQuota, TraceJob, equal_quotas
-from jobs.scheduling.vocab import AUTOMATIC_KINDS, PreemptionKind
 
 # The simulator's public names: its entry points and what they take and give (sim_config.py).
 __all__ = [
@@ -74,10 +75,7 @@ class _Run:
     warmup: float = 0.0  # restart cost of this attempt, before its work resumes
 
 
-_COMPLETE, _STOP, _APPROVE, _WAKE = 0, 1, 2, 3
-
-
-class _Engine:
+class _Engine(Stops):
     def __init__(
         self,
         trace: Sequence[TraceJob],
@@ -530,104 +528,6 @@ class _Engine:
     def _push(self, t: float, kind: int, jid: int, attempt: int) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, jid, attempt))
-
-    def _preempt(self, proposal, t: float) -> None:
-        """As the live system: one open request per victim; reclaims and starvation claims are
-        carried out at once, priority preemptions when their approval deadline passes (no
-        admin in a simulation)."""
-        self.preemptions["proposed"] += 1
-        jid = proposal.victim_job_id
-        run = self.running.get(jid)
-        if run is None or jid in self.open_requests:
-            self.preemptions["duplicate"] += 1
-            return
-        if run.view.preemptions >= self.cfg.safety_stop > 0:
-            # As the live action: refused, and an admin alert (counted) instead of a loop.
-            self.preemptions["refused"] += 1
-            self.safety_stops.add(jid)
-            return
-        kind = proposal.kind
-        self.preemptions_by_kind[kind] = self.preemptions_by_kind.get(kind, 0) + 1
-        self.open_requests[jid] = (proposal.claimant_job_id, kind)
-        if kind in AUTOMATIC_KINDS or self.cfg.approval_delay_s <= 0:
-            self._execute(jid, t)
-        else:
-            self._push(t + self.cfg.approval_delay_s, _APPROVE, jid, run.attempt)
-
-    def _approve(self, jid: int, attempt: int, t: float) -> None:
-        run = self.running.get(jid)
-        if run is None or run.attempt != attempt or jid not in self.open_requests:
-            self.open_requests.pop(jid, None)
-            return
-        if self.open_requests[jid][0] not in self.queue:
-            self.preemptions["withdrawn"] += 1
-            del self.open_requests[jid]
-            return
-        self._execute(jid, t)
-
-    def _execute(self, jid: int, t: float) -> None:
-        """Checkpoint-and-stop with a grace deadline; the victim's team stops borrowing."""
-        run = self.running[jid]
-        _, kind = self.open_requests[jid]
-        self.preemptions["executed"] += 1
-        if kind == PreemptionKind.RECLAIM and self.cfg.reclaim_backoff_s > 0:
-            self.paused_until[run.view.team_id] = t + self.cfg.reclaim_backoff_s
-            self._push(t + self.cfg.reclaim_backoff_s, _WAKE, 0, 0)
-        stop = t + self.cfg.grace_s
-        run.stopping_at = stop
-        claimant = self.open_requests[jid][0]
-        run.view = replace(
-            run.view,
-            stopping=True,
-            expected_end=_at(min(run.expected, stop)),
-            frees_by=_at(min(run.expected, stop)),
-            claimant_id=claimant,
-        )
-        view = self.queue.get(claimant)
-        if view is not None:
-            nodes = tuple(dict.fromkeys((*view.claim_nodes, *(n for n, _ in run.view.slots))))
-            self.queue[claimant] = replace(view, claim_nodes=nodes)
-            self.claims.setdefault(claimant, set()).add(jid)
-        self.running_dirty = True
-        self._push(stop, _STOP, jid, run.attempt)
-
-    def _stop(self, jid: int, attempt: int, t: float) -> None:
-        run = self.running.get(jid)
-        if run is None or run.attempt != attempt:
-            return  # it finished during its grace period
-        i = jid - 1
-        interval = self.cfg.checkpoint_interval_s
-        ran = t - run.start
-        worked = max(0.0, ran - run.warmup)  # the restart cost redoes no work
-        if self.cfg.checkpoint_on_stop:
-            saved = worked
-        elif interval > 0:
-            # float times: a save at t counts
-            saved = math.floor(worked / interval + 1e-9) * interval
-        else:
-            saved = 0.0
-        saved = min(saved, self.remaining[i])
-        lost = len(run.slots) * (ran - saved)
-        self.lost_gpu_s += lost
-        kind = str(self.open_requests.get(jid, (None, "unknown"))[1])
-        self.lost_by_kind[kind] = self.lost_by_kind.get(kind, 0.0) + lost
-        self.remaining[i] -= saved
-        self.attempt[i] += 1
-        self.preempted[i] += 1
-        self.stopped_at[i].append(t)
-        if self.open_requests.get(jid, (None, None))[1] == PreemptionKind.RECLAIM:
-            self.reclaimed_at[i] = t
-        if self.open_requests.get(jid, (None, None))[1] == PreemptionKind.BACKFILL:
-            self.filled_at[i] = t
-        if self.preempted[i] >= self.cfg.max_preemptions:
-            raise SimulationError(
-                f"job {self.jobs[i].job_id} preempted {self.preempted[i]} times by t={t:.0f}: "
-                f"the policy {self.name!r} is in a preemption loop"
-            )
-        self.preemptions["stopped"] += 1
-        self.open_requests.pop(jid, None)
-        self._release(run, jid)
-        self._enqueue(jid, t)
 
     # -- results -------------------------------------------------------------------------------
 
