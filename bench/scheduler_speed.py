@@ -65,7 +65,8 @@ def build(nodes: int, gpn: int, queued: int, teams: int, busy: float, seed: int)
                     priority=rng.randrange(4),
                     slots=tuple((n + 1, i) for i in free),
                     started_at=NOW - timedelta(hours=1),
-                    expected_end=NOW + timedelta(seconds=rng.randrange(60, 86400)),
+                    expected_end=(end := NOW + timedelta(seconds=rng.randrange(60, 86400))),
+                    **_frees_by(end),
                 )
             )
             job_id += 1
@@ -143,7 +144,8 @@ def gangs(snapshot: Snapshot, seed: int) -> Snapshot:
                 priority=rng.randrange(4),
                 slots=tuple((nodes[i].id, g) for i in range(n, n + width) for g in range(8)),
                 started_at=NOW - timedelta(hours=1),
-                expected_end=NOW + timedelta(seconds=rng.randrange(600, 86400)),
+                expected_end=(end := NOW + timedelta(seconds=rng.randrange(600, 86400))),
+                **_frees_by(end),
             )
         )
         used[team] = used.get(team, 0) + 8 * width
@@ -200,6 +202,12 @@ def bench_pass_estimates(args) -> dict:
             print(f"{name}, {mode}: {row[mode]}")
         out[name] = row
     return {"passes": args.passes, "shapes": out}
+
+
+def _frees_by(end):
+    """RunningView.frees_by as the simulator sets it (the live reader adds the stop grace);
+    nothing at a --plan-ref from before the field."""
+    return {"frees_by": end} if "frees_by" in RunningView.__dataclass_fields__ else {}
 
 
 def main() -> int:

@@ -168,7 +168,7 @@ def _ablate(variant: str):
             replace(config, aged_borrowed_first=False, quota_before_drain=True),
         )
     if variant == "no-wait-for-ends":  # claims stop victims even where jobs end in the grace
-        policy.SchedulingPass._wait_for_ends = lambda self, *args: False
+        policy.wait_for_ends = policy.hold_for_ends = lambda *args, **kwargs: False
         return same
     raise ValueError(f"unknown variant {variant!r}")
 

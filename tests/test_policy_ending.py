@@ -1,11 +1,15 @@
 """A claim that jobs ending anyway would meet within a stop's grace waits for them instead of
-stopping a job (docs/scheduling.md, rule 5; pure policy, no database). The claim waits the
-grace for its victims in any case, and each stop costs its victim a restart."""
+stopping a job (docs/scheduling.md, rule 5; the policy and the simulator without a database, the
+live reader with one). The claim waits the grace for its victims in any case, and each stop
+costs its victim a restart."""
 
 import dataclasses
 from datetime import timedelta
 
-from jobs.scheduling.policy import SchedulingPass, plan
+import pytest
+
+from jobs.scheduling import policy
+from jobs.scheduling.policy import plan
 from jobs.scheduling.simulate import SimConfig, run
 from jobs.scheduling.trace import TeamQuota, TraceJob
 from jobs.scheduling.vocab import PreemptionKind
@@ -136,6 +140,101 @@ def test_in_the_simulator_a_borrower_ending_within_the_grace_frees_the_gpus_for_
     ends, stops, a = replay(4900)
     assert stops == 1 and ends["b2"] > 20_010 and a["reclaim_max_s"] == 60
     # Without the rule the 40 s case stops b2 too (the victim order's pick, not b1).
-    monkeypatch.setattr(SchedulingPass, "_wait_for_ends", lambda self, *args: False)
+    monkeypatch.setattr(policy, "wait_for_ends", lambda *args: False)
     ends, stops, _ = replay(4960)
     assert stops == 1 and ends["b2"] > 20_010
+
+
+def test_a_team_at_its_cap_waits_for_its_own_job_ending_rather_than_stopping_one():
+    # lab is at its cap with two low-priority jobs; its high-priority job would stop one of
+    # them (rule 6, inside the team), but job 10 frees its 4 GPUs within the grace anyway.
+    lab = team("lab", quota=8, used=8)
+    n1 = node("n1", 8, busy=8)
+    low_ending = running(10, n1, [0, 1, 2, 3], team_id=lab.id, prio=0, checkpoint_age=5)
+    low_long = running(11, n1, [4, 5, 6, 7], team_id=lab.id, prio=0, checkpoint_age=5)
+    urgent = job(1, 4, team_id=lab.id, prio=2)
+    p = plan(snapshot([n1], [urgent], [lab], [low_ending, low_long]))
+    assert [pr.kind for pr in p.preemptions] == [PreemptionKind.PRIORITY]  # without an end
+    p = plan(snapshot([n1], [urgent], [lab], [ends(low_ending, 25), low_long]))
+    assert p.preemptions == ()
+    assert p.waits[1].code == "ending" and p.waits[1].data["ending"] == (10,)
+    # Another team's job ending there frees nothing of lab's cap: the claim goes ahead.
+    other = team("other", quota=8, used=4)
+    theirs = ends(running(12, n1, [0, 1, 2, 3], team_id=other.id), 25)
+    lab_half = team("lab", quota=4, used=4, team_id=lab.id)
+    p = plan(snapshot([n1], [urgent], [lab_half, other], [theirs, low_long]))
+    assert [(pr.victim_job_id, pr.kind) for pr in p.preemptions] == [(11, PreemptionKind.PRIORITY)]
+
+
+def test_once_they_have_ended_the_gpus_go_to_the_job_that_waited_for_them():
+    # Pass 1: job 1 (owner, within quota) waits for job 10's end on n1. Pass 2, job 10 gone:
+    # job 2, arrived meanwhile with a higher priority and so ordered first, would take n1's
+    # GPUs and job 1 would reclaim after all (a second grace). The hold is job 1's claim for
+    # the next pass.
+    owner = team("owner", quota=8, used=0)
+    guest = team("guest", quota=0, borrow=16, used=16)
+    rival = team("rival", quota=0, borrow=8, used=0)
+    n1, n2 = node("n1", 8, busy=8), node("n2", 8, busy=8)
+    soon = ends(running(10, n1, range(8), team_id=guest.id), 30)
+    other = running(11, n2, range(8), team_id=guest.id, started_ago=60)  # protected
+    claimant = job(1, 8, team_id=owner.id, submitted=10)
+    ahead = job(2, 8, team_id=rival.id, prio=3)
+    first = plan(snapshot([n1, n2], [claimant], [owner, guest, rival], [soon, other]))
+    assert first.waits[1].code == "ending" and first.ending_holds == {1: (n1.id,)}
+    assert first.waits[1].data["node_ids"] == (n1.id,)
+    # Job 10 has ended: n1 is free.
+    freed = dataclasses.replace(n1, free=frozenset(range(8)))
+    guest_after = dataclasses.replace(guest, used=8)
+    teams = [owner, guest_after, rival]
+    held = dataclasses.replace(claimant, claim_nodes=first.ending_holds[1])
+    assert set(placed(plan(snapshot([freed, n2], [claimant, ahead], teams, [other])))) == {2}
+    assert set(placed(plan(snapshot([freed, n2], [held, ahead], teams, [other])))) == {1}
+
+
+def test_the_simulator_gives_the_held_nodes_to_the_waiting_job_in_the_next_pass():
+    seen = []
+
+    def recording(snap):
+        seen.append({j.name: j.claim_nodes for j in snap.queued})
+        return plan(snap)
+
+    q = {"a": TeamQuota(8, 0), "b": TeamQuota(0, 8)}
+    trace = [
+        TraceJob("b1", 0, 4, 5000, "b"),
+        TraceJob("b2", 10, 4, 20_000, "b"),
+        TraceJob("a1", 4960, 4, 1000, "a"),
+    ]
+    run(trace, recording, SimConfig(gpus=8, quotas=q, checkpoint_on_stop=True))
+    # The pass at a1's arrival holds b1's node for it; the pass at b1's end sees the claim.
+    assert [s["a1"] for s in seen if "a1" in s] == [(), (1,)]
+
+
+@pytest.mark.django_db
+def test_the_live_reader_gives_a_job_the_nodes_its_last_pass_held_for_ending_jobs(
+    make_team, make_user, make_nodes
+):
+    """The hold is read back from the job's stored wait (Job.wait), for the next pass only:
+    not once the jobs it waited for were due to be gone CLAIM_AFTER_EXIT_S ago."""
+    from django.utils import timezone
+
+    from jobs.models import Job
+    from jobs.scheduling.reader import CLAIM_AFTER_EXIT_S, take_snapshot
+    from jobs.scheduling.vocab import WaitReason
+    from tests.heartbeats import submit
+
+    lab = make_team("lab", quota=8)
+    ann = make_user("ann", team=lab)
+    n1, n2 = make_nodes(2, 8)
+    fresh, stale, other = (submit(lab, ann, gpus=8) for _ in range(3))
+    now = timezone.now()
+
+    def held(job, until_s: float):
+        data = {"ending": [99], "gpus": 8, "until": now.timestamp() + until_s}
+        data |= {"nodes": [n2.name], "node_ids": [n2.id]}
+        Job.objects.filter(pk=job.pk).update(wait=WaitReason("ending", data).to_json())
+
+    held(fresh, 20)
+    held(stale, -CLAIM_AFTER_EXIT_S - 1)
+    Job.objects.filter(pk=other.pk).update(wait={"code": "reserved", "data": {"gpus": 8}})
+    claims = {j.id: j.claim_nodes for j in take_snapshot(now).queued}
+    assert claims == {fresh.id: (n2.id,), stale.id: (), other.id: ()}

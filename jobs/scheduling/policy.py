@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from jobs.scheduling.claimants import honour_claims
+from jobs.scheduling.ending import ending_runs, hold_for_ends, wait_for_ends
 from jobs.scheduling.grow import grow_back
 from jobs.scheduling.isolation import allowed
 from jobs.scheduling.order import fifo_key, job_order_key, stretch
@@ -143,20 +144,10 @@ class SchedulingPass:
             if j.team_id in self.teams
             and self.teams[j.team_id].used + j.gpus <= self.teams[j.team_id].quota
         }
-        # Running jobs whose GPUs free up within a stop's grace without anyone stopping them
-        # (time limits, stop deadlines not for another claimant), soonest first: a claim
-        # met by them waits for them instead of stopping a job (`_wait_for_ends`).
-        now_s, horizon = self.now.timestamp(), self.now.timestamp() + snapshot.stop_grace_s
-        self.ending = sorted(
-            (
-                r
-                for r in snapshot.running
-                if r.frees_by is not None
-                and now_s < r.frees_by.timestamp() <= horizon
-                and r.claimant_id is None
-            ),
-            key=lambda r: r.frees_by,
-        )
+        # Running jobs that free their GPUs within a stop's grace anyway (jobs.scheduling.ending).
+        self.ending = ending_runs(snapshot)
+        self.ending_failed: set[tuple[int, int]] = set()  # (team, GPUs) with no room that way
+        self.ending_holds: dict[int, tuple[int, ...]] = {}  # job id -> nodes held for ends
         # Built once the claims already carried out hold their nodes (`run`).
         self.reservations: Reservations
 
@@ -184,6 +175,7 @@ class SchedulingPass:
             preemptions=tuple(self.preemptions),
             grows=tuple(grow_back(self)) if everyone_placed else (),
             order=tuple(job.id for job in ordered),
+            ending_holds=self.ending_holds,
         )
 
     def wait(self, job: JobView, code: str, /, **data) -> None:
@@ -329,13 +321,30 @@ class SchedulingPass:
             and not self.victims.protected(r)
         ]
         over = self.used[team.id] + job.gpus - team.cap
+
+        def enough(chosen) -> bool:
+            return sum(v.gpus for v in chosen) >= over
+
+        # Its own jobs that end within the grace anyway make room before any is stopped.
+        if (
+            own
+            and self.reservations.holder is None
+            and hold_for_ends(
+                self,
+                job,
+                team,
+                [r for r in self.ending if r.team_id == team.id and r.id not in self.taken],
+                enough,
+            )
+        ):
+            return
         found = (
             self.victims.find(
                 job,
                 own,
                 allowed(team, self.nodes),
                 lambda victim, chosen: True,
-                enough=lambda chosen: sum(v.gpus for v in chosen) >= over,
+                enough=enough,
             )
             if self.reservations.holder is None and own
             else None
@@ -375,7 +384,7 @@ class SchedulingPass:
         # reclaim takes one stop grace, not one grace per queued job. A priority preemption or
         # a plain reservation stays one per pass.
         guaranteed = self.used[team.id] + self.claiming[team.id] + job.gpus <= team.quota
-        if self._wait_for_ends(job, team, guaranteed):
+        if wait_for_ends(self, job, team, guaranteed):
             return None
         claimed = self._claim(job, team, guaranteed)
         if claimed is None:
@@ -394,39 +403,6 @@ class SchedulingPass:
         if claimed is None and stretch(job, self.now) >= STARVING_CLAIM_STRETCH:
             self.starving.append((job, team))
         return None
-
-    def _wait_for_ends(self, job: JobView, team: TeamView, guaranteed: bool) -> bool:
-        """Where jobs that end within a stop's grace anyway (their time limits, their stop
-        deadlines) free enough GPUs for a job that could claim, it waits for them and holds
-        their nodes, as a claim would, instead of stopping a job: the claim would wait the
-        grace for its victims in any case, and each stop costs its victim a restart (about 85 %
-        of the policy's stops were reclaims, docs/thrash.md). True if it waits."""
-        if not self.ending or not (self.reservations.holder is None or guaranteed):
-            return False
-        found = self.victims.find(
-            job,
-            [r for r in self.ending if r.id not in self.taken],
-            allowed(team, self.reservations.claimable),
-            lambda run, chosen: True,
-        )
-        if found is None:
-            return False
-        ending, choice = found
-        if guaranteed:
-            self.claiming[team.id] += job.gpus
-        nodes = [node.id for node, _ in choice]
-        self.reservations.reserve(job.id, nodes)
-        occupy(self.free, choice)
-        self.reservations.placed()
-        self.wait(
-            job,
-            "ending",
-            ending=tuple(r.id for r in ending),
-            gpus=job.gpus,
-            until=max(r.frees_by for r in ending).timestamp(),
-            nodes=tuple(self.names[n] for n in nodes),
-        )
-        return True
 
     def _claim(self, job: JobView, team: TeamView, guaranteed: bool):
         """Victims for a blocked job (`Victims.claim`) on nodes no earlier claim reserved:

@@ -144,6 +144,7 @@ def take_snapshot(
     # A requeued job's limit is what is left of it (limits count run time, not wall time).
     ran = run_seconds([j.id for j in queued_jobs if j.time_limit_s and j.first_started_at], now=now)
     claim_nodes, claimant_of = _claims(now)
+    claim_nodes = {**_ending_holds(now), **claim_nodes}
     started_before = [j.id for j in queued_jobs if j.first_started_at]
     reclaimed = last_reclaims(started_before)
     filled = recent_backfill_stops(started_before, now=now)
@@ -344,6 +345,21 @@ def _claims(now: datetime) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
     ):
         nodes.setdefault(stopped[attempt_id], {})[node_id] = None
     return {claimant: tuple(ids) for claimant, ids in nodes.items()}, stopped
+
+
+def _ending_holds(now: datetime) -> dict[int, tuple[int, ...]]:
+    """Queued jobs whose last pass had them hold nodes for jobs ending within the grace anyway
+    (wait "ending", jobs.scheduling.ending): the nodes are theirs first in the next pass, as a
+    claimant's, until CLAIM_AFTER_EXIT_S after those jobs were due to be gone."""
+    recent = now.timestamp() - CLAIM_AFTER_EXIT_S
+    holds = {}
+    for job_id, wait in Job.objects.filter(state=Job.State.QUEUED, wait__code="ending").values_list(
+        "id", "wait"
+    ):
+        data = wait.get("data") or {}
+        if data.get("node_ids") and float(data.get("until") or 0.0) >= recent:
+            holds[job_id] = tuple(int(n) for n in data["node_ids"])
+    return holds
 
 
 def _usage_history(

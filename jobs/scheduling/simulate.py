@@ -205,6 +205,9 @@ class _Engine(Stops):
         # claimant -> its victims told to stop; its JobView's claim_nodes are their nodes
         # until the pass after the last of them has gone (as the live snapshot's window).
         self.claims: dict[int, set[int]] = {}
+        # Jobs that held nodes for jobs ending within the grace in the last pass (their
+        # claim_nodes are those nodes, for the next pass only).
+        self.ending_claims: set[int] = set()
         self.paused_until: dict[int, float] = {}  # team -> borrowing paused until
         self.rejected: list[str] = []
         self.missing_reasons = 0
@@ -407,6 +410,7 @@ class _Engine(Stops):
         for proposal in plan.preemptions:
             self._preempt(proposal, t)
         self._expire_claims()
+        self._hold_for_ends(plan.ending_holds)
         if self.promises:  # the live scheduler's estimate, from the snapshot it planned on
             for due in self.promises.after_pass(snap, self.queue, self.first_start, t):
                 self._push(due, _WAKE, 0, 0)
@@ -426,6 +430,21 @@ class _Engine(Stops):
                 continue
             self.queue[claimant] = replace(view, claim_nodes=())
             del self.claims[claimant]
+
+    def _hold_for_ends(self, holds: dict[int, tuple[int, ...]]) -> None:
+        """Jobs waiting for jobs that end within the grace anyway (rule 5, ending.py) claim
+        the nodes they held in the last pass, as the live reader gives them from their stored
+        wait: the pass after those jobs have ended offers them their GPUs first."""
+        for claimant in list(self.ending_claims):
+            view = self.queue.get(claimant)
+            if claimant not in holds and view is not None and claimant not in self.claims:
+                self.queue[claimant] = replace(view, claim_nodes=())
+            self.ending_claims.discard(claimant)
+        for claimant, nodes in holds.items():
+            view = self.queue.get(claimant)
+            if view is not None:
+                self.queue[claimant] = replace(view, claim_nodes=nodes)
+                self.ending_claims.add(claimant)
 
     def _reject(self, why: str) -> None:
         self.rejected.append(why)
