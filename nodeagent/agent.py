@@ -523,7 +523,9 @@ class Agent(Leaving):
             )
         except (KeyError, TypeError, ValueError):
             gpus, dirs = [], []
-        quick = self.health.quick(gpus, self._own_pids(), extra_dirs=dirs)
+        # A kill not confirmed on these GPUs fails it too: a live process may still hold them.
+        stuck = self.supervisor.stuck_kills(gpus)
+        quick = self.health.quick(gpus, self._own_pids(), extra_dirs=dirs, failing=stuck)
         if not quick["ok"]:
             # Before a gang starts here: a node that cannot run it says so, and the portal
             # cordons it and starts the job elsewhere, with no restart used.

@@ -43,6 +43,9 @@ LABEL = "lockstep.attempt"  # every container the agent starts carries it
 # `podman run` and `docker run` do; the ranks are reported with it.
 EXIT_ENGINE = 125
 ENGINE_TIMEOUT_S = 60.0
+REMOVE_TIMEOUT_S = 60.0
+# Container states in which nothing of it runs (podman's and Docker's names).
+STOPPED_STATES = ("created", "configured", "exited", "stopped", "dead")
 PULL_POLICIES = ("if-not-present", "always", "never")
 # A job's processes run as TEAM_UID_BASE + team id: never root, and never the uid of another
 # team, so files one team writes are not another's to read.
@@ -120,19 +123,48 @@ class Engine:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._run(["kill", "--signal", sig_name, name], timeout=30)
 
-    def remove(self, name: str) -> None:
-        """Kill and remove at once (fencing, a stop's deadline, an orphan). (Docker's `rm
+    def remove(self, name: str) -> bool:
+        """Kill and remove at once (fencing, a stop's deadline, an orphan). True once nothing
+        of the container runs: `rm --force` worked, or failed but the engine has the container
+        no more or has it stopped. False when the engine did not answer in time or still has
+        it: the callers that need it gone try again (nodeagent/kill_confirm.py). (Docker's `rm
         --force` kills at once; it has no `--time`, podman's way to say so.)"""
         wait = ["--time", "0"] if self.name == "podman" else []
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._run(["rm", "--force", *wait, name], timeout=60)
+        try:
+            done = self._run(["rm", "--force", *wait, name], timeout=REMOVE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning(
+                "%s rm --force %s: no answer in %.0f s", self.name, name, REMOVE_TIMEOUT_S
+            )
+            return False
+        if done.returncode == 0:
+            return True
+        logger.warning(
+            "%s rm --force %s failed (exit %s): %s",
+            self.name,
+            name,
+            done.returncode,
+            (done.stderr or "").strip()[-300:],
+        )
+        return self.stopped(name)
+
+    def stopped(self, name: str) -> bool:
+        """Whether nothing of the container runs: the engine has it no more, or has it in a
+        state without processes. False when the engine cannot say (it failed or hung)."""
+        try:
+            done = self._run(
+                ["inspect", "--type", "container", "--format", "{{.State.Status}}", name],
+                timeout=30,
+            )
+        except subprocess.TimeoutExpired:
+            return False
+        if done.returncode != 0:
+            return "no such" in (done.stderr or "").lower()  # podman's and Docker's words
+        return done.stdout.strip() in STOPPED_STATES
 
     def remove_all(self, agent: str) -> int:
         """Remove every container of this agent identity still listed; how many went."""
-        found = self.containers(agent)
-        for container in found:
-            self.remove(container["name"])
-        return len(found)
+        return sum(self.remove(container["name"]) for container in self.containers(agent))
 
     def container_pid(self, name: str) -> int | None:
         """The host pid of the container's init (its PID 1), None if it is not running."""
@@ -363,14 +395,18 @@ class ContainerAttempt:
     def signal(self, sig: int) -> None:
         self.engine.signal(self.name, sig)
 
-    def kill(self) -> None:
-        self.remove()
+    def kill(self) -> bool:
+        """Its ranks killed; False unless the engine confirmed it (`remove`)."""
+        return self.remove()
 
-    def remove(self) -> None:
-        """The container goes, with whatever runs in it."""
-        self.engine.remove(self.name)
+    def remove(self) -> bool:
+        """The container goes, with whatever runs in it; False if the engine did not confirm
+        it (the caller tries again: nodeagent/kill_confirm.py)."""
+        if not self.engine.remove(self.name):
+            return False
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=30)
+        return True
 
 
 class ContainerRank:

@@ -4,7 +4,8 @@ Two depths:
 - quick (milliseconds), before every attempt's ranks start on the node: the checkpoint and work
   directories are writable with at least MIN_FREE_BYTES free, and on GPU nodes each GPU the
   attempt got is visible to NVML, has no volatile uncorrected ECC errors and no retired pages
-  pending, is below MAX_TEMP_C, and runs no process of anyone else;
+  pending, is below MAX_TEMP_C, and runs no process of anyone else; and no earlier attempt's
+  ranks on them were killed without the kill being seen to work (nodeagent/kill_confirm.py);
 - full: the quick checks for every GPU of the node, plus a small collective among as many
   processes as the node has GPUs (`nodeagent.health_probe`: gloo on a CPU node, NCCL on a GPU
   node, over the node's own network settings, so a wrong NCCL/GLOO interface shows up here),
@@ -230,8 +231,14 @@ class HealthChecker:
         self.last: dict[str, Any] | None = None
 
     def quick(
-        self, indices: Iterable[int], own_pids: set[int], extra_dirs: Iterable[Path] = ()
+        self,
+        indices: Iterable[int],
+        own_pids: set[int],
+        extra_dirs: Iterable[Path] = (),
+        failing: Iterable[dict[str, Any]] = (),
     ) -> dict[str, Any]:
+        """The quick checks before a launch onto GPUs `indices`, with `failing`: checks the
+        agent has failed already (a kill on these GPUs it cannot confirm)."""
         # The full check looks at the same directories from now on (a checkpoint root seen in
         # a launch): a node cordoned for one is released only once it is fine again.
         for directory in extra_dirs:
@@ -240,7 +247,7 @@ class HealthChecker:
         checks = disk_checks(self.dirs)
         if self.gpu_kind == "cuda":
             checks += gpu_checks(indices, own_pids)
-        return report(checks, "quick")
+        return report([*checks, *failing], "quick")
 
     def _full(self, own_pids: set[int]) -> None:
         checks = disk_checks(self.dirs)

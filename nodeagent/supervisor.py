@@ -14,11 +14,11 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nodeagent import hang_evidence, orphans
+from nodeagent import hang_evidence, kill_confirm, orphans
 from nodeagent.container import ContainerRank, Engine, agent_identity
 from nodeagent.container_launch import ContainerLaunch
 from nodeagent.contract import (
@@ -32,6 +32,7 @@ from nodeagent.launch import session_cpu_seconds
 from nodeagent.orphans import WORKERS_FILE
 from nodeagent.saves import seed_resume
 from nodeagent.stacks import container_host_pids
+from nodeagent.telemetry import detect_gpu_kind
 from nodeagent.warm_container import DEFAULT_IDLE_S, WarmContainers
 from nodeagent.workers import AttemptWorkers, RankWorker
 from nodeagent.zygote import ForkedWorker, Zygote, ZygoteError, can_fork
@@ -44,16 +45,6 @@ EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
 
 CPU_READ_EVERY_S = 0.5  # the ranks' CPU use is a heartbeat's figure (one a second)
-
-
-def detect_gpu_kind(requested: str = "auto") -> str:
-    """Return "cuda" or "cpu". `auto` looks for the NVIDIA device node rather than importing
-    torch, which would cost the agent seconds and hundreds of MB just to answer a yes/no."""
-    if requested in ("cpu", "cuda"):
-        return requested
-    if requested != "auto":
-        raise ValueError(f"gpu kind must be auto, cpu or cuda, not {requested!r}")
-    return "cuda" if os.path.exists("/dev/nvidia0") else "cpu"
 
 
 class WorkerSupervisor:
@@ -318,15 +309,19 @@ class WorkerSupervisor:
                 worker.exited_at = time.time()
             elif worker.alive:
                 self._signal_group(worker, signal.SIGKILL)  # reaped, and reported, by poll()
+        kill_confirm.sent(attempt, self._clock())
 
     # -- polling -----------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Reap exited workers and SIGKILL the survivors of stops whose deadline passed."""
+        """Reap exited workers, SIGKILL the survivors of stops whose deadline passed, and
+        follow the kills not yet seen to work (nodeagent/kill_confirm.py)."""
         now = self._clock()
         for attempt in list(self._attempts.values()):
             try:
-                self._poll_attempt(attempt, now)
+                if attempt.pending_kill is None or not attempt.pending_kill.given_up:
+                    self._poll_attempt(attempt, now)
+                kill_confirm.follow_up(attempt, now, self._signal_group, self._log)
             except Exception as exc:
                 # One attempt the agent can no longer watch must not end the loop that watches
                 # the others (its end kills every job on the node): that one is given up.
@@ -339,8 +334,10 @@ class WorkerSupervisor:
     def _poll_attempt(self, attempt: AttemptWorkers, now: float) -> None:
         if attempt.pull is not None and self._containers is not None:
             self._containers.poll(attempt)
+        # A container whose removal failed may still run its ranks, whatever its client says.
+        held = attempt.pending_kill is not None and not attempt.pending_kill.removed
         for worker in attempt.workers:
-            if not worker.alive or worker.popen is None:
+            if not worker.alive or worker.popen is None or held:
                 continue
             code = worker.popen.poll()
             if code is None:
@@ -374,10 +371,10 @@ class WorkerSupervisor:
                     attempt.attempt_id,
                     [w.rank for w in survivors],
                 )
-                if attempt.container is not None:
-                    attempt.container.kill()
+                removed = kill_confirm.kill_container(attempt, self._log)
                 for worker in survivors:
                     self._signal_group(worker, signal.SIGKILL)
+                kill_confirm.sent(attempt, now, removed)
             attempt.stop_deadline = None
             attempt.killed = attempt.killed or bool(survivors)
         if attempt.all_exited:
@@ -474,21 +471,25 @@ class WorkerSupervisor:
         return hang_evidence.settled(self._attempts[attempt_id], self._clock())
 
     def kill(self, attempt_id: int) -> None:
-        """SIGKILL every worker's process group now (fencing, shutdown)."""
+        """SIGKILL every worker's process group now (fencing, shutdown); later polls do it
+        again until the kill is seen to work (nodeagent/kill_confirm.py)."""
         attempt = self._attempts[attempt_id]
         attempt.killed = True
         attempt.stop_deadline = None
         if attempt.pull is not None and self._containers is not None:
             self._containers.cancel(attempt, -signal.SIGKILL)
-        if attempt.container is not None and not attempt.all_exited:
-            attempt.container.kill()
+        if attempt.all_exited:
+            return
+        removed = kill_confirm.kill_container(attempt, self._log)
         for worker in attempt.workers:
             if worker.alive:
                 self._signal_group(worker, signal.SIGKILL)
+        kill_confirm.sent(attempt, self._clock(), removed)
 
     def fail(self, attempt_id: int, why: str) -> None:
-        """Give up an attempt this agent can no longer supervise: its ranks are killed and
-        reported exited (-9) at once, with `why` in their logs, so the portal ends it."""
+        """Give up an attempt this agent can no longer supervise: its ranks are killed, with
+        `why` in their logs, and reported exited (-9) once the kill is seen to work (running
+        until then: nodeagent/kill_confirm.py), so the portal ends it. Never raises."""
         attempt = self._attempts[attempt_id]
         self._log.error("attempt %s: %s; its ranks are killed", attempt_id, why)
         try:
@@ -501,10 +502,15 @@ class WorkerSupervisor:
         attempt.pull = None  # whatever broke is not polled again
         for worker in attempt.workers:
             _note(worker.log_path, f"lockstep agent: {why}")
-            if worker.alive:
-                # Not reaped through whatever failed: the kill above is what ended it.
-                worker.state, worker.exit_code = "exited", -signal.SIGKILL
-                worker.exited_at = time.time()
+        try:
+            kill_confirm.give_up(attempt, why, self._clock())
+        except Exception:
+            self._log.exception("attempt %s: confirming its kill", attempt_id)
+
+    def stuck_kills(self, gpus: Iterable[int]) -> list[dict[str, Any]]:
+        """Failed health checks that refuse a launch onto `gpus`: some hold ranks whose kill
+        is not confirmed after kill_confirm.KILL_CONFIRM_S."""
+        return kill_confirm.refusals(self._attempts.values(), gpus, self._clock())
 
     def _close_retired(self) -> None:
         if not self._retired:
@@ -569,21 +575,13 @@ class WorkerSupervisor:
         (`keep` empty) those an earlier agent process left (it crashed, was killed, or was
         declared lost and its attempts given away), before anything else, so a zombie never
         trains beside the attempt that replaced it; and when the portal says this node is
-        back after being declared lost (`keep`: its desired attempts). A warm container is
-        labelled with the attempt that started it and may serve a later one: both count.
-        Returns how many were removed."""
+        back after being declared lost (`keep`: its desired attempts). Returns how many went
+        (nodeagent/orphans.py)."""
         if self.engine is None:
             return 0
-        removed = 0
-        for found in self.engine.containers(self._containers.agent):
-            label = {int(found["attempt"])} if found["attempt"].isdigit() else set()
-            served = self._warm.attempts_in(found["name"]) if self._warm is not None else set()
-            if (label | served) & set(keep):
-                continue
-            self.engine.remove(found["name"])
-            removed += 1
-            self._log.warning("removed stale container %s", found["name"])
-        return removed
+        served = self._warm.attempts_in if self._warm is not None else lambda name: set()
+        agent = self._containers.agent
+        return orphans.remove_stale_containers(self.engine, agent, keep, served, self._log)
 
     def reap_orphans(self) -> int:
         """SIGKILL the workers an earlier agent process left running on this work dir

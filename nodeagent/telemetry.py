@@ -21,6 +21,16 @@ from nodeagent.xid import NODE_FAULT_XIDS, XidWatch
 logger = logging.getLogger("nodeagent.telemetry")
 
 
+def detect_gpu_kind(requested: str = "auto") -> str:
+    """Return "cuda" or "cpu". `auto` looks for the NVIDIA device node rather than importing
+    torch, which would cost the agent seconds and hundreds of MB just to answer a yes/no."""
+    if requested in ("cpu", "cuda"):
+        return requested
+    if requested != "auto":
+        raise ValueError(f"gpu kind must be auto, cpu or cuda, not {requested!r}")
+    return "cuda" if os.path.exists("/dev/nvidia0") else "cpu"
+
+
 class Telemetry:
     """Reads one entry per slot (GPU index 0..gpus-1)."""
 

@@ -59,19 +59,19 @@ class WarmAttempt(ContainerAttempt):
         self.attempt_id = attempt_id
         self._sent = 0
 
-    def kill(self) -> None:
+    def kill(self) -> bool:
         """SIGKILL this attempt's ranks (fencing, a stop's deadline) and keep the container
         for the job's next attempt, unless the server does not answer within KILL_WAIT_S:
-        then the container goes, as a cold attempt's does."""
+        then the container goes, as a cold attempt's does. False unless that worked."""
         if self.engine_exit() is not None:
-            return
+            return True
         self.signal(signal.SIGKILL)
         deadline = time.monotonic() + KILL_WAIT_S
         while time.monotonic() < deadline:
             if self.status(fresh=True).get("done") or self.engine_exit() is not None:
-                return
+                return True
             time.sleep(0.05)
-        self.remove()
+        return self.remove()
 
     def signal(self, sig: int) -> None:
         self._sent += 1

@@ -81,6 +81,8 @@ class AttemptWorkers:
     workers: list[RankWorker] = field(default_factory=list)
     stop_deadline: float | None = None  # clock() time after which survivors get SIGKILL
     killed: bool = False
+    # A kill sent whose effect is not yet seen (nodeagent/kill_confirm.py); None otherwise.
+    pending_kill: Any = None  # kill_confirm.PendingKill
     dump_sent_at: float | None = None  # clock() time the stack-dump signal went out (once)
     outside_dump: Any = None  # stacks.OutsideDump: py-spy reading the ranks' stacks
     flight_dump: Any = None  # flight_recorder.FlightRecorderDump: the ranks' recorders

@@ -5,8 +5,11 @@ A launch that breaks off half-way (a full disk) and an attempt whose polling rai
 on their own, their ranks killed and reported exited, while the agent keeps heartbeating and the
 other attempts run on; a forked worker is never taken for an earlier one that had its pid, nor
 loses its exit status when its zygote is replaced; and every heartbeat of a leaving agent says
-so, since the portal may not have heard the leaving call. Real processes throughout; the shared
-helpers are in tests/nodeagent_helpers.py.
+so, since the portal may not have heard the leaving call. A kill that does not take (a process
+group that outlives SIGKILL, a container `rm --force` that fails) is tried again, its ranks
+reported running until they are gone, and refuses launches onto their GPUs if it lasts. Real
+processes throughout (and real podman where there is one); only an engine's failures are faked,
+at its subprocess boundary. The shared helpers are in tests/nodeagent_helpers.py.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 import nodeagent.supervisor as supervisor_module
+from nodeagent.container import Engine
 from nodeagent.supervisor import WorkerSupervisor
 from nodeagent.zygote import ForkedWorker, Zygote
 from tests.nodeagent_helpers import (
@@ -196,6 +202,219 @@ def test_an_attempt_whose_polling_raises_is_failed_and_the_others_run_on(running
     wait_until(lambda: len(portal.beats_since(0)) > beats + 2, what="more heartbeats")
     assert process_alive(healthy_pid)
     assert portal.attempt_in_beats(62, since=beats)[-1]["ranks"][0]["state"] == "running"
+
+
+# -- a kill that does not take ---------------------------------------------------------------
+
+LOST_KILLS = 3
+
+
+def test_a_failed_attempts_rank_is_reported_running_until_a_retried_kill_has_ended_its_group(
+    supervisor_factory, monkeypatch
+):
+    """fail() reported the ranks exited (-9) right after sending SIGKILL, without looking: a
+    process group the kill did not end (a thread stuck in a driver) held its GPUs while the
+    portal gave them away. Here the first SIGKILLs are lost: the rank is reported running
+    while it lives, and exited once a retry has killed its whole group."""
+    sup = supervisor_factory()
+    attempt = sup.launch(21, launch_spec(SLEEPER, one_rank()))
+    worker_pid, child_pid = read_pids(attempt.workers[0].metrics_path)
+    sup.poll()
+    real, sent = WorkerSupervisor._signal_group, []
+
+    def lossy(self, worker, sig):
+        sent.append(sig)
+        if len(sent) > LOST_KILLS:
+            real(self, worker, sig)
+
+    monkeypatch.setattr(WorkerSupervisor, "_signal_group", lossy)
+    attempt.workers[0].popen = _Unpollable(attempt.workers[0].popen)  # what made it give up
+    sup.fail(21, "supervising it failed: RuntimeError: a test")
+    for _ in range(LOST_KILLS):  # fail()'s SIGKILL, then one per poll, are lost
+        assert process_alive(worker_pid) and process_alive(child_pid)
+        assert [(r["state"], r["exit_code"]) for r in sup.status(21)] == [("running", None)]
+        sup.poll()
+    wait_until(lambda: (sup.poll(), sup.all_exited(21))[1], what="the kill confirmed")
+    assert sup.status(21)[0]["exit_code"] == -signal.SIGKILL
+    assert not process_alive(worker_pid) and not process_alive(child_pid)
+    assert sent[LOST_KILLS:] and set(sent) == {signal.SIGKILL}
+    assert attempt.pending_kill is None
+
+
+def test_a_kill_unconfirmed_for_long_refuses_launches_onto_its_gpus_until_it_is_confirmed(
+    tmp_path, clean_env, monkeypatch
+):
+    """The portal may release a fenced attempt's GPUs before its ranks are gone: a launch onto
+    a GPU whose kill is unconfirmed for KILL_CONFIRM_S is refused by the node's health (the
+    portal cordons the node and starts the job elsewhere); others go ahead, and so does that
+    GPU's once the kill is seen to work."""
+    from nodeagent import kill_confirm
+    from nodeagent.agent import Agent
+
+    for key in list(os.environ):
+        if key not in clean_env:
+            monkeypatch.delenv(key)
+    agent = Agent(
+        "http://127.0.0.1:9", "token", 2, name="node-k", work_dir=tmp_path / "agent", gpu_kind="cpu"
+    )
+    sup, now = agent.supervisor, [1000.0]
+    sup._clock = lambda: now[0]
+
+    def on_gpu(attempt_id: int, gpu: int):
+        ckpt = tmp_path / "ckpt" / f"job-{attempt_id}"
+        ranks = [{"rank": 0, "local_rank": 0, "gpu_index": gpu}]
+        spec = launch_spec(SLEEPER, ranks, checkpoint_dir=str(ckpt), resume_from="")
+        agent._launch(attempt_id, spec)
+        return sup.get(attempt_id)
+
+    try:
+        fenced = on_gpu(31, 0)
+        read_pids(fenced.workers[0].metrics_path)
+        real = WorkerSupervisor._signal_group
+        monkeypatch.setattr(WorkerSupervisor, "_signal_group", lambda self, worker, sig: None)
+        sup.kill(31)  # fencing; its SIGKILLs do not take
+        now[0] += kill_confirm.KILL_CONFIRM_S - 1
+        sup.poll()
+        assert sup.stuck_kills([0]) == []  # a healthy kill takes a moment
+        now[0] += 1
+        sup.poll()
+        assert sup.status(31)[0]["state"] == "running"
+
+        refused = on_gpu(32, 0)
+        assert refused.workers == [] and refused.error["kind"] == "health"
+        assert "attempt 31's ranks could not be confirmed killed" in refused.error["message"]
+        assert agent.health.pending["ok"] is False
+        assert (
+            "kill: attempt 31's ranks could not be confirmed killed"
+            in (agent.health.pending["reason"])
+        )
+        elsewhere = on_gpu(33, 1)
+        assert elsewhere.error is None and len(elsewhere.workers) == 1
+
+        monkeypatch.setattr(WorkerSupervisor, "_signal_group", real)  # the kill takes now
+        wait_until(lambda: (sup.poll(), sup.all_exited(31))[1], what="the kill confirmed")
+        assert sup.status(31)[0]["exit_code"] == -signal.SIGKILL
+        agent.health.pending = None
+        again = on_gpu(34, 0)
+        assert again.error is None and len(again.workers) == 1
+    finally:
+        monkeypatch.undo()
+        sup.kill_all()
+        for attempt_id in sup.attempt_ids():
+            sup.wait(attempt_id, 10)
+        sup.close()
+
+
+def test_engine_remove_says_whether_the_container_is_gone():
+    """Engine.remove said nothing: an `rm --force` that failed or hung was taken for done. The
+    engine's subprocess is faked here: a failing engine cannot be had on demand."""
+    answers = {}
+
+    class Scripted(Engine):
+        def _run(self, args, timeout=60.0):
+            answer = answers[args[0]]
+            if answer == "hang":
+                raise subprocess.TimeoutExpired([self.binary, *args], timeout)
+            return subprocess.CompletedProcess([self.binary, *args], *answer)
+
+    engine = Scripted("podman", "/no/podman")
+    answers["rm"] = (0, "c\n", "")
+    assert engine.remove("c") is True
+    answers["rm"] = "hang"
+    assert engine.remove("c") is False
+    answers["rm"] = (125, "", "Error: cannot remove container c")
+    for inspect, gone in [
+        ((0, "running\n", ""), False),
+        ((0, "exited\n", ""), True),
+        ((125, "", "Error: inspecting object: no such container c"), True),
+        ((125, "", "Error: cannot connect to the engine"), False),
+        ("hang", False),
+    ]:
+        answers["inspect"] = inspect
+        assert engine.remove("c") is gone, inspect
+
+
+PODMAN = Engine.detect("podman")
+IMAGE = "localhost/lockstep/trainer:latest"
+IGNORES_TERM = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(120)
+"""
+
+
+@dataclass(frozen=True)
+class _RmFails(Engine):
+    """Real podman, but its first `rm`s fail: one with an error, one past its timeout."""
+
+    failures: list = field(default_factory=lambda: ["error", "timeout"], compare=False)
+    rms: list = field(default_factory=list, compare=False)
+
+    def _run(self, args, timeout=60.0):
+        if args[0] == "rm":
+            self.rms.append(self.failures.pop(0) if self.failures else "done")
+            if self.rms[-1] == "timeout":
+                raise subprocess.TimeoutExpired([self.binary, *args], timeout)
+            if self.rms[-1] == "error":
+                return subprocess.CompletedProcess(args, 125, "", "Error: a test's failure")
+        return super()._run(args, timeout)
+
+
+@pytest.mark.skipif(
+    PODMAN is None or not PODMAN.image_present(IMAGE), reason=f"no podman or no {IMAGE}"
+)
+@pytest.mark.parametrize("how", ["fencing", "stop deadline", "fail"])
+def test_a_container_whose_removal_fails_is_removed_again_and_its_ranks_exit_once_it_is_gone(
+    tmp_path, monkeypatch, how
+):
+    """A failed `rm --force` was forgotten: the container could run on, holding its GPUs. It is
+    tried again on later polls, and the ranks are reported running until it worked, even once
+    the container's `podman run` client is gone (the container runs on without it). The
+    failures are a fake at the engine's subprocess boundary (`_RmFails._run`), since real
+    podman cannot be made to fail on demand; the container and every other call are real."""
+    from nodeagent import kill_confirm
+
+    engine, now = _RmFails("podman", PODMAN.binary), [0.0]
+    sup = WorkerSupervisor(
+        tmp_path / "work", engine=engine, node="rmfails", gpu_kind="cpu", clock=lambda: now[0]
+    )
+
+    def poll_later():  # when the next removal is due
+        now[0] += kill_confirm.REMOVE_RETRY_S
+        sup.poll()
+
+    ckpt = tmp_path / "ckpt" / "job-5"
+    spec = launch_spec(
+        IGNORES_TERM, one_rank(), image=IMAGE, team_id=1, checkpoint_dir=str(ckpt), resume_from=""
+    )
+    try:
+        attempt = sup.launch(71, spec)
+        wait_until(lambda: (sup.poll(), attempt.workers[0].pid)[1], 60, "the rank to start")
+        name = attempt.container.name
+        if how == "fencing":
+            sup.kill(71)
+        elif how == "stop deadline":
+            sup.stop(71, 0)
+            sup.poll()
+        else:
+            sup.fail(71, "supervising it failed: RuntimeError: a test")
+        assert engine.rms == ["error"]
+        attempt.container.popen.kill()
+        attempt.container.popen.wait()
+        sup.poll()
+        assert engine.rms == ["error"]  # not due yet
+        poll_later()
+        assert engine.rms == ["error", "timeout"]
+        assert not PODMAN.stopped(name)  # it runs on
+        assert [(r["state"], r["exit_code"]) for r in sup.status(71)] == [("running", None)]
+
+        wait_until(lambda: (poll_later(), sup.all_exited(71))[1], 30, "the ranks' exits")
+        assert engine.rms == ["error", "timeout", "done"]
+        assert sup.status(71)[0]["exit_code"] == -signal.SIGKILL
+        assert PODMAN.stopped(name) and attempt.pending_kill is None
+    finally:
+        sup.kill_all()
+        sup.close()
 
 
 # -- the zygote's workers -------------------------------------------------------------------
