@@ -238,3 +238,24 @@ def test_the_live_reader_gives_a_job_the_nodes_its_last_pass_held_for_ending_job
     Job.objects.filter(pk=other.pk).update(wait={"code": "reserved", "data": {"gpus": 8}})
     claims = {j.id: j.claim_nodes for j in take_snapshot(now).queued}
     assert claims == {fresh.id: (n2.id,), stale.id: (), other.id: ()}
+
+
+def test_while_it_still_waits_the_free_gpus_beside_the_ending_job_stay_held():
+    # Pass 2 of a hold: job 1 needs all of n1, where job 10 ends within the grace and 4 GPUs
+    # are free. Job 2, arrived since with a higher priority, fits those 4: left to the main
+    # pass, it took them, and job 1 had to reclaim after all when job 10 ended.
+    owner = team("owner", quota=8, used=0)
+    guest = team("guest", quota=0, borrow=16, used=12)
+    rival = team("rival", quota=0, borrow=8, used=0)
+    n1, n2 = node("n1", 8, busy={0, 1, 2, 3}), node("n2", 8, busy=8)
+    soon = ends(running(10, n1, [0, 1, 2, 3], team_id=guest.id), 20)
+    other = running(11, n2, range(8), team_id=guest.id, started_ago=60)
+    claimant = dataclasses.replace(job(1, 8, team_id=owner.id), claim_nodes=(n1.id,))
+    ahead = job(2, 4, team_id=rival.id, prio=3)
+    p = plan(snapshot([n1, n2], [claimant, ahead], [owner, guest, rival], [soon, other]))
+    assert 2 not in placed(p) and p.preemptions == ()
+    assert p.waits[1].code == "ending" and p.ending_holds == {1: (n1.id,)}
+    # Without the hold from the last pass, job 2 takes n1's free GPUs first.
+    bare = dataclasses.replace(claimant, claim_nodes=())
+    p = plan(snapshot([n1, n2], [bare, ahead], [owner, guest, rival], [soon, other]))
+    assert {s.node_id for s in placed(p)[2].slots} == {n1.id}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from jobs.scheduling.ending import consume
 from jobs.scheduling.isolation import allowed
 from jobs.scheduling.order import job_order_key
 from jobs.scheduling.placement import occupy, place_on_claim, to_slots, whole_nodes
@@ -71,6 +72,8 @@ def honour_claims(self) -> set[int]:
             self.placements.append(Placement(job.id, job.team_id, to_slots(choice)))
             self.settled.add(job.id)
             continue
+        if not victims and claimed and _wait_for_ending(self, job, team, claimed, held):
+            continue
         if not victims or not claimed:
             continue
         hold = _hold_for_claimant(self, job, team, victims, claimed, held)
@@ -108,3 +111,36 @@ def _hold_for_claimant(self, job, team, victims, claimed, held: set[int]) -> set
         hold.update(node.id for node, _ in whole_nodes(need, self.free, rest) or ())
     held |= hold
     return hold
+
+
+def _wait_for_ending(self, job, team, claimed, held: set[int]) -> bool:
+    """A job that held nodes for jobs ending within the grace anyway (ending.py) and that
+    still waits for them keeps holding what it needs beside them, as a claimant waiting for
+    its victims: between passes, a job ordered before it took the free GPUs next to an ending
+    job, and it had to reclaim after all. True if it waits (its hold carried to the next
+    pass)."""
+    on_claim = {n.id for n in claimed}
+    ending = [
+        r
+        for r in self.ending
+        if r.id not in self.taken and not on_claim.isdisjoint(n for n, _ in r.slots)
+    ]
+    usable = allowed(team, [n for n in self.nodes if n.id not in held])
+    if not ending or self.victims.find(job, ending, usable, lambda run, chosen: True) is None:
+        return False
+    hold = _hold_for_claimant(self, job, team, ending, claimed, held)
+    consume(self, [r.id for r in ending])
+    self.settled.add(job.id)
+    if self.used[team.id] + self.claiming[team.id] + job.gpus <= team.quota:
+        self.claiming[team.id] += job.gpus
+    self.ending_holds[job.id] = tuple(job.claim_nodes)
+    self.note(
+        job,
+        "ending",
+        ending=tuple(r.id for r in ending),
+        gpus=job.gpus,
+        until=max(r.frees_by for r in ending).timestamp(),
+        nodes=tuple(sorted(self.names[i] for i in hold)),
+        node_ids=tuple(job.claim_nodes),
+    )
+    return True

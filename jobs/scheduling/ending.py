@@ -78,6 +78,7 @@ def hold_for_ends(
     occupy(self.free, choice)  # the free GPUs beside theirs are its own from now on
     self.reservations.placed()
     ids = tuple(r.id for r in chosen)
+    consume(self, ids)
     self.wait(
         job,
         "ending",
@@ -92,3 +93,12 @@ def hold_for_ends(
     # (msft at 1,280 GPUs: 101 reclaims past the 60 s bound, up to 140 s, 2026-12-07).
     self.ending_holds[job.id] = tuple(nodes)
     return True
+
+
+def consume(self, ids) -> None:
+    """The ending jobs `ids` are one waiting job's: no other job of the pass counts on them (a
+    gang's GPUs on other nodes included) or takes them as victims (their GPUs are that job's,
+    as a victim's are its claimant's); reservations count them gone, as they soon are."""
+    gone = set(ids)
+    self.ending = [r for r in self.ending if r.id not in gone]
+    self.taken.update(gone)
