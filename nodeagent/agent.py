@@ -441,11 +441,10 @@ class Agent(Leaving):
         # it has already handed to someone else.
         if response.get("rejoined"):
             # This node had been declared lost (the agent froze, or the network cut it off):
-            # every container not in the desired set goes, warm ones with their idle servers
-            # too, since their jobs have moved on.
-            removed = self.supervisor.remove_stale_containers(keep=desired)
-            if removed:
-                self.log.warning("back after being declared lost: removed %d container(s)", removed)
+            # every container not in the desired set goes (off the loop), warm ones with
+            # their idle servers too, since their jobs have moved on.
+            self.log.warning("back after being declared lost: removing stale containers")
+            self.supervisor.sweep_stale_containers(keep=desired)
         for attempt_id in self.supervisor.attempt_ids():
             attempt = self.supervisor.get(attempt_id)
             if attempt_id in desired or attempt is None or attempt.all_exited or attempt.killed:

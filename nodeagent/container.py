@@ -57,6 +57,10 @@ NOFILE_WANTED = 1_048_576
 NPROC_WANTED = 32_768
 
 
+class EngineError(subprocess.SubprocessError):
+    """The engine did not answer a call whose answer the caller needs (`containers`)."""
+
+
 @dataclass(frozen=True)
 class Engine:
     """An OCI engine's CLI. `name` is podman or docker."""
@@ -163,7 +167,8 @@ class Engine:
         return done.stdout.strip() in STOPPED_STATES
 
     def remove_all(self, agent: str) -> int:
-        """Remove every container of this agent identity still listed; how many went."""
+        """Remove every container of this agent identity still listed; how many went. Raises
+        EngineError when the engine cannot list them."""
         return sum(self.remove(container["name"]) for container in self.containers(agent))
 
     def container_pid(self, name: str) -> int | None:
@@ -183,21 +188,20 @@ class Engine:
 
     def containers(self, agent: str) -> list[dict[str, str]]:
         """Every container started by an agent with this identity (`agent_identity`): this
-        agent's and its predecessors' on the same work dir. {"name", "attempt"} each."""
-        done = self._run(
-            [
-                "ps",
-                "--all",
-                "--filter",
-                f"label=lockstep.agent={agent}",
-                "--format",
-                # Docker's ps gives .Labels as one string, with .Label for one of them;
-                # podman's gives a map (and no .Label).
-                f'{{{{.Names}}}} {{{{.Label "{LABEL}"}}}}'
-                if self.name == "docker"
-                else f'{{{{.Names}}}} {{{{index .Labels "{LABEL}"}}}}',
-            ]
-        )
+        agent's and its predecessors' on the same work dir. {"name", "attempt"} each. Raises
+        EngineError when the engine fails or does not answer: an empty list would read as
+        "none left" (a failing `ps` listed nothing, and stale containers went unremoved)."""
+        # Docker's ps gives .Labels as one string, with .Label for one of them; podman's
+        # gives a map (and no .Label).
+        label = f'.Label "{LABEL}"' if self.name == "docker" else f'index .Labels "{LABEL}"'
+        args = ["ps", "--all", "--filter", f"label=lockstep.agent={agent}"]
+        try:
+            done = self._run([*args, "--format", f"{{{{.Names}}}} {{{{{label}}}}}"])
+        except subprocess.TimeoutExpired as exc:
+            raise EngineError(f"{self.name} ps: no answer in {exc.timeout:.0f} s") from exc
+        if done.returncode != 0:
+            detail = (done.stderr or "").strip()[-300:]
+            raise EngineError(f"{self.name} ps failed (exit {done.returncode}): {detail}")
         found = []
         for line in done.stdout.splitlines():
             parts = line.split()

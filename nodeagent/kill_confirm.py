@@ -6,10 +6,13 @@ are not polled, a process group with no live process left; in a container, the e
 that the container is removed or stopped (`Engine.remove`). A SIGKILL can be slow to take (a
 thread in uninterruptible sleep in a driver) and an engine can fail or hang on `rm --force`:
 until then the ranks are reported as they were, running, so the portal keeps their GPUs
-allocated, and every poll sends SIGKILL again (a removal is tried again at most every
-REMOVE_RETRY_S: each can wait a minute on a hung engine). A kill still unconfirmed
-KILL_CONFIRM_S after it was sent refuses launches onto the attempt's GPUs as a failed quick
-health check (`refusals`): the portal may have released them already (a fenced attempt).
+allocated, and every poll sends SIGKILL again. A container's removal runs off the agent's loop
+(nodeagent/engine_calls.py: a hung engine must not silence the heartbeats); the pending kill
+takes its result when it returns, and one that failed, or is still running past its timeout,
+is tried again REMOVE_RETRY_S after (never two at once for a container). A kill still
+unconfirmed KILL_CONFIRM_S after it was sent refuses launches onto the attempt's GPUs as a
+failed quick health check (`refusals`): the portal may have released them already (a fenced
+attempt).
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.container import ContainerRank
+from nodeagent.engine_calls import Call, EngineCalls
 from nodeagent.workers import AttemptWorkers, RankWorker
 
 Log = logging.Logger | logging.LoggerAdapter  # type: ignore[type-arg]
@@ -41,31 +44,42 @@ class PendingKill:
     """A kill sent to an attempt's ranks whose effect is not yet seen."""
 
     since: float  # clock() time the first kill was sent
-    removed: bool = True  # container runtime: whether the last removal worked
+    removed: bool = True  # container runtime: whether the engine confirmed the removal
+    removal: Call | None = None  # container runtime: the removal running off the loop
     given_up: str = ""  # why the agent gave the attempt up (its ranks are not polled then)
     tries: int = 1
     next_removal: float = 0.0
     logged_at: float = float("-inf")
 
 
-def sent(attempt: AttemptWorkers, now: float, removed: bool = True) -> None:
-    """Note a kill of the attempt's ranks; a repeat keeps the first one's time."""
-    if attempt.pending_kill is None and attempt.all_exited and removed:
+def sent(attempt: AttemptWorkers, now: float, removal: Call | None = None) -> None:
+    """Note a kill of the attempt's ranks (with `removal`, the call that removes their
+    container); a repeat keeps the first one's time."""
+    if attempt.pending_kill is None and attempt.all_exited and removal is None:
         return  # nothing was left to kill
     if attempt.pending_kill is None:
         attempt.pending_kill = PendingKill(since=now, next_removal=now + REMOVE_RETRY_S)
-    attempt.pending_kill.removed = removed
+    if removal is not None:
+        attempt.pending_kill.removed = False
+        attempt.pending_kill.removal = removal
 
 
-def kill_container(attempt: AttemptWorkers, log: Log) -> bool:
-    """Kill the attempt's container (if it has one); False unless the engine confirmed it."""
-    if attempt.container is None:
-        return True
-    try:
-        return bool(attempt.container.kill())
-    except (OSError, subprocess.SubprocessError) as exc:  # the engine's CLI is gone or broke
-        log.error("attempt %s: killing its container: %s", attempt.attempt_id, exc)
-        return False
+def kill(
+    attempt: AttemptWorkers,
+    now: float,
+    signal_group: Callable[[RankWorker, int], None],
+    calls: EngineCalls,
+) -> None:
+    """SIGKILL the attempt's live ranks, start killing its container (if it has one) off the
+    loop, and note the kill (`sent`): `follow_up` takes the removal's result (that of the one
+    already running, if a removal of the container is)."""
+    container, removal = attempt.container, None
+    if container is not None:
+        removal = calls.start(container.name, f"killing {container.name}", container.kill)
+    for worker in attempt.workers:
+        if worker.alive:
+            signal_group(worker, signal.SIGKILL)
+    sent(attempt, now, removal)
 
 
 def give_up(attempt: AttemptWorkers, why: str, now: float) -> None:
@@ -74,7 +88,8 @@ def give_up(attempt: AttemptWorkers, why: str, now: float) -> None:
     if attempt.all_exited:
         return
     if attempt.pending_kill is None:  # the kill raised before it was noted
-        sent(attempt, now, removed=attempt.container is None)
+        sent(attempt, now)
+        attempt.pending_kill.removed = attempt.container is None  # removed again when due
     attempt.pending_kill.given_up = why
     _confirm_given_up(attempt)
     if attempt.all_exited and attempt.pending_kill.removed:
@@ -86,28 +101,16 @@ def follow_up(
     now: float,
     signal_group: Callable[[RankWorker, int], None],
     log: Log,
+    calls: EngineCalls,
 ) -> None:
     """One poll's work on a pending kill, after the attempt's ranks were reaped: done if the
-    kill is seen to have worked, else SIGKILL again and, when due, the container removed
-    again."""
+    kill is seen to have worked, else SIGKILL again and the container's removal followed:
+    its result taken, and started again when due."""
     pending = attempt.pending_kill
     if pending is None:
         return
-    if not pending.removed and attempt.container is not None and now >= pending.next_removal:
-        pending.tries += 1
-        pending.next_removal = now + REMOVE_RETRY_S
-        log.warning(
-            "attempt %s: container %s not removed %.0f s after its kill; removing it again "
-            "(try %d)",
-            attempt.attempt_id,
-            attempt.container.name,
-            now - pending.since,
-            pending.tries,
-        )
-        try:
-            pending.removed = bool(attempt.container.remove())
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.error("attempt %s: removing its container: %s", attempt.attempt_id, exc)
+    if not pending.removed and attempt.container is not None:
+        _follow_removal(attempt, pending, now, log, calls)
     for worker in attempt.workers:
         if worker.alive:
             signal_group(worker, signal.SIGKILL)
@@ -132,13 +135,56 @@ def follow_up(
         )
 
 
+def _follow_removal(
+    attempt: AttemptWorkers, pending: PendingKill, now: float, log: Log, calls: EngineCalls
+) -> None:
+    container = attempt.container
+    call = pending.removal
+    if call is not None and call.done:
+        pending.removal = None
+        pending.removed = call.ok
+        if call.error is not None:  # the engine's CLI is gone or broke
+            log.error(
+                "attempt %s: removing its container: %s: %s",
+                attempt.attempt_id,
+                type(call.error).__name__,
+                call.error,
+            )
+        if not pending.removed:
+            pending.next_removal = max(pending.next_removal, now + REMOVE_RETRY_S)
+    elif call is not None and call.overdue() and not call.overdue_told:
+        call.overdue_told = True  # failed; tried again once it returned
+        pending.next_removal = max(pending.next_removal, now + REMOVE_RETRY_S)
+        log.warning(
+            "attempt %s: removing container %s: no answer from the engine in %.0f s; taken "
+            "as failed (the agent beats on; tried again once that call returns)",
+            attempt.attempt_id,
+            container.name,
+            call.elapsed(),
+        )
+    if pending.removed or pending.removal is not None or now < pending.next_removal:
+        return
+    pending.tries += 1
+    pending.next_removal = now + REMOVE_RETRY_S
+    log.warning(
+        "attempt %s: container %s not removed %.0f s after its kill; removing it again (try %d)",
+        attempt.attempt_id,
+        container.name,
+        now - pending.since,
+        pending.tries,
+    )
+    pending.removal = calls.start(container.name, f"removing {container.name}", container.remove)
+
+
 def describe(attempt: AttemptWorkers) -> str:
     """What is still there, in a few words."""
     pending = attempt.pending_kill
     if pending is not None and not pending.removed and attempt.container is not None:
+        running = pending.removal
+        last = f", the last still running after {running.elapsed():.0f} s" if running else ""
         return (
-            f"container {attempt.container.name} not removed after {pending.tries} "
-            "tries (the engine's errors are in the agent's log)"
+            f"container {attempt.container.name} not removed: {pending.tries} tries{last} "
+            "(the engine's errors are in the agent's log)"
         )
     alive = [w for w in attempt.workers if w.alive]
     return (

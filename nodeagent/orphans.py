@@ -1,7 +1,8 @@
 """Workers an earlier agent process left running (it crashed or was SIGKILLed): each attempt's
 workers file lists its ranks' pids, and a new agent on the same work dir kills them before
-anything else, since it cannot wait on or report them and the portal gave their GPUs away; and
-the containers it left, found by the agent identity they are labelled with."""
+anything else, since it cannot wait on or report them and the portal gave their GPUs away. (The
+containers it left, found by the agent identity they are labelled with, are removed by
+nodeagent/engine_calls.StaleSweep.)"""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from nodeagent.workers import RankWorker
 
@@ -56,29 +56,6 @@ def kill_orphans(work_dir: Path, log: logging.Logger | logging.LoggerAdapter) ->
                         log.warning("killed orphan worker pid %s from %s", pid, path.parent.name)
         path.unlink(missing_ok=True)
     return killed
-
-
-def remove_stale_containers(
-    engine: Any,
-    agent: str,
-    keep: Iterable[int],
-    served: Callable[[str], set[int]],
-    log: logging.Logger | logging.LoggerAdapter,  # type: ignore[type-arg]
-) -> int:
-    """Remove the containers of this agent identity that serve no attempt in `keep`: a
-    container is labelled with the attempt that started it, and a warm one may have served
-    later ones (`served`, by its name); both count. Returns how many went."""
-    removed = 0
-    for found in engine.containers(agent):
-        label = {int(found["attempt"])} if found["attempt"].isdigit() else set()
-        if (label | served(found["name"])) & set(keep):
-            continue
-        if engine.remove(found["name"]):
-            removed += 1
-            log.warning("removed stale container %s", found["name"])
-        else:
-            log.error("stale container %s could not be removed", found["name"])
-    return removed
 
 
 def _process_start_time(pid: int | None) -> int | None:

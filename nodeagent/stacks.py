@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 MARKER = "lockstep agent: stacks of rank"
 TIMEOUT_S = 4.0  # per try; a dump of a torch process with native frames took 0.65 s here
@@ -130,3 +131,23 @@ def container_host_pids(init_pid: int, container_pids: set[int]) -> dict[int, in
         if ancestor == init_pid:
             found[inside] = pid
     return found
+
+
+def rank_pids(attempt: Any, engine: Any, log: Any) -> dict[int, tuple[int | None, int | None]]:
+    """rank -> (its pid as it sees itself, its pid on this host, None once it exited) for the
+    attempt's (a workers.AttemptWorkers) started ranks. Inside a container the two differ;
+    the host pids are looked up once (the container's init from `engine`)."""
+    started = [w for w in attempt.workers if w.pid is not None]
+    if attempt.container is None:
+        return {w.rank: (w.pid, w.pid if w.alive else None) for w in started}
+    missing = {w.pid for w in started if w.alive} - set(attempt.host_pids)
+    if missing:
+        # The launcher's pids are the container's; /proc here knows them by host pids.
+        try:
+            init = engine.container_pid(attempt.container.name) if engine else None
+        except (OSError, subprocess.SubprocessError) as exc:  # a hung or absent engine
+            log.warning("attempt %s: no container pid (%s)", attempt.attempt_id, exc)
+            init = None
+        if init:
+            attempt.host_pids.update(container_host_pids(init, missing))
+    return {w.rank: (w.pid, attempt.host_pids.get(w.pid) if w.alive else None) for w in started}

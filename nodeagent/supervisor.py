@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nodeagent import hang_evidence, kill_confirm, orphans
-from nodeagent.container import ContainerRank, Engine, agent_identity
+from nodeagent import hang_evidence, kill_confirm, orphans, stacks
+from nodeagent.container import REMOVE_TIMEOUT_S, ContainerRank, Engine, agent_identity
 from nodeagent.container_launch import ContainerLaunch
 from nodeagent.contract import (
     build_worker_env,
@@ -27,11 +27,11 @@ from nodeagent.contract import (
     inheritable_env,
     resolve_command,
 )
+from nodeagent.engine_calls import EngineCalls, StaleSweep
 from nodeagent.exit_clock import ExitClock
 from nodeagent.launch import session_cpu_seconds
 from nodeagent.orphans import WORKERS_FILE
 from nodeagent.saves import seed_resume
-from nodeagent.stacks import container_host_pids
 from nodeagent.telemetry import detect_gpu_kind
 from nodeagent.warm_container import DEFAULT_IDLE_S, WarmContainers
 from nodeagent.workers import AttemptWorkers, RankWorker
@@ -76,6 +76,8 @@ class WorkerSupervisor:
         self.node_env = dict(node_env or {})
         self.engine = engine
         self.node = node
+        # Engine calls that can block run off the loop (removals, kills, stale containers).
+        self._calls = EngineCalls()
         # Warm containers: a job's container outlives its attempt for a fast restart here.
         self._warm = (
             WarmContainers(
@@ -83,6 +85,7 @@ class WorkerSupervisor:
                 self.work_dir / "jobs",
                 idle_s=float(os.environ.get("LOCKSTEP_WARM_CONTAINER_IDLE_S", DEFAULT_IDLE_S)),
                 log=self._log,
+                calls=self._calls,
             )
             if engine is not None and warm_start
             else None
@@ -107,6 +110,11 @@ class WorkerSupervisor:
         self._clock = clock
         self._cpu_read_at = -CPU_READ_EVERY_S
         self._attempts: dict[int, AttemptWorkers] = {}
+        # This agent's containers that serve nothing it holds (nodeagent/engine_calls.py).
+        self._sweep: StaleSweep | None = None
+        if engine is not None:
+            agent, held = agent_identity(self.work_dir), self._attempts.keys
+            self._sweep = StaleSweep(engine, agent, self._calls, self._log, held, self._warm)
         # Warm start (nodeagent/zygote.py): workers forked from a process that has imported
         # torch already; started now, so it is warm before the first job arrives.
         self._zygote: Zygote | None = None
@@ -321,7 +329,7 @@ class WorkerSupervisor:
             try:
                 if attempt.pending_kill is None or not attempt.pending_kill.given_up:
                     self._poll_attempt(attempt, now)
-                kill_confirm.follow_up(attempt, now, self._signal_group, self._log)
+                kill_confirm.follow_up(attempt, now, self._signal_group, self._log, self._calls)
             except Exception as exc:
                 # One attempt the agent can no longer watch must not end the loop that watches
                 # the others (its end kills every job on the node): that one is given up.
@@ -330,6 +338,8 @@ class WorkerSupervisor:
         self._close_retired()
         if self._warm is not None:
             self._warm.tick()  # after the exits above, so an idle container is seen idle now
+        if self._sweep is not None:
+            self._sweep.tick()
 
     def _poll_attempt(self, attempt: AttemptWorkers, now: float) -> None:
         if attempt.pull is not None and self._containers is not None:
@@ -371,10 +381,7 @@ class WorkerSupervisor:
                     attempt.attempt_id,
                     [w.rank for w in survivors],
                 )
-                removed = kill_confirm.kill_container(attempt, self._log)
-                for worker in survivors:
-                    self._signal_group(worker, signal.SIGKILL)
-                kill_confirm.sent(attempt, now, removed)
+                kill_confirm.kill(attempt, now, self._signal_group, self._calls)
             attempt.stop_deadline = None
             attempt.killed = attempt.killed or bool(survivors)
         if attempt.all_exited:
@@ -442,23 +449,8 @@ class WorkerSupervisor:
 
     def rank_pids(self, attempt_id: int) -> dict[int, tuple[int | None, int | None]]:
         """rank -> (its pid as it sees itself, its pid on this host, None once it exited) for
-        the attempt's started ranks. Inside a container the two differ; the host pids are
-        looked up once."""
-        attempt = self._attempts[attempt_id]
-        started = [w for w in attempt.workers if w.pid is not None]
-        if attempt.container is None:
-            return {w.rank: (w.pid, w.pid if w.alive else None) for w in started}
-        missing = {w.pid for w in started if w.alive} - set(attempt.host_pids)
-        if missing:
-            # The launcher's pids are the container's; /proc here knows them by host pids.
-            try:
-                init = self.engine.container_pid(attempt.container.name) if self.engine else None
-            except (OSError, subprocess.SubprocessError) as exc:  # a hung or absent engine
-                self._log.warning("attempt %s: no container pid (%s)", attempt_id, exc)
-                init = None
-            if init:
-                attempt.host_pids.update(container_host_pids(init, missing))
-        return {w.rank: (w.pid, attempt.host_pids.get(w.pid) if w.alive else None) for w in started}
+        the attempt's started ranks (nodeagent/stacks.rank_pids)."""
+        return stacks.rank_pids(self._attempts[attempt_id], self.engine, self._log)
 
     def live_host_pids(self, attempt_id: int) -> dict[int, int]:
         """rank -> host pid of the attempt's live ranks (what py-spy and /proc are given)."""
@@ -480,11 +472,7 @@ class WorkerSupervisor:
             self._containers.cancel(attempt, -signal.SIGKILL)
         if attempt.all_exited:
             return
-        removed = kill_confirm.kill_container(attempt, self._log)
-        for worker in attempt.workers:
-            if worker.alive:
-                self._signal_group(worker, signal.SIGKILL)
-        kill_confirm.sent(attempt, self._clock(), removed)
+        kill_confirm.kill(attempt, self._clock(), self._signal_group, self._calls)
 
     def fail(self, attempt_id: int, why: str) -> None:
         """Give up an attempt this agent can no longer supervise: its ranks are killed, with
@@ -525,6 +513,9 @@ class WorkerSupervisor:
         """Let the zygote and the warm containers go (workers, if any are left, are the
         caller's to kill first), then every container of this agent that is still listed."""
         self._exit_clock.close()
+        # The removals under way first, never two at once (each call's subprocesses time out).
+        if not self._calls.wait(REMOVE_TIMEOUT_S):
+            self._log.error("engine calls still running after %.0f s", REMOVE_TIMEOUT_S)
         if self._warm is not None:
             self._warm.close()
         for zygote in self._retired:
@@ -533,12 +524,8 @@ class WorkerSupervisor:
         if self._zygote is not None:
             self._zygote.close()
             self._zygote = None
-        if self.engine is not None and self._containers is not None:
-            # A killed or exited attempt's container is removed by the engine (`--rm`), but
-            # after its process ends, not before: an agent that exited at once left it
-            # listed, and `make up`'s stop was not "nothing left behind" (seen under load in
-            # tests/test_container_runtime.py). `rm --force` waits for the removal.
-            self.engine.remove_all(self._containers.agent)
+        if self._sweep is not None:
+            self._sweep.close()
 
     def kill_all(self) -> int:
         """Kill every attempt's workers; returns how many workers were still alive."""
@@ -570,18 +557,23 @@ class WorkerSupervisor:
     def _write_workers_file(self, attempt: AttemptWorkers) -> None:
         orphans.write_workers_file(attempt.dir, attempt.workers)
 
-    def remove_stale_containers(self, keep: set[int] = frozenset()) -> int:  # type: ignore[assignment]
-        """Remove every container of this node that serves no attempt in `keep`: at start-up
-        (`keep` empty) those an earlier agent process left (it crashed, was killed, or was
-        declared lost and its attempts given away), before anything else, so a zombie never
-        trains beside the attempt that replaced it; and when the portal says this node is
-        back after being declared lost (`keep`: its desired attempts). Returns how many went
-        (nodeagent/orphans.py)."""
-        if self.engine is None:
-            return 0
-        served = self._warm.attempts_in if self._warm is not None else lambda name: set()
-        agent = self._containers.agent
-        return orphans.remove_stale_containers(self.engine, agent, keep, served, self._log)
+    def remove_stale_containers(self) -> int:
+        """At start-up, before anything else: remove every container an earlier agent
+        process on this work dir left (it crashed, was killed, or was declared lost and its
+        attempts given away), so a zombie never trains beside the attempt that replaced it.
+        What the engine could not do now later polls try again, off the loop
+        (nodeagent/engine_calls.StaleSweep). Returns how many went."""
+        return self._sweep.run_now() if self._sweep is not None else 0
+
+    def sweep_stale_containers(self, keep: Iterable[int]) -> None:
+        """The portal says this node is back after being declared lost: every container
+        serving no attempt in `keep` (its desired ones) goes, warm ones too, since their jobs
+        have moved on; off the loop, logged as it goes. (Those of attempts held here go with
+        their fencing, which comes next.)"""
+        if self._warm is not None:
+            self._warm.moved_on(set(keep))
+        if self._sweep is not None:
+            self._sweep.request(keep)
 
     def reap_orphans(self) -> int:
         """SIGKILL the workers an earlier agent process left running on this work dir

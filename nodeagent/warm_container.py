@@ -19,9 +19,11 @@ no GPU context: the server never initialises CUDA, so the forked ranks can). It 
 - an attempt in it is killed (a stop's deadline, fencing) and the server does not report its
   ranks dead within KILL_WAIT_S (the server kills a killed attempt's ranks itself, inside, and
   the container stays for the restart);
+- the node comes back after the portal declared it lost (its jobs have moved on);
 - the agent stops.
 An agent that starts removes every container of its predecessors, warm ones included
-(`WorkerSupervisor.remove_stale_containers`).
+(`WorkerSupervisor.remove_stale_containers`). The removals but the last run off the agent's
+loop (nodeagent/engine_calls.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nodeagent.container import ContainerAttempt, Engine
+from nodeagent.engine_calls import EngineCalls
 from nodeagent.workers import AttemptWorkers
 
 DEFAULT_IDLE_S = 600.0
@@ -120,8 +123,11 @@ class WarmContainers:
         *,
         idle_s: float = DEFAULT_IDLE_S,
         log=None,
+        calls: EngineCalls | None = None,
     ) -> None:
         self.engine = engine
+        # Removals run off the agent's loop there (nodeagent/engine_calls.py); None: here.
+        self.calls = calls
         self.root = root
         self.idle_s = idle_s
         self.log = log
@@ -143,9 +149,9 @@ class WarmContainers:
                 return warm
         return None
 
-    def attempts_in(self, name: str) -> set[int]:
-        """The attempts a warm container of this agent has served."""
-        return {a.attempt_id for w in self.warm if w.container.name == name for a in w.attempts}
+    def names(self) -> set[str]:
+        """This agent's warm containers (stale-container sweeps leave them alone)."""
+        return {w.container.name for w in self.warm}
 
     def hand_over(self, warm: Warm, attempt: AttemptWorkers, spec: dict, uid: int) -> None:
         """Give the attempt to a running server: its spec appears as request-<attempt>.json
@@ -171,6 +177,14 @@ class WarmContainers:
             if warm.gpus & gpus and not warm.busy:
                 self._remove(warm, "its GPUs start another container")
 
+    def moved_on(self, keep: set[int]) -> None:
+        """The node is back after the portal declared it lost: every warm container that
+        served no attempt in `keep` (the desired ones) goes, busy or not (the agent fences
+        its attempt, whose kill takes this removal's result), since its job has moved on."""
+        for warm in list(self.warm):
+            if not {a.attempt_id for a in warm.attempts} & keep:
+                self._remove(warm, "the node was declared lost; its job has moved on")
+
     def tick(self) -> None:
         """Drop the containers that are gone; remove those idle for longer than idle_s."""
         now = time.monotonic()
@@ -186,10 +200,14 @@ class WarmContainers:
 
     def close(self) -> None:
         for warm in list(self.warm):
-            self._remove(warm, "the agent is stopping")
+            self._remove(warm, "the agent is stopping", wait=True)
 
-    def _remove(self, warm: Warm, why: str) -> None:
+    def _remove(self, warm: Warm, why: str, wait: bool = False) -> None:
+        name = warm.container.name
         if self.log is not None:
-            self.log.info("removing warm container %s: %s", warm.container.name, why)
-        warm.container.remove()
+            self.log.info("removing warm container %s: %s", name, why)
+        if wait or self.calls is None:
+            warm.container.remove()
+        else:  # a failure is the engine's log line; a later start-up's sweep removes it
+            self.calls.start(name, f"removing warm container {name}", warm.container.remove)
         self.warm.remove(warm)

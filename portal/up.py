@@ -282,11 +282,15 @@ def _remove_agent_containers(var: Path, names: list[str]) -> int:
     podman = shutil.which("podman")
     if podman is None:
         return 0
-    from nodeagent.container import Engine, agent_identity
+    from nodeagent.container import Engine, EngineError, agent_identity
 
     engine = Engine("podman", podman)
     dirs = [var / "agents" / name for name in names]
-    return sum(engine.remove_all(agent_identity(d)) for d in dirs if d.is_dir())
+    try:
+        return sum(engine.remove_all(agent_identity(d)) for d in dirs if d.is_dir())
+    except EngineError as exc:  # the stop goes on; what is left is podman's to show
+        print(f"  cannot remove the agents' containers: {exc}", flush=True)
+        return 0
 
 
 def _start_agents(py: str, env: dict, url: str, args, var: Path, sup: Supervisor) -> None:

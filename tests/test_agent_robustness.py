@@ -383,6 +383,11 @@ def test_a_container_whose_removal_fails_is_removed_again_and_its_ranks_exit_onc
         now[0] += kill_confirm.REMOVE_RETRY_S
         sup.poll()
 
+    def returned():  # the removal runs off the loop: until a poll has taken its result
+        pending = attempt.pending_kill
+        done = pending is None or pending.removal is None
+        return done or (sup.poll(), False)[1]
+
     ckpt = tmp_path / "ckpt" / "job-5"
     spec = launch_spec(
         IGNORES_TERM, one_rank(), image=IMAGE, team_id=1, checkpoint_dir=str(ckpt), resume_from=""
@@ -398,12 +403,14 @@ def test_a_container_whose_removal_fails_is_removed_again_and_its_ranks_exit_onc
             sup.poll()
         else:
             sup.fail(71, "supervising it failed: RuntimeError: a test")
+        wait_until(returned, 30, "the first removal's result")
         assert engine.rms == ["error"]
         attempt.container.popen.kill()
         attempt.container.popen.wait()
         sup.poll()
         assert engine.rms == ["error"]  # not due yet
         poll_later()
+        wait_until(returned, 30, "the second removal's result")
         assert engine.rms == ["error", "timeout"]
         assert not PODMAN.stopped(name)  # it runs on
         assert [(r["state"], r["exit_code"]) for r in sup.status(71)] == [("running", None)]

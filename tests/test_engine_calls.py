@@ -1,0 +1,279 @@
+"""Container engine calls that can block run off the agent's loop (nodeagent/engine_calls.py).
+
+A hung or crawling engine (`rm --force` waiting its minute) blocked the agent's loop: its
+heartbeats stopped, the portal declared the node lost, and every job on it was restarted
+elsewhere although only one container's removal was slow. Here the engine's `rm` hangs for
+real: a `podman` of the test's own on PATH, which hangs on `rm` while a file exists and hands
+everything else (and then `rm` too) to the real podman. Also: a removal past its timeout counts
+as failed and the next one starts once it returned (never two at once for a container); a
+failing `ps` is an error, not "no containers"; and stale containers that could not be removed
+at start-up are tried again while the agent runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from nodeagent import container as container_module
+from nodeagent import engine_calls, kill_confirm
+from nodeagent.container import Engine, EngineError
+from nodeagent.engine_calls import EngineCalls
+from nodeagent.supervisor import WorkerSupervisor
+from nodeagent.workers import AttemptWorkers, RankWorker
+from tests.nodeagent_helpers import (
+    CLUSTER_TOKEN,
+    clean_env_fixture,  # noqa: F401 (fixture)
+    launch_spec,
+    one_rank,
+    portal_fixture,  # noqa: F401 (fixture)
+    run_item,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+PODMAN = Engine.detect("podman")
+IMAGE = "localhost/lockstep/trainer:latest"
+IGNORES_TERM = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(120)
+"""
+# The test's podman: each `rm` is noted in rm.log, waits while `hang` exists, then is real.
+FAKE_PODMAN = """#!/bin/sh
+if [ "$1" = rm ]; then
+    echo rm >> "{dir}/rm.log"
+    while [ -e "{dir}/hang" ]; do sleep 0.05; done
+fi
+exec {real} "$@"
+"""
+
+
+@pytest.mark.skipif(
+    PODMAN is None or not PODMAN.image_present(IMAGE), reason=f"no podman or no {IMAGE}"
+)
+def test_the_agent_beats_on_while_the_engines_rm_hangs_and_reports_the_ranks_gone_once_it_worked(
+    tmp_path, portal, clean_env, monkeypatch
+):
+    """The agent fences a container whose `rm --force` hangs: heartbeats keep coming, each with
+    the rank running (the kill is not confirmed); a removal past its timeout is tried again;
+    once `rm` works the rank is reported exited (-9) and the container is gone."""
+    from nodeagent.agent import Agent
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "podman").write_text(FAKE_PODMAN.format(dir=fake, real=PODMAN.binary))
+    (fake / "podman").chmod(0o755)
+    for key in list(os.environ):
+        if key not in clean_env:
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    # An `rm` past this is killed and counts as failed (60 s in the field).
+    monkeypatch.setattr(container_module, "REMOVE_TIMEOUT_S", 3.0)
+    agent = Agent(
+        portal.url,
+        CLUSTER_TOKEN,
+        1,
+        name="hung-rm",
+        work_dir=tmp_path / "agent",
+        gpu_kind="cpu",
+        runtime="podman",
+    )
+    assert agent.engine.binary == str(fake / "podman")
+    rm_log, hang = fake / "rm.log", fake / "hang"
+
+    def rms() -> int:
+        return len(rm_log.read_text().splitlines()) if rm_log.exists() else 0
+
+    ckpt = tmp_path / "ckpt" / "job-5"
+    spec = launch_spec(
+        IGNORES_TERM, one_rank(), image=IMAGE, team_id=1, checkpoint_dir=str(ckpt), resume_from=""
+    )
+    portal.set_desired([run_item(81, spec)])
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    name = None
+    try:
+
+        def running() -> bool:
+            reports = portal.attempt_in_beats(81)
+            return bool(reports) and reports[-1]["ranks"][0]["pid"] is not None
+
+        wait_until(running, 90, "the rank to run in its container")
+        name = agent.supervisor.get(81).container.name
+        hang.touch()
+        portal.set_desired([])  # fencing: the agent kills the attempt
+        wait_until(lambda: rms() >= 1, 30, "the fencing's rm")
+        first_rm = len(portal.beats_since(0))
+        time.sleep(2.0)  # the rm hangs meanwhile (it counts as failed only after 3 s)
+        during = portal.beats_since(first_rm)
+        assert len(during) >= 5, f"{len(during)} heartbeat(s) in 2 s while `rm` hung"
+        wait_until(lambda: rms() >= 2, 30, "a second rm once the first timed out")
+        hung = portal.attempt_in_beats(81, since=first_rm)
+        assert hung and all(r["ranks"][0]["state"] == "running" for r in hung)
+        assert not PODMAN.stopped(name)  # it runs on: the kill is not confirmed
+
+        hang.unlink()  # the engine answers again
+        wait_until(
+            lambda: any(r["ranks"][0]["state"] == "exited" for r in portal.attempt_in_beats(81)),
+            60,
+            "the rank reported exited",
+        )
+        exited = [r for r in portal.attempt_in_beats(81) if r["ranks"][0]["state"] == "exited"]
+        assert exited[0]["ranks"][0]["exit_code"] == -signal.SIGKILL
+        assert PODMAN.stopped(name)
+    finally:
+        hang.unlink(missing_ok=True)
+        agent.request_stop()
+        thread.join(timeout=90)
+        if name is not None:
+            PODMAN.remove(name)
+    assert not thread.is_alive()
+
+
+class _Container:
+    """A container whose removals wait until the test lets each return, with its answer."""
+
+    name = "c"
+
+    def __init__(self) -> None:
+        self.answers: list[tuple[threading.Event, bool]] = []
+        self.calls: list[str] = []
+
+    def _call(self, what: str) -> bool:
+        self.calls.append(what)
+        release, answer = self.answers[len(self.calls) - 1]
+        assert release.wait(30)
+        return answer
+
+    def kill(self) -> bool:
+        return self._call("kill")
+
+    def remove(self) -> bool:
+        return self._call("remove")
+
+
+def test_a_removal_past_its_timeout_counts_as_failed_and_the_next_starts_once_it_returned(
+    tmp_path, caplog
+):
+    """At most one removal runs per container; one still running after its timeout is failed
+    (logged, the ranks still running), and the next try starts REMOVE_RETRY_S after it
+    returned, not while it runs; the ranks go once a removal worked."""
+    container = _Container()
+    container.answers = [(threading.Event(), False), (threading.Event(), True)]
+    worker = RankWorker(0, 0, 0, tmp_path / "log", tmp_path / "metrics", None, state="running")
+    attempt = AttemptWorkers(1, {}, tmp_path, workers=[worker], container=container)
+    calls = EngineCalls(timeout_s=0.2)
+    log = logging_for(caplog)
+
+    def follow(now: float) -> None:
+        kill_confirm.follow_up(attempt, now, lambda w, s: None, log, calls)
+
+    kill_confirm.kill(attempt, 0.0, lambda w, s: None, calls)
+    first = attempt.pending_kill.removal
+    assert calls.start("c", "another", container.remove) is first  # one at a time
+    time.sleep(0.3)
+    follow(1.0)
+    assert first.overdue() and "no answer from the engine" in caplog.text
+    follow(1.0 + kill_confirm.REMOVE_RETRY_S)  # due, but the first still runs
+    assert container.calls == ["kill"] and not attempt.pending_kill.removed
+    container.answers[0][0].set()  # it returns: failed
+    wait_until(lambda: first.done, 5, "the first call's return")
+    follow(10.0)
+    assert attempt.pending_kill.removal is None and container.calls == ["kill"]
+    follow(10.0 + kill_confirm.REMOVE_RETRY_S)
+    assert container.calls == ["kill", "remove"]
+    assert "(try 2)" in caplog.text
+    container.answers[1][0].set()
+    wait_until(lambda: attempt.pending_kill.removal.done, 5, "the second call's return")
+    follow(16.0)
+    assert attempt.pending_kill.removed
+    worker.state = "exited"  # the supervisor's poll reaps the rank once removed
+    follow(16.5)
+    assert attempt.pending_kill is None
+
+
+def logging_for(caplog):
+    caplog.set_level(logging.INFO, logger="test.engine_calls")
+    return logging.getLogger("test.engine_calls")
+
+
+class _Scripted(Engine):
+    """An engine whose CLI answers from a script: `ps` and `rm` per call, in order."""
+
+    def __init__(self, ps: list, rm: list) -> None:
+        super().__init__("podman", "/no/podman")
+        object.__setattr__(self, "script", {"ps": ps, "rm": rm, "inspect": []})
+        object.__setattr__(self, "seen", [])
+
+    def _run(self, args, timeout=60.0):
+        self.seen.append(args[0] if args[0] != "rm" else f"rm {args[-1]}")
+        script = self.script[args[0]]
+        answer = script.pop(0) if script else (0, "", "")
+        if args[0] == "inspect":
+            answer = (0, "running\n", "")
+        if answer == "hang":
+            raise subprocess.TimeoutExpired([self.binary, *args], timeout)
+        return subprocess.CompletedProcess([self.binary, *args], *answer)
+
+
+def test_a_failing_ps_is_an_error_not_an_empty_list():
+    engine = _Scripted(ps=[(125, "", "Error: cannot connect"), "hang", (0, "c-1 1\n", "")], rm=[])
+    with pytest.raises(EngineError, match="cannot connect"):
+        engine.containers("agent")
+    with pytest.raises(EngineError, match="no answer"):
+        engine.containers("agent")
+    assert engine.containers("agent") == [{"name": "c-1", "attempt": "1"}]
+
+
+def test_stale_containers_not_removed_at_start_up_are_removed_later_off_the_loop(
+    tmp_path, caplog, monkeypatch
+):
+    """A failing `ps` at start-up listed nothing, and a stale container that could not be
+    removed was only logged: either could train on beside the attempts that replaced it. Both
+    are tried again from the supervisor's polls until they went; a container of an attempt the
+    agent holds stays, unless the node came back after being declared lost and the attempt is
+    no longer desired."""
+    monkeypatch.setattr(engine_calls, "STALE_RETRY_S", 0.05)
+    listing = (0, "c-7 7\nc-8 8\n", "")
+    engine = _Scripted(
+        ps=[(125, "", "Error: engine down"), listing, listing],
+        rm=[(125, "", "Error: busy"), (0, "", "")],
+    )
+    sup = WorkerSupervisor(tmp_path / "work", engine=engine, node="stale", gpu_kind="cpu")
+    assert sup.remove_stale_containers() == 0
+    assert "cannot list this agent's containers" in caplog.text and "engine down" in caplog.text
+    sup.refuse(8, {}, {"kind": "health", "message": "held here"})  # an attempt it holds
+    wait_until(lambda: (sup.poll(), not sup._sweep.wanted)[1], 10, "the stale containers removed")
+    assert [s for s in engine.seen if s.startswith("rm")] == ["rm c-7", "rm c-7"]
+    assert "c-7 not removed; trying again" in caplog.text
+    assert "removed stale container c-7" in caplog.text
+    assert engine.seen.count("ps") == 3
+    # Back after being declared lost: the held attempt 8 is not desired (it is fenced), and
+    # its container goes too; the desired 9's stays.
+    engine.script["ps"] = [(0, "c-8 8\nc-9 9\n", "")]
+    sup.sweep_stale_containers(keep={9})
+    wait_until(lambda: (sup.poll(), not sup._sweep.wanted)[1], 10, "the rejoin's sweep")
+    assert [s for s in engine.seen if s.startswith("rm")] == ["rm c-7", "rm c-7", "rm c-8"]
+    sup.close()
+
+
+def test_the_engines_calls_are_counted_until_they_return():
+    calls = EngineCalls(timeout_s=5)
+    release = threading.Event()
+    call = calls.start("k", "a call", lambda: release.wait(5))
+    assert not call.done and not call.overdue()
+    assert not calls.wait(0.05)
+    release.set()
+    assert calls.wait(5) and call.ok
+    again = calls.start("k", "again", lambda: 1 / 0)
+    assert again is not call
+    wait_until(lambda: again.done, 5)
+    assert isinstance(again.error, ZeroDivisionError) and not again.ok
