@@ -10,7 +10,7 @@ import pytest
 
 from jobs.scheduling import policy
 from jobs.scheduling.policy import plan
-from jobs.scheduling.simulate import SimConfig, run
+from jobs.scheduling.simulate import EPOCH, SimConfig, run
 from jobs.scheduling.trace import TeamQuota, TraceJob
 from jobs.scheduling.vocab import PreemptionKind
 from tests.builders import T0, job, node, placed, running, snapshot, team
@@ -180,22 +180,24 @@ def test_once_they_have_ended_the_gpus_go_to_the_job_that_waited_for_them():
     claimant = job(1, 8, team_id=owner.id, submitted=10)
     ahead = job(2, 8, team_id=rival.id, prio=3)
     first = plan(snapshot([n1, n2], [claimant], [owner, guest, rival], [soon, other]))
-    assert first.waits[1].code == "ending" and first.ending_holds == {1: (n1.id,)}
+    by = T0 + timedelta(seconds=30)
+    assert first.waits[1].code == "ending" and first.ending_holds == {1: ((n1.id,), by)}
     assert first.waits[1].data["node_ids"] == (n1.id,)
     # Job 10 has ended: n1 is free.
     freed = dataclasses.replace(n1, free=frozenset(range(8)))
     guest_after = dataclasses.replace(guest, used=8)
     teams = [owner, guest_after, rival]
-    held = dataclasses.replace(claimant, claim_nodes=first.ending_holds[1])
+    held = dataclasses.replace(claimant, claim_nodes=first.ending_holds[1][0])
     assert set(placed(plan(snapshot([freed, n2], [claimant, ahead], teams, [other])))) == {2}
     assert set(placed(plan(snapshot([freed, n2], [held, ahead], teams, [other])))) == {1}
 
 
 def test_the_simulator_gives_the_held_nodes_to_the_waiting_job_in_the_next_pass():
-    seen = []
+    seen, by_seen = [], []
 
     def recording(snap):
         seen.append({j.name: j.claim_nodes for j in snap.queued})
+        by_seen.extend(j.ending_by for j in snap.queued if j.name == "a1")
         return plan(snap)
 
     q = {"a": TeamQuota(8, 0), "b": TeamQuota(0, 8)}
@@ -207,6 +209,8 @@ def test_the_simulator_gives_the_held_nodes_to_the_waiting_job_in_the_next_pass(
     run(trace, recording, SimConfig(gpus=8, quotas=q, checkpoint_on_stop=True))
     # The pass at a1's arrival holds b1's node for it; the pass at b1's end sees the claim.
     assert [s["a1"] for s in seen if "a1" in s] == [(), (1,)]
+    # ... and its first wait's deadline, which a later wait may not pass.
+    assert [b for b in by_seen if b is not None] == [EPOCH + timedelta(seconds=5000)]
 
 
 @pytest.mark.django_db
@@ -229,15 +233,19 @@ def test_the_live_reader_gives_a_job_the_nodes_its_last_pass_held_for_ending_job
     now = timezone.now()
 
     def held(job, until_s: float):
-        data = {"ending": [99], "gpus": 8, "until": now.timestamp() + until_s}
+        until = now.timestamp() + until_s
+        data = {"ending": [99], "gpus": 8, "until": until, "by": until - 5}
         data |= {"nodes": [n2.name], "node_ids": [n2.id]}
         Job.objects.filter(pk=job.pk).update(wait=WaitReason("ending", data).to_json())
 
     held(fresh, 20)
     held(stale, -CLAIM_AFTER_EXIT_S - 1)
     Job.objects.filter(pk=other.pk).update(wait={"code": "reserved", "data": {"gpus": 8}})
-    claims = {j.id: j.claim_nodes for j in take_snapshot(now).queued}
+    queued = {j.id: j for j in take_snapshot(now).queued}
+    claims = {i: j.claim_nodes for i, j in queued.items()}
     assert claims == {fresh.id: (n2.id,), stale.id: (), other.id: ()}
+    assert queued[fresh.id].ending_by.timestamp() == now.timestamp() + 15
+    assert queued[stale.id].ending_by is None
 
 
 def test_while_it_still_waits_the_free_gpus_beside_the_ending_job_stay_held():
@@ -254,8 +262,22 @@ def test_while_it_still_waits_the_free_gpus_beside_the_ending_job_stay_held():
     ahead = job(2, 4, team_id=rival.id, prio=3)
     p = plan(snapshot([n1, n2], [claimant, ahead], [owner, guest, rival], [soon, other]))
     assert 2 not in placed(p) and p.preemptions == ()
-    assert p.waits[1].code == "ending" and p.ending_holds == {1: (n1.id,)}
+    assert p.waits[1].code == "ending" and p.ending_holds == {1: ((n1.id,), soon.frees_by)}
     # Without the hold from the last pass, job 2 takes n1's free GPUs first.
     bare = dataclasses.replace(claimant, claim_nodes=())
     p = plan(snapshot([n1, n2], [bare, ahead], [owner, guest, rival], [soon, other]))
     assert {s.node_id for s in placed(p)[2].slots} == {n1.id}
+
+
+def test_a_job_whose_ending_jobs_gpus_went_elsewhere_does_not_wait_again_past_its_deadline():
+    # Job 1 first waited for an end due at +20 s (ending_by); that wait is over and it still
+    # waits. Job 12 ends at +40 s: waiting for it would chain a second wait past the first's
+    # deadline (90 s on msft), so it reclaims. An end by the deadline is still waited for.
+    owner, guest, nodes, runs = _borrowed_cluster(ending_in=40)
+    waited = dataclasses.replace(job(1, 4, team_id=owner.id), ending_by=T0 + timedelta(seconds=20))
+    p = plan(snapshot(nodes, [waited], [owner, guest], runs))
+    assert [pr.kind for pr in p.preemptions] == [PreemptionKind.RECLAIM]
+    runs[0] = ends(runs[0], 15)
+    p = plan(snapshot(nodes, [waited], [owner, guest], runs))
+    assert p.waits[1].code == "ending" and p.preemptions == ()
+    assert p.waits[1].data["by"] == (T0 + timedelta(seconds=20)).timestamp()

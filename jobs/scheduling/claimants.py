@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from jobs.scheduling.ending import consume
+from jobs.scheduling.ending import consume, within_its_deadline
 from jobs.scheduling.isolation import allowed
 from jobs.scheduling.order import job_order_key
 from jobs.scheduling.placement import occupy, place_on_claim, to_slots, whole_nodes
@@ -120,11 +120,14 @@ def _wait_for_ending(self, job, team, claimed, held: set[int]) -> bool:
     job, and it had to reclaim after all. True if it waits (its hold carried to the next
     pass)."""
     on_claim = {n.id for n in claimed}
-    ending = [
-        r
-        for r in self.ending
-        if r.id not in self.taken and not on_claim.isdisjoint(n for n, _ in r.slots)
-    ]
+    ending = within_its_deadline(
+        job,
+        [
+            r
+            for r in self.ending
+            if r.id not in self.taken and not on_claim.isdisjoint(n for n, _ in r.slots)
+        ],
+    )
     usable = allowed(team, [n for n in self.nodes if n.id not in held])
     if not ending or self.victims.find(job, ending, usable, lambda run, chosen: True) is None:
         return False
@@ -133,13 +136,16 @@ def _wait_for_ending(self, job, team, claimed, held: set[int]) -> bool:
     self.settled.add(job.id)
     if self.used[team.id] + self.claiming[team.id] + job.gpus <= team.quota:
         self.claiming[team.id] += job.gpus
-    self.ending_holds[job.id] = tuple(job.claim_nodes)
+    until = max(r.frees_by for r in ending)
+    by = job.ending_by or until
+    self.ending_holds[job.id] = (tuple(job.claim_nodes), by)
     self.note(
         job,
         "ending",
         ending=tuple(r.id for r in ending),
         gpus=job.gpus,
-        until=max(r.frees_by for r in ending).timestamp(),
+        until=until.timestamp(),
+        by=by.timestamp(),
         nodes=tuple(sorted(self.names[i] for i in hold)),
         node_ids=tuple(job.claim_nodes),
     )

@@ -42,6 +42,7 @@ Rules (DESIGN.md section 6):
 from __future__ import annotations
 
 from collections import defaultdict
+from datetime import datetime
 
 from jobs.scheduling.claimants import honour_claims
 from jobs.scheduling.ending import ending_runs, hold_for_ends, wait_for_ends
@@ -147,7 +148,8 @@ class SchedulingPass:
         # Running jobs that free their GPUs within a stop's grace anyway (jobs.scheduling.ending).
         self.ending = ending_runs(snapshot)
         self.ending_failed: set[tuple[int, int]] = set()  # (team, GPUs) with no room that way
-        self.ending_holds: dict[int, tuple[int, ...]] = {}  # job id -> nodes held for ends
+        # job id -> (nodes held for ending jobs, its wait's deadline): its claim next pass
+        self.ending_holds: dict[int, tuple[tuple[int, ...], datetime]] = {}
         # Built once the claims already carried out hold their nodes (`run`).
         self.reservations: Reservations
 

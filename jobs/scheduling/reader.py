@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.db import connection
 from django.db.models import Count, Max, Q
@@ -144,7 +144,8 @@ def take_snapshot(
     # A requeued job's limit is what is left of it (limits count run time, not wall time).
     ran = run_seconds([j.id for j in queued_jobs if j.time_limit_s and j.first_started_at], now=now)
     claim_nodes, claimant_of = _claims(now)
-    claim_nodes = {**_ending_holds(now), **claim_nodes}
+    ending = _ending_holds(now)
+    claim_nodes = {**{j: nodes for j, (nodes, _) in ending.items()}, **claim_nodes}
     started_before = [j.id for j in queued_jobs if j.first_started_at]
     reclaimed = last_reclaims(started_before)
     filled = recent_backfill_stops(started_before, now=now)
@@ -172,6 +173,7 @@ def take_snapshot(
             else None,
             min_gpus=j.min_gpus,
             claim_nodes=claim_nodes.get(j.id, ()),
+            ending_by=ending[j.id][1] if j.id in ending else None,
             reclaimed_at=reclaimed.get(j.id),
             # What its minimum run will be once started (attempt_protected_until's rule).
             min_run_s=min_run_s(
@@ -347,18 +349,21 @@ def _claims(now: datetime) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
     return {claimant: tuple(ids) for claimant, ids in nodes.items()}, stopped
 
 
-def _ending_holds(now: datetime) -> dict[int, tuple[int, ...]]:
+def _ending_holds(now: datetime) -> dict[int, tuple[tuple[int, ...], datetime]]:
     """Queued jobs whose last pass had them hold nodes for jobs ending within the grace anyway
-    (wait "ending", jobs.scheduling.ending): the nodes are theirs first in the next pass, as a
-    claimant's, until CLAIM_AFTER_EXIT_S after those jobs were due to be gone."""
+    (wait "ending", jobs.scheduling.ending): job id -> (the nodes, theirs first in the next
+    pass as a claimant's, and the first such wait's deadline), until CLAIM_AFTER_EXIT_S after
+    those jobs were due to be gone."""
     recent = now.timestamp() - CLAIM_AFTER_EXIT_S
     holds = {}
     for job_id, wait in Job.objects.filter(state=Job.State.QUEUED, wait__code="ending").values_list(
         "id", "wait"
     ):
         data = wait.get("data") or {}
-        if data.get("node_ids") and float(data.get("until") or 0.0) >= recent:
-            holds[job_id] = tuple(int(n) for n in data["node_ids"])
+        until = float(data.get("until") or 0.0)
+        if data.get("node_ids") and until >= recent:
+            by = datetime.fromtimestamp(float(data.get("by") or until), tz=UTC)
+            holds[job_id] = (tuple(int(n) for n in data["node_ids"]), by)
     return holds
 
 

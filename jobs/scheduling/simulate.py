@@ -431,19 +431,23 @@ class _Engine(Stops):
             self.queue[claimant] = replace(view, claim_nodes=())
             del self.claims[claimant]
 
-    def _hold_for_ends(self, holds: dict[int, tuple[int, ...]]) -> None:
+    def _hold_for_ends(self, holds: dict) -> None:
         """Jobs waiting for jobs that end within the grace anyway (rule 5, ending.py) claim
-        the nodes they held in the last pass, as the live reader gives them from their stored
-        wait: the pass after those jobs have ended offers them their GPUs first."""
+        the nodes they held in the last pass, with their first wait's deadline, as the live
+        reader gives them from their stored wait: the pass after those jobs have ended offers
+        them their GPUs first."""
         for claimant in list(self.ending_claims):
             view = self.queue.get(claimant)
-            if claimant not in holds and view is not None and claimant not in self.claims:
-                self.queue[claimant] = replace(view, claim_nodes=())
+            if claimant not in holds and view is not None:
+                real = claimant in self.claims  # a claim of victims keeps its nodes
+                self.queue[claimant] = replace(
+                    view, claim_nodes=view.claim_nodes if real else (), ending_by=None
+                )
             self.ending_claims.discard(claimant)
-        for claimant, nodes in holds.items():
+        for claimant, (nodes, by) in holds.items():
             view = self.queue.get(claimant)
             if view is not None:
-                self.queue[claimant] = replace(view, claim_nodes=nodes)
+                self.queue[claimant] = replace(view, claim_nodes=nodes, ending_by=by)
                 self.ending_claims.add(claimant)
 
     def _reject(self, why: str) -> None:

@@ -45,6 +45,9 @@ class JobView:
     min_run_s: float = 0.0
     # Stopped before as a reservation's filler within the safety window: it does not fill again.
     filled: bool = False
+    # Waiting for jobs that end within the grace anyway (jobs.scheduling.ending): when the
+    # first of those waits was due to end. A later wait must end by then (no chained waits).
+    ending_by: datetime | None = None
 
 
 @dataclass(frozen=True)

@@ -209,7 +209,8 @@ class WaitReason:
     - stopping: its claim's victims were told to stop and its GPUs are held:
       {victims: job ids, gpus, nodes: names held}
     - ending: jobs ending within a stop's grace anyway free its GPUs, so nothing is stopped
-      for it: {ending: their job ids, gpus, until: epoch seconds, nodes: names held,
+      for it: {ending: their job ids, gpus, until: epoch seconds they are gone by, by: epoch
+      seconds its first such wait was due (later ones end by then), nodes: names held,
       node_ids: the same nodes' ids}
     - team_queue: behind its team's first job blocked by the team's cap:
       {job, team: name, cap, until: epoch seconds the team's GPUs free up, or None}
@@ -270,7 +271,7 @@ class Plan:
     # head of the queue from it instead of ordering 10,000 jobs again (estimate.head_of_queue).
     order: tuple[int, ...] = ()
     # Jobs waiting for jobs that end within the grace anyway (rule 5, jobs.scheduling.ending):
-    # job id -> the node ids it holds. The next pass offers it the GPUs there first, as a
-    # claimant (JobView.claim_nodes; the simulator reads them here, the live reader from the
-    # job's stored wait).
-    ending_holds: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # job id -> (the node ids it holds, its first such wait's deadline). The next pass offers
+    # it the GPUs there first, as a claimant (JobView.claim_nodes, ending_by; the simulator
+    # reads them here, the live reader from the job's stored wait).
+    ending_holds: dict[int, tuple[tuple[int, ...], datetime]] = field(default_factory=dict)
