@@ -23,8 +23,9 @@ switches off one part of the policy at a time to see what each costs and buys:
   (before fair share): GPUs lent to short jobs come back by themselves more often.
 - `reclaim-backoff-1h`: a team whose GPUs were reclaimed may not borrow for 1 h (300 s).
 - `no-reclaim-backoff`: a team whose GPUs were reclaimed may borrow again at once.
-- `no-wait-for-ends`: a claim stops its victims even where jobs ending within the stop's
-  grace anyway (time limits, here exact estimates) would free its GPUs in time.
+- `wait-for-ending`: the setting WAIT_FOR_ENDING_JOBS (off by default): a claim waits for
+  jobs ending within the stop's grace anyway (time limits, here exact estimates) instead of
+  stopping one.
 - `quota-promise`: the settings AGED_BORROWED_FIRST=false and QUOTA_BEFORE_DRAIN=true (aged
   borrowed work after guaranteed work; a job within its quota may start on a borrowing head's
   draining nodes).
@@ -69,7 +70,7 @@ VARIANTS = (
     "reclaim-backoff-1h",
     "no-reclaim-backoff",
     "quota-promise",
-    "no-wait-for-ends",
+    "wait-for-ending",
 )
 KEYS = (
     "work_utilization",
@@ -167,9 +168,8 @@ def _ablate(variant: str):
             trace,
             replace(config, aged_borrowed_first=False, quota_before_drain=True),
         )
-    if variant == "no-wait-for-ends":  # claims stop victims even where jobs end in the grace
-        policy.wait_for_ends = policy.hold_for_ends = lambda *args, **kwargs: False
-        return same
+    if variant == "wait-for-ending":  # the setting WAIT_FOR_ENDING_JOBS
+        return lambda trace, config: (trace, replace(config, wait_for_ending=True))
     raise ValueError(f"unknown variant {variant!r}")
 
 

@@ -232,6 +232,13 @@ TABLE: tuple[Setting, ...] = (
         "rule 1)",
     ),
     Setting(
+        "WAIT_FOR_ENDING_JOBS",
+        False,
+        "a job that would stop another for its GPUs waits instead for jobs whose time limits or "
+        "stop deadlines free them within the stop grace anyway; fewer stops, but on the msft "
+        "trace a few reclaims ran past their bound (docs/scheduling.md, rule 5; docs/thrash.md)",
+    ),
+    Setting(
         "ELASTIC_GROW_AFTER_S",
         600.0,
         "a shrunk elastic job grows back to its full size only after this long at the smaller one",

@@ -215,6 +215,7 @@ def sim_config(
         safety_stop=int(rules["max_preemptions"]),
         gang_reclaim_exempt_s=float(rules["gang_reclaim_exempt_s"]),
         checkpoint_on_stop=True,
+        wait_for_ending=bool(rules["wait_for_ending"]),
         **{**{key: rules[key] for key in POLICY_SETTINGS}, **(policy or {})},
     )
 

@@ -163,7 +163,11 @@ def test_reservations_are_read_from_the_wait_data_the_scheduler_writes():
     lent = running(10, n1, range(8), team_id=guest.id)
     ending = dataclasses.replace(lent, frees_by=T0 + timedelta(seconds=30))
     owner = team("owner", quota=8, used=0)
-    wait = plan(snapshot([n1], [job(1, 8, team_id=owner.id)], [owner, guest], [ending])).waits[1]
+    on = dataclasses.replace(
+        snapshot([n1], [job(1, 8, team_id=owner.id)], [owner, guest], [ending]),
+        wait_for_ending=True,  # the setting WAIT_FOR_ENDING_JOBS
+    )
+    wait = plan(on).waits[1]
     assert wait.code == "ending"
     assert reservation_of(wait.to_json()) == "the GPUs of job 10, once ended (nothing stopped)"
 

@@ -13,7 +13,13 @@ from jobs.scheduling.policy import plan
 from jobs.scheduling.simulate import EPOCH, SimConfig, run
 from jobs.scheduling.trace import TeamQuota, TraceJob
 from jobs.scheduling.vocab import PreemptionKind
-from tests.builders import T0, job, node, placed, running, snapshot, team
+from tests.builders import T0, job, node, placed, running, team
+from tests.builders import snapshot as plain_snapshot
+
+
+def snapshot(*args):
+    """The rule is the setting WAIT_FOR_ENDING_JOBS, off by default (its text says why)."""
+    return dataclasses.replace(plain_snapshot(*args), wait_for_ending=True)
 
 
 def ends(run, in_s: float):
@@ -50,13 +56,17 @@ def test_a_reclaim_met_by_a_job_ending_within_the_grace_stops_nobody_and_holds_i
     assert p.reservation == (1, (nodes[0].id,))
 
 
-def test_without_such_an_end_the_same_claim_reclaims():
-    # The baseline the rule is measured against: no end known, or one past the grace.
+def test_without_such_an_end_or_the_setting_the_same_claim_reclaims():
+    # The baseline the rule is measured against: no end known, or one past the grace, or the
+    # setting off (the default).
     for ending_in in (None, 61.0):
         owner, guest, nodes, runs = _borrowed_cluster(ending_in)
         p = plan(snapshot(nodes, [job(1, 4, team_id=owner.id)], [owner, guest], runs))
         assert [pr.kind for pr in p.preemptions] == [PreemptionKind.RECLAIM], ending_in
         assert p.waits[1].code == "preempting"
+    owner, guest, nodes, runs = _borrowed_cluster(ending_in=40)
+    p = plan(plain_snapshot(nodes, [job(1, 4, team_id=owner.id)], [owner, guest], runs))
+    assert [pr.kind for pr in p.preemptions] == [PreemptionKind.RECLAIM]
 
 
 def test_an_end_already_past_is_not_waited_for():
@@ -121,7 +131,7 @@ def test_in_the_simulator_a_borrower_ending_within_the_grace_frees_the_gpus_for_
     # b borrows the whole node: b1 until 5,000 s, b2 for hours. a's 4-GPU job (within a's
     # quota) arrives 40 s before b1 ends.
     q = {"a": TeamQuota(8, 0), "b": TeamQuota(0, 8)}
-    config = SimConfig(gpus=8, quotas=q, checkpoint_on_stop=True)
+    config = SimConfig(gpus=8, quotas=q, checkpoint_on_stop=True, wait_for_ending=True)
 
     def replay(arrival: float):
         trace = [
@@ -206,7 +216,8 @@ def test_the_simulator_gives_the_held_nodes_to_the_waiting_job_in_the_next_pass(
         TraceJob("b2", 10, 4, 20_000, "b"),
         TraceJob("a1", 4960, 4, 1000, "a"),
     ]
-    run(trace, recording, SimConfig(gpus=8, quotas=q, checkpoint_on_stop=True))
+    config = SimConfig(gpus=8, quotas=q, checkpoint_on_stop=True, wait_for_ending=True)
+    run(trace, recording, config)
     # The pass at a1's arrival holds b1's node for it; the pass at b1's end sees the claim.
     assert [s["a1"] for s in seen if "a1" in s] == [(), (1,)]
     # ... and its first wait's deadline, which a later wait may not pass.

@@ -146,7 +146,7 @@ class SchedulingPass:
             and self.teams[j.team_id].used + j.gpus <= self.teams[j.team_id].quota
         }
         # Running jobs that free their GPUs within a stop's grace anyway (jobs.scheduling.ending).
-        self.ending = ending_runs(snapshot)
+        self.ending = ending_runs(snapshot) if snapshot.wait_for_ending else []
         self.ending_failed: set[tuple[int, int]] = set()  # (team, GPUs) with no room that way
         # job id -> (nodes held for ending jobs, its wait's deadline): its claim next pass
         self.ending_holds: dict[int, tuple[tuple[int, ...], datetime]] = {}

@@ -242,6 +242,7 @@ def live_rules() -> dict:
         "gang_reclaim_exempt_s": lockstep_setting("RECLAIM_GANG_EXEMPT_S"),
         "aged_borrowed_first": bool(lockstep_setting("AGED_BORROWED_FIRST")),
         "quota_before_drain": bool(lockstep_setting("QUOTA_BEFORE_DRAIN")),
+        "wait_for_ending": bool(lockstep_setting("WAIT_FOR_ENDING_JOBS")),
         "grow_after_s": lockstep_setting("ELASTIC_GROW_AFTER_S"),
         "stop_grace_s": lockstep_setting("STOP_GRACE_S"),
     }

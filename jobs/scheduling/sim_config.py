@@ -66,6 +66,9 @@ class SimConfig:
     # A job within its quota may start on a borrowing head's draining nodes (live:
     # QUOTA_BEFORE_DRAIN).
     quota_before_drain: bool = False
+    # Claims wait for jobs ending within the grace anyway instead of stopping one (rule 5,
+    # jobs.scheduling.ending; live: WAIT_FOR_ENDING_JOBS).
+    wait_for_ending: bool = False
     # Record each job's start estimate at submit and an hour on as promises, and their error
     # (jobs.scheduling.promises; metrics "estimates"). Costly: an estimate replays plan().
     track_promises: bool = False

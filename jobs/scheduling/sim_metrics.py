@@ -238,6 +238,7 @@ def _config_metrics(self) -> dict:
         "pass_at_protection_end": cfg.pass_at_protection_end,
         "aged_borrowed_first": cfg.aged_borrowed_first,
         "quota_before_drain": cfg.quota_before_drain,
+        "wait_for_ending": cfg.wait_for_ending,
         "usage_half_life_s": cfg.usage_half_life_s,
     }
 

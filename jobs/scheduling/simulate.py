@@ -374,6 +374,7 @@ class _Engine(Stops):
             gang_reclaim_exempt_s=self.cfg.gang_reclaim_exempt_s,
             aged_borrowed_first=self.cfg.aged_borrowed_first,
             quota_before_drain=self.cfg.quota_before_drain,
+            wait_for_ending=self.cfg.wait_for_ending,
             stop_grace_s=self.cfg.grace_s,
         )
 

@@ -127,6 +127,9 @@ class Snapshot:
     # A job within its team's quota may start on the free GPUs of a borrowing head's draining
     # nodes (jobs.scheduling.policy; the QUOTA_BEFORE_DRAIN setting).
     quota_before_drain: bool = False
+    # Claims wait for jobs ending within the stop grace anyway instead of stopping one
+    # (jobs.scheduling.ending; the WAIT_FOR_ENDING_JOBS setting, off: see its text).
+    wait_for_ending: bool = False
     # A shrunk elastic job grows back (rule 8) only after running this long at its smaller
     # size: each grow costs a checkpoint and a restart.
     grow_after_s: float = 600.0
