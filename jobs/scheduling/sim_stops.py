@@ -1,8 +1,10 @@
 """The simulator engine's preemption handlers (jobs.scheduling.simulate): a proposal carried out
-at once or after its approval delay, the victim told to checkpoint and stop with a grace, and
-its stop (the work it saves or loses, its requeue). A mixin of the engine: the handlers work
-on the engine's state (`running`, `queue`, `open_requests`, `claims`, `preemptions`, the
-accounting of lost work) and its event queue (`_push`), as its other handlers do."""
+at once or after its approval delay, the victim told to checkpoint and stop with a grace, its
+stop (the work it saves or loses, its requeue), and the claims its claimant holds meanwhile
+(and those of jobs waiting for ending jobs, WAIT_FOR_ENDING_JOBS). A mixin of the engine: the
+handlers work on the engine's state (`running`, `queue`, `open_requests`, `claims`,
+`preemptions`, the accounting of lost work) and its event queue (`_push`), as its other
+handlers do."""
 
 from __future__ import annotations
 
@@ -114,3 +116,38 @@ class Stops:
         self.open_requests.pop(jid, None)
         self._release(run, jid)
         self._enqueue(jid, t)
+
+    def _expire_claims(self) -> None:
+        """A claim ends when its claimant starts, or after the first pass that saw all of its
+        victims gone (that pass offered the claimant their GPUs first)."""
+        for claimant, victims in list(self.claims.items()):
+            view = self.queue.get(claimant)
+            if view is None:
+                del self.claims[claimant]
+                continue
+            if any(
+                (run := self.running.get(v)) is not None and run.view.claimant_id == claimant
+                for v in victims
+            ):
+                continue
+            self.queue[claimant] = replace(view, claim_nodes=())
+            del self.claims[claimant]
+
+    def _hold_for_ends(self, holds: dict) -> None:
+        """Jobs waiting for jobs that end within the grace anyway (rule 5, ending.py) claim
+        the nodes they held in the last pass, with their first wait's deadline, as the live
+        reader gives them from their stored wait: the pass after those jobs have ended offers
+        them their GPUs first."""
+        for claimant in list(self.ending_claims):
+            view = self.queue.get(claimant)
+            if claimant not in holds and view is not None:
+                real = claimant in self.claims  # a claim of victims keeps its nodes
+                self.queue[claimant] = replace(
+                    view, claim_nodes=view.claim_nodes if real else (), ending_by=None
+                )
+            self.ending_claims.discard(claimant)
+        for claimant, (nodes, by) in holds.items():
+            view = self.queue.get(claimant)
+            if view is not None:
+                self.queue[claimant] = replace(view, claim_nodes=nodes, ending_by=by)
+                self.ending_claims.add(claimant)

@@ -416,41 +416,6 @@ class _Engine(Stops):
             for due in self.promises.after_pass(snap, self.queue, self.first_start, t):
                 self._push(due, _WAKE, 0, 0)
 
-    def _expire_claims(self) -> None:
-        """A claim ends when its claimant starts, or after the first pass that saw all of its
-        victims gone (that pass offered the claimant their GPUs first)."""
-        for claimant, victims in list(self.claims.items()):
-            view = self.queue.get(claimant)
-            if view is None:
-                del self.claims[claimant]
-                continue
-            if any(
-                (run := self.running.get(v)) is not None and run.view.claimant_id == claimant
-                for v in victims
-            ):
-                continue
-            self.queue[claimant] = replace(view, claim_nodes=())
-            del self.claims[claimant]
-
-    def _hold_for_ends(self, holds: dict) -> None:
-        """Jobs waiting for jobs that end within the grace anyway (rule 5, ending.py) claim
-        the nodes they held in the last pass, with their first wait's deadline, as the live
-        reader gives them from their stored wait: the pass after those jobs have ended offers
-        them their GPUs first."""
-        for claimant in list(self.ending_claims):
-            view = self.queue.get(claimant)
-            if claimant not in holds and view is not None:
-                real = claimant in self.claims  # a claim of victims keeps its nodes
-                self.queue[claimant] = replace(
-                    view, claim_nodes=view.claim_nodes if real else (), ending_by=None
-                )
-            self.ending_claims.discard(claimant)
-        for claimant, (nodes, by) in holds.items():
-            view = self.queue.get(claimant)
-            if view is not None:
-                self.queue[claimant] = replace(view, claim_nodes=nodes, ending_by=by)
-                self.ending_claims.add(claimant)
-
     def _reject(self, why: str) -> None:
         self.rejected.append(why)
 
