@@ -104,6 +104,11 @@ def main() -> int:
     parser.add_argument("--generated", help="LOAD,SEED: bench/thrash.py's trace instead")
     parser.add_argument("--past-grace", action="store_true", help="clocks past the grace")
     parser.add_argument(
+        "--wait-for-ending",
+        action="store_true",
+        help="the setting WAIT_FOR_ENDING_JOBS on (SimConfig.wait_for_ending)",
+    )
+    parser.add_argument(
         "--events-only",
         action="store_true",
         help="no pass when a job's protection ends (SimConfig.pass_at_protection_end off, "
@@ -126,6 +131,7 @@ def main() -> int:
         quotas=quotas,
         checkpoint_on_stop=args.checkpoint_on_stop,
         pass_at_protection_end=not args.events_only,
+        wait_for_ending=args.wait_for_ending,
     )
     seen: dict[int, dict] = {}  # job id -> its clock, its reasons over time
     engine = None
@@ -235,6 +241,7 @@ def main() -> int:
         ("-ckpt-on-stop" if args.checkpoint_on_stop else "")
         + ("-past-grace" if args.past_grace else "")
         + ("-events-only" if args.events_only else "")
+        + ("-wait-for-ending" if args.wait_for_ending else "")
     )
     name = args.trace if args.generated else Path(args.trace).stem
     path = RESULTS / f"reclaim-replay-{name}-{args.gpus}{suffix}.json"

@@ -292,3 +292,26 @@ def test_a_job_whose_ending_jobs_gpus_went_elsewhere_does_not_wait_again_past_it
     p = plan(snapshot(nodes, [waited], [owner, guest], runs))
     assert p.waits[1].code == "ending" and p.preemptions == ()
     assert p.waits[1].data["by"] == (T0 + timedelta(seconds=20)).timestamp()
+
+
+def test_two_jobs_waiting_on_one_node_each_keep_the_ending_job_they_need():
+    # Jobs 1 and 2 each hold n1 from the last pass (claim_nodes), for jobs 10 and 11, which
+    # end within the grace. The first one looked at takes only what it needs, so the second
+    # still waits for its own and nobody reclaims (taking both made job 2 reclaim: msft).
+    owner = team("owner", quota=8, used=0)
+    guest = team("guest", quota=0, borrow=16, used=16)
+    n1, n2 = node("n1", 8, busy=8), node("n2", 8, busy=8)
+    runs = [
+        ends(running(10, n1, [0], team_id=guest.id), 20),
+        ends(running(11, n1, [1], team_id=guest.id), 30),
+        running(12, n1, [2, 3, 4, 5, 6, 7], team_id=guest.id),
+        running(13, n2, range(8), team_id=guest.id),
+    ]
+    by = T0 + timedelta(seconds=40)
+    queue = [
+        dataclasses.replace(job(i, 1, team_id=owner.id), claim_nodes=(n1.id,), ending_by=by)
+        for i in (1, 2)
+    ]
+    p = plan(snapshot([n1, n2], queue, [owner, guest], runs))
+    assert p.preemptions == ()
+    assert {p.waits[1].data["ending"], p.waits[2].data["ending"]} == {(10,), (11,)}

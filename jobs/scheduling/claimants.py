@@ -129,8 +129,12 @@ def _wait_for_ending(self, job, team, claimed, held: set[int]) -> bool:
         ],
     )
     usable = allowed(team, [n for n in self.nodes if n.id not in held])
-    if not ending or self.victims.find(job, ending, usable, lambda run, chosen: True) is None:
+    found = ending and self.victims.find(job, ending, usable, lambda run, chosen: True)
+    if not found:
         return False
+    # Only those it needs: another job waiting on the same node may be waiting for the others
+    # (taking them all made it reclaim after all: 90 s on msft at 1,280 GPUs, 2026-12-07).
+    ending = found[0]
     hold = _hold_for_claimant(self, job, team, ending, claimed, held)
     consume(self, [r.id for r in ending])
     self.settled.add(job.id)
