@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from jobs.scheduling.ending import consume, within_its_deadline
+from jobs.scheduling.ending import consume, say_ending, within_its_deadline
 from jobs.scheduling.isolation import allowed
 from jobs.scheduling.order import job_order_key
 from jobs.scheduling.placement import occupy, place_on_claim, to_slots, whole_nodes
@@ -140,17 +140,6 @@ def _wait_for_ending(self, job, team, claimed, held: set[int]) -> bool:
     self.settled.add(job.id)
     if self.used[team.id] + self.claiming[team.id] + job.gpus <= team.quota:
         self.claiming[team.id] += job.gpus
-    until = max(r.frees_by for r in ending)
-    by = job.ending_by or until
-    self.ending_holds[job.id] = (tuple(job.claim_nodes), by)
-    self.note(
-        job,
-        "ending",
-        ending=tuple(r.id for r in ending),
-        gpus=job.gpus,
-        until=until.timestamp(),
-        by=by.timestamp(),
-        nodes=tuple(sorted(self.names[i] for i in hold)),
-        node_ids=tuple(job.claim_nodes),
-    )
+    names = tuple(sorted(self.names[i] for i in hold))
+    say_ending(self, job, ending, names, tuple(job.claim_nodes), self.note)
     return True

@@ -78,24 +78,8 @@ def hold_for_ends(
     self.reservations.reserve(job.id, nodes)
     occupy(self.free, choice)  # the free GPUs beside theirs are its own from now on
     self.reservations.placed()
-    ids = tuple(r.id for r in chosen)
-    consume(self, ids)
-    until = max(r.frees_by for r in chosen)
-    by = job.ending_by or until
-    self.wait(
-        job,
-        "ending",
-        ending=ids,
-        gpus=job.gpus,
-        until=until.timestamp(),
-        by=by.timestamp(),
-        nodes=tuple(self.names[n] for n in nodes),
-        node_ids=tuple(nodes),
-    )
-    # Once they have ended, the next pass offers it their GPUs before anyone (claimants.py):
-    # a job ordered before it took them otherwise, and it reclaimed after all, a second grace
-    # (msft at 1,280 GPUs: 101 reclaims past the 60 s bound, up to 140 s, 2026-12-07).
-    self.ending_holds[job.id] = (tuple(nodes), by)
+    consume(self, [r.id for r in chosen])
+    say_ending(self, job, chosen, tuple(self.names[n] for n in nodes), tuple(nodes), self.wait)
     return True
 
 
@@ -116,3 +100,24 @@ def consume(self, ids) -> None:
     gone = set(ids)
     self.ending = [r for r in self.ending if r.id not in gone]
     self.taken.update(gone)
+
+
+def say_ending(self, job: JobView, chosen, names, node_ids, say) -> None:
+    """Record the job's wait for `chosen` (`say`: the pass's wait or note) and carry its hold
+    of `node_ids` to the next pass, with its first such wait's deadline. Once they have ended,
+    that pass offers it their GPUs before anyone (claimants.py): a job ordered before it took
+    them otherwise, and it reclaimed after all, a second grace (msft at 1,280 GPUs: 101
+    reclaims past the 60 s bound, up to 140 s, 2026-12-07)."""
+    until = max(r.frees_by for r in chosen)
+    by = job.ending_by or until
+    say(
+        job,
+        "ending",
+        ending=tuple(r.id for r in chosen),
+        gpus=job.gpus,
+        until=until.timestamp(),
+        by=by.timestamp(),
+        nodes=names,
+        node_ids=node_ids,
+    )
+    self.ending_holds[job.id] = (node_ids, by)
