@@ -226,7 +226,7 @@ def test_the_simulator_gives_the_held_nodes_to_the_waiting_job_in_the_next_pass(
 
 @pytest.mark.django_db
 def test_the_live_reader_gives_a_job_the_nodes_its_last_pass_held_for_ending_jobs(
-    make_team, make_user, make_nodes
+    make_team, make_user, make_nodes, settings
 ):
     """The hold is read back from the job's stored wait (Job.wait), for the next pass only:
     not once the jobs it waited for were due to be gone CLAIM_AFTER_EXIT_S ago."""
@@ -252,6 +252,8 @@ def test_the_live_reader_gives_a_job_the_nodes_its_last_pass_held_for_ending_job
     held(fresh, 20)
     held(stale, -CLAIM_AFTER_EXIT_S - 1)
     Job.objects.filter(pk=other.pk).update(wait={"code": "reserved", "data": {"gpus": 8}})
+    assert all(not j.claim_nodes for j in take_snapshot(now).queued)  # the setting off
+    settings.LOCKSTEP = {**settings.LOCKSTEP, "WAIT_FOR_ENDING_JOBS": True}
     queued = {j.id: j for j in take_snapshot(now).queued}
     claims = {i: j.claim_nodes for i, j in queued.items()}
     assert claims == {fresh.id: (n2.id,), stale.id: (), other.id: ()}

@@ -144,7 +144,8 @@ def take_snapshot(
     # A requeued job's limit is what is left of it (limits count run time, not wall time).
     ran = run_seconds([j.id for j in queued_jobs if j.time_limit_s and j.first_started_at], now=now)
     claim_nodes, claimant_of = _claims(now)
-    ending = _ending_holds(now)
+    # Only read back while the setting is on: the JSON lookup scans the queue every pass.
+    ending = _ending_holds(now) if lockstep_setting("WAIT_FOR_ENDING_JOBS") else {}
     claim_nodes = {**{j: nodes for j, (nodes, _) in ending.items()}, **claim_nodes}
     started_before = [j.id for j in queued_jobs if j.first_started_at]
     reclaimed = last_reclaims(started_before)
