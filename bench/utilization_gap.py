@@ -26,6 +26,9 @@ switches off one part of the policy at a time to see what each costs and buys:
 - `wait-for-ending`: the setting WAIT_FOR_ENDING_JOBS (off by default): a claim waits for
   jobs ending within the stop's grace anyway (time limits, here exact estimates) instead of
   stopping one.
+- `restart-60s`, `restart-30s`, `restart-10s`: each stop's restart charged 60, 30 or 10 s
+  instead of 120 s (the grace stays 60 s): how the gap moves with what a restart costs.
+- `no-grace`: a stop's victim is gone at once (restart still 120 s): what the grace costs.
 - `quota-promise`: the settings AGED_BORROWED_FIRST=false and QUOTA_BEFORE_DRAIN=true (aged
   borrowed work after guaranteed work; a job within its quota may start on a borrowing head's
   draining nodes).
@@ -71,6 +74,10 @@ VARIANTS = (
     "no-reclaim-backoff",
     "quota-promise",
     "wait-for-ending",
+    "restart-60s",
+    "restart-30s",
+    "restart-10s",
+    "no-grace",
 )
 KEYS = (
     "work_utilization",
@@ -168,6 +175,11 @@ def _ablate(variant: str):
             trace,
             replace(config, aged_borrowed_first=False, quota_before_drain=True),
         )
+    if variant.startswith("restart-") and variant.endswith("s"):
+        restart_s = float(variant.removeprefix("restart-").removesuffix("s"))
+        return lambda trace, config: (trace, replace(config, restart_s=restart_s))
+    if variant == "no-grace":
+        return lambda trace, config: (trace, replace(config, grace_s=0.0))
     if variant == "wait-for-ending":  # the setting WAIT_FOR_ENDING_JOBS
         return lambda trace, config: (trace, replace(config, wait_for_ending=True))
     raise ValueError(f"unknown variant {variant!r}")
