@@ -27,7 +27,6 @@ from nodeagent.attempt_report import RankTails, Tracked
 from nodeagent.container import Engine
 from nodeagent.contract import inheritable_env
 from nodeagent.health_check import HealthChecker
-from nodeagent.health_check import report as health_report
 from nodeagent.heartbeat_body import build_heartbeat, tracked_for
 from nodeagent.leaving import Leaving, bearer, short_error
 from nodeagent.saves import SaveWatcher
@@ -550,11 +549,6 @@ class Agent(Leaving):
                 exc,
             )
             return
-        if attempt.error and attempt.error.get("kind") == "health":
-            # A launch the node broke off (a full disk): the portal cordons it, as for a
-            # failed quick check, and starts the job elsewhere with no restart used.
-            failed = {"name": "launch", "ok": False, "detail": attempt.error["message"]}
-            self.health.pending = health_report([failed], "quick")
         self._tracked[attempt_id] = Tracked(
             tails=[
                 RankTails(

@@ -45,6 +45,9 @@ class Tracked:
     dump_log_ends: dict[int, int] | None = None
     # Heartbeats in a row whose report of it failed (nodeagent/heartbeat_body.py).
     report_failures: int = 0
+    # Its refusal by the node (`error` of kind "health") has raised a failed check to cordon
+    # the node (nodeagent/heartbeat_body.py), once.
+    health_told: bool = False
 
 
 def _size(path: Path) -> int:

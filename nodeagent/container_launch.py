@@ -32,9 +32,13 @@ from nodeagent.container import (
     run_argv,
 )
 from nodeagent.contract import build_worker_env, container_base_env, expand_command
+from nodeagent.engine_calls import EngineCalls
 from nodeagent.warm_container import WarmAttempt, WarmContainers, warm_key
 from nodeagent.workers import AttemptWorkers, Pull, RankWorker
 
+# How long a launch waits for the image's inspect before leaving it to `poll`: well above its
+# usual 50 ms, far below the portal's heartbeat timeout (30 s).
+INSPECT_WAIT_S = 2.0
 # A pull slower than this is given up and fails the job like a refused one.
 PULL_TIMEOUT_S = 30 * 60.0
 
@@ -53,6 +57,7 @@ class ContainerLaunch:
         node_env: Mapping[str, str] | None = None,
         agent: str = "",
         warm: WarmContainers | None = None,
+        calls: EngineCalls | None = None,
     ) -> None:
         self.agent = agent or agent_identity(auth_dir.parent)
         self.auth_dir = auth_dir
@@ -68,6 +73,8 @@ class ContainerLaunch:
         self.log = log
         # Warm containers (nodeagent/warm_container.py): None starts one per attempt.
         self.warm = warm
+        # The engine calls that could block the agent's loop run off it (engine_calls.py).
+        self.calls = calls or EngineCalls()
 
     def launch(
         self, attempt_id: int, launch: Mapping[str, Any], attempt_dir: Path
@@ -118,14 +125,45 @@ class ContainerLaunch:
         if policy not in PULL_POLICIES:
             self.fail(attempt, f"unknown image pull policy {policy!r}")
             return attempt
-        # One inspect tells both whether the image is here and which one it is.
-        digest = self.engine.image_digest(image)
+        # One inspect tells both whether the image is here and which one it is. In a thread: it
+        # takes some 50 ms and the start goes on at once, but a wedged engine would take its
+        # minute to time out, which `poll` waits for instead of the loop.
+        attempt.image_check = self._inspect(attempt, image)
+        if attempt.image_check.wait(INSPECT_WAIT_S):
+            self._checked(attempt)
+        return attempt
+
+    def _inspect(self, attempt: AttemptWorkers, image: str) -> Any:
+        """Start the image's inspect (and its warm preload label, both kept) in a thread."""
+
+        def inspect() -> str:
+            digest = self.engine.image_digest(image)
+            if digest and self.warm is not None:
+                self.warm.preload(image, digest)  # read now, off the loop; `start` reuses it
+            return digest
+
+        name = container_name(self.node, self.agent, attempt.attempt_id)
+        return self.calls.start(f"{name} image", f"inspect {image}", inspect)
+
+    def _checked(self, attempt: AttemptWorkers) -> None:
+        """The image's inspect answered: start, pull or fail, as the pull policy says."""
+        check, attempt.image_check = attempt.image_check, None
+        launch, attempt_id, attempt_dir = attempt.launch, attempt.attempt_id, attempt.dir
+        image = launch["image"]
+        policy = launch.get("image_pull_policy") or self.pull_policy
+        if check.error is not None:  # the engine's fault (a timeout), not the image's
+            self.node_failed(attempt, f"cannot inspect image {image}: {check.error}")
+            return
+        digest = check.result or ""
         present = bool(digest)
-        if policy == "never" and not present:
+        if policy == "never" and not present and not attempt.pulled:
             self.fail(attempt, f"image {image} is not on this node and its pull policy is never")
-        elif present and policy != "always":
-            attempt.image_digest = digest
-            self.start(attempt)
+        elif attempt.pulled or (present and policy != "always"):
+            attempt.image_digest = digest  # after a pull: which image it brought
+            try:
+                self.start(attempt)
+            except OSError as exc:  # a full disk under the attempt's files, no engine binary
+                self.node_failed(attempt, f"launch failed: {type(exc).__name__}: {exc}")
         else:
             log_path = attempt_dir / "pull.log"
             auth = self._auth_file(attempt_id, launch.get("registry_auth"))
@@ -139,11 +177,21 @@ class ContainerLaunch:
                 )
             attempt.pull = Pull(image, popen, log_path, auth_file=auth)
             self.log.info("attempt %s: pulling %s (policy %s)", attempt_id, image, policy)
-        return attempt
 
     def poll(self, attempt: AttemptWorkers) -> None:
-        """Carry a background pull on: start the container once it succeeded, fail the
-        attempt if it did not (or took longer than PULL_TIMEOUT_S)."""
+        """Carry the image's inspect and a background pull on: start the container once the
+        image is here, fail the attempt if it cannot be (or the pull took longer than
+        PULL_TIMEOUT_S, or the engine did not answer the inspect within its timeout)."""
+        check = attempt.image_check
+        if check is not None:
+            if check.done:
+                self._checked(attempt)
+            elif check.overdue():
+                attempt.image_check = None
+                image = attempt.launch["image"]
+                self.node_failed(attempt, f"{self.engine.name} did not answer `image inspect "
+                                 f"{image}` in {check.timeout_s:.0f} s")  # fmt: skip
+            return
         pull = attempt.pull
         if pull is None:
             return
@@ -164,17 +212,35 @@ class ContainerLaunch:
             self.log.info(
                 "attempt %s: pulled %s in %.1f s", attempt.attempt_id, pull.image, attempt.pull_s
             )
-            attempt.image_digest = self.engine.image_digest(pull.image)
-            self.start(attempt)
+            attempt.pulled = True
+            attempt.image_check = self._inspect(attempt, pull.image)
+            if attempt.image_check.wait(INSPECT_WAIT_S):
+                self._checked(attempt)
 
     def cancel(self, attempt: AttemptWorkers, code: int) -> None:
-        """Stopped or fenced while its image was still being pulled: nothing ever ran."""
+        """Stopped or fenced while its image was still being inspected or pulled: nothing ever
+        ran. (An inspect still running returns to nothing.)"""
+        if attempt.image_check is not None:
+            attempt.image_check = None
+            for worker in attempt.workers:
+                worker.state, worker.exit_code, worker.exited_at = "exited", code, time.time()
         if attempt.pull is not None:
             self._kill_pull(attempt.pull)
             self._forget_auth(attempt.pull)
             attempt.pull = None
             for worker in attempt.workers:
                 worker.state, worker.exit_code, worker.exited_at = "exited", code, time.time()
+
+    def node_failed(self, attempt: AttemptWorkers, message: str) -> None:
+        """The node could not start it (its engine hung, its disk is full): reported refused by
+        the node's health, as a launch that raised (supervisor.refuse) is. The portal moves
+        the job elsewhere without using a restart and looks at the node, where an image error
+        (`fail`) would fail the job."""
+        self.log.error("attempt %s: %s", attempt.attempt_id, message)
+        attempt.error = {"kind": "health", "message": message}
+        for worker in attempt.workers:
+            worker.log_path.write_text(f"lockstep agent: {message}\n")
+            worker.state, worker.exit_code, worker.exited_at = "exited", EXIT_ENGINE, time.time()
 
     def fail(self, attempt: AttemptWorkers, message: str) -> None:
         self.log.error("attempt %s: %s", attempt.attempt_id, message)

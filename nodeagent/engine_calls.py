@@ -3,24 +3,33 @@
 The engine's CLI can hang or crawl (a wedged podman, a loaded Docker daemon): each call waits
 up to a minute (container.REMOVE_TIMEOUT_S). Made from the loop, one such call silenced the
 node's heartbeats for that long, the portal declared the node lost, and every job on it was
-restarted elsewhere although only one container's removal was slow. So the calls that remove
-or kill a container (a kill's `rm --force`, its retries, a stop's deadline, warm containers
-going, stale containers) each run in a thread of their own, as image pulls run in a process of
-their own (nodeagent/container_launch.py); the loop starts them and looks at them as it polls,
-and what waits on one (kill_confirm's pending kill, the stale-container sweep) gets its result
-when it is done. A thread, not a polled process as a pull is: a removal is the engine's
-`Engine.remove` (`rm --force`, then an `inspect` when that failed) or a warm container's kill
-(its server asked first, then `rm --force`), each step with its subprocess timeout.
+restarted elsewhere although only one container's removal was slow. So these calls each run
+in a thread of their own:
+- those that remove or kill a container: a kill's `rm --force`, its retries, a stop's
+  deadline, warm containers going, stale containers;
+- those that signal one: a stop's SIGTERM, a hang's stack-dump SIGUSR1 (`podman kill
+  --signal`, 30 s each);
+- the lookup of its init's pid (py-spy and the flight recorders need the ranks' host pids).
 
-At most one call runs per container (`EngineCalls.start`, keyed by its name). A call still
-running after its timeout counts as failed (`Call.overdue`); the next try starts once it has
-returned (its subprocesses have timeouts, so it does), and a late success still counts: it is
-the engine's word.
+Image pulls run in a process of their own (nodeagent/container_launch.py). The loop starts the
+calls and looks at them as it polls; what waits on one (kill_confirm's pending kill, the
+stale-container sweep, a pid lookup) gets its result when it is done. A thread, not a polled
+process as a pull is: a removal is the engine's `Engine.remove` (`rm --force`, then an
+`inspect` when that failed) or a warm container's kill (its server asked first, then `rm
+--force`), each step with its subprocess timeout.
+
+At most one removal runs per container (`EngineCalls.start`, keyed by its name); a signal is
+keyed by the container and the signal, a pid lookup by the container and "pid", so a stop's
+SIGTERM neither waits behind its deadline's removal nor holds it up. A call still running
+after its timeout counts as failed (`Call.overdue`); the next try starts once it has returned
+(its subprocesses have timeouts, so it does), and a late success still counts: it is the
+engine's word.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -46,6 +55,7 @@ class Call:
     result: Any = None
     error: BaseException | None = None
     overdue_told: bool = False  # the caller has logged it as failed for being late
+    _returned: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -53,6 +63,11 @@ class Call:
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for it to return: True once `done`. For a call that is fast
+        unless the engine is wedged, where the loop may wait that long and no longer."""
+        return self._returned.wait(timeout_s)
 
     def overdue(self) -> bool:
         """Still running past its timeout: taken for failed (it may still succeed late)."""
@@ -91,6 +106,19 @@ class EngineCalls:
         thread.start()
         return call
 
+    def signal(self, container: Any, sig: int) -> Call:
+        """`sig` to a container (container.ContainerAttempt) off the loop. Nothing waits on it:
+        a stop's deadline kills what the signal did not stop, a dump is read when it comes."""
+        name = signal.Signals(sig).name
+        return self.start(
+            f"{container.name} {name}", f"{name} to {container.name}", lambda: container.signal(sig)
+        )
+
+    def container_pid(self, engine: Engine, name: str) -> Call:
+        """The host pid of the container's init (`inspect`), off the loop; its result is None
+        while the engine does not know it."""
+        return self.start(f"{name} pid", f"pid of {name}", lambda: engine.container_pid(name))
+
     def wait(self, timeout_s: float) -> bool:
         """Wait until no call runs (the agent stopping); False if some still do after
         `timeout_s`."""
@@ -109,6 +137,7 @@ class EngineCalls:
                 del self._running[call.key]
             # Only now: a caller that sees it done may start the next call for its key.
             call.done = True
+            call._returned.set()
             self._idle.notify_all()
 
 

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import signal
+from typing import Any
 
 from nodeagent.flight_recorder import FlightRecorderDump, targets_of
 from nodeagent.launch import catches
@@ -28,9 +29,10 @@ DUMP_SIGNAL = signal.SIGUSR1
 DUMP_SETTLE_S = 1.0
 
 
-def ask(attempt: AttemptWorkers, host_pids: dict[int, int], log: Log) -> None:
+def ask(attempt: AttemptWorkers, host_pids: dict[int, int], log: Log, calls: Any = None) -> None:
     """Start everything at once: the readers run in the background, the signals return.
-    `host_pids`: rank -> host pid of the live ranks."""
+    `host_pids`: rank -> host pid of the live ranks; `calls` (engine_calls.EngineCalls): a
+    container's signal goes through the engine off the loop (here when None)."""
     attempt.flight_dump = FlightRecorderDump(targets_of(attempt.workers))
     binary = py_spy()
     targets = [
@@ -38,13 +40,16 @@ def ask(attempt: AttemptWorkers, host_pids: dict[int, int], log: Log) -> None:
     ]
     if binary is not None and targets:
         attempt.outside_dump = OutsideDump(binary, targets)
-    _signal(attempt, log)
+    _signal(attempt, log, calls)
 
 
-def _signal(attempt: AttemptWorkers, log: Log) -> None:
+def _signal(attempt: AttemptWorkers, log: Log, calls: Any) -> None:
     signalled = []
     if attempt.container is not None:
-        attempt.container.signal(DUMP_SIGNAL)
+        if calls is not None:
+            calls.signal(attempt.container, DUMP_SIGNAL)
+        else:
+            attempt.container.signal(DUMP_SIGNAL)
         signalled = [w.rank for w in attempt.workers if w.alive]
     skipped = []
     for worker in attempt.workers if attempt.container is None else ():

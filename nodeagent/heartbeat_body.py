@@ -8,6 +8,7 @@ from typing import Any
 
 from nodeagent.attempt_report import Log, Tracked, attempt_report
 from nodeagent.health_check import HealthChecker
+from nodeagent.health_check import report as health_report
 from nodeagent.telemetry import Telemetry
 from nodeagent.xid import fault_report
 
@@ -52,6 +53,7 @@ def build_heartbeat(
             if report is None:
                 continue
         attempts.append(report)
+        _cordon_for(report, remembered, health)
         acks += attempt_acks
         if finished:
             exits.append(attempt_id)
@@ -70,6 +72,22 @@ def build_heartbeat(
         body["health"] = health.pending
         acks.append((health, health.pending))  # held until the portal has it
     return body, acks, exits
+
+
+def _cordon_for(report: dict[str, Any], remembered: Tracked, health: HealthChecker) -> None:
+    """An attempt the node refused or broke off (a full disk, an engine that did not answer
+    its `image inspect`; `error` of kind "health"), at its launch or later as it polled: the
+    node raises a failed check as well, so the portal cordons it as for a failed quick check
+    and starts the job elsewhere with no restart used. Without it the scheduler would place
+    the job, or the next one, on the same node again. Once per attempt; a failed quick check
+    that refused the launch is already pending and is the report."""
+    error = report.get("error") or {}
+    if error.get("kind") != "health" or remembered.health_told:
+        return
+    remembered.health_told = True
+    if health.pending is None:
+        failed = {"name": "launch", "ok": False, "detail": error["message"]}
+        health.pending = health_report([failed], "quick")
 
 
 # Beats a failing report holds its ranks' exits back for (about a heartbeat a second).

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "lockstep agent: stacks of rank"
+LOOKUP_WAIT_S = 2.0  # how long the loop waits for a fresh container pid lookup (see there)
 TIMEOUT_S = 4.0  # per try; a dump of a torch process with native frames took 0.65 s here
 
 
@@ -133,21 +134,49 @@ def container_host_pids(init_pid: int, container_pids: set[int]) -> dict[int, in
     return found
 
 
-def rank_pids(attempt: Any, engine: Any, log: Any) -> dict[int, tuple[int | None, int | None]]:
-    """rank -> (its pid as it sees itself, its pid on this host, None once it exited) for the
-    attempt's (a workers.AttemptWorkers) started ranks. Inside a container the two differ;
-    the host pids are looked up once (the container's init from `engine`)."""
+def rank_pids(
+    attempt: Any, engine: Any, log: Any, calls: Any = None
+) -> dict[int, tuple[int | None, int | None]]:
+    """rank -> (its pid as it sees itself, its pid on this host, None once it exited or while
+    it is not known) for the attempt's (a workers.AttemptWorkers) started ranks. Inside a
+    container the two differ; the host pids are found under the container's init, whose pid
+    the engine is asked once (off the loop through `calls`, engine_calls.EngineCalls: until
+    it answers the host pids are None; here when None)."""
     started = [w for w in attempt.workers if w.pid is not None]
     if attempt.container is None:
         return {w.rank: (w.pid, w.pid if w.alive else None) for w in started}
     missing = {w.pid for w in started if w.alive} - set(attempt.host_pids)
     if missing:
         # The launcher's pids are the container's; /proc here knows them by host pids.
-        try:
-            init = engine.container_pid(attempt.container.name) if engine else None
-        except (OSError, subprocess.SubprocessError) as exc:  # a hung or absent engine
-            log.warning("attempt %s: no container pid (%s)", attempt.attempt_id, exc)
-            init = None
+        init = _container_init(attempt, engine, log, calls)
         if init:
             attempt.host_pids.update(container_host_pids(init, missing))
     return {w.rank: (w.pid, attempt.host_pids.get(w.pid) if w.alive else None) for w in started}
+
+
+def _container_init(attempt: Any, engine: Any, log: Any, calls: Any) -> int | None:
+    """The host pid of the attempt's container's init: it lives as long as the container, so
+    the first answer is kept (`attempt.container_init`)."""
+    if attempt.container_init or engine is None:
+        return attempt.container_init
+    name = attempt.container.name
+    if calls is None:
+        try:
+            attempt.container_init = engine.container_pid(name)
+        except (OSError, subprocess.SubprocessError) as exc:  # a hung or absent engine
+            log.warning("attempt %s: no container pid (%s)", attempt.attempt_id, exc)
+        return attempt.container_init
+    lookup = attempt.init_lookup
+    if lookup is None:
+        # A fresh lookup is waited for a little: it takes some 50 ms, and a hang's dump that
+        # asks now should reach the ranks; a wedged engine costs the loop this much per try.
+        lookup = attempt.init_lookup = calls.container_pid(engine, name)
+        lookup.wait(LOOKUP_WAIT_S)
+    if not lookup.done:
+        return None
+    attempt.init_lookup = None  # asked again at the next poll unless it answered
+    if lookup.error is not None:
+        log.warning("attempt %s: no container pid (%s)", attempt.attempt_id, lookup.error)
+    elif lookup.result:
+        attempt.container_init = lookup.result
+    return attempt.container_init

@@ -104,6 +104,7 @@ class WorkerSupervisor:
                 node_env=self.node_env,
                 agent=agent_identity(self.work_dir),
                 warm=self._warm,
+                calls=self._calls,
             )
         )
         self._base_env = base_env
@@ -342,7 +343,7 @@ class WorkerSupervisor:
             self._sweep.tick()
 
     def _poll_attempt(self, attempt: AttemptWorkers, now: float) -> None:
-        if attempt.pull is not None and self._containers is not None:
+        if attempt.preparing and self._containers is not None:
             self._containers.poll(attempt)
         # A container whose removal failed may still run its ranks, whatever its client says.
         held = attempt.pending_kill is not None and not attempt.pending_kill.removed
@@ -407,11 +408,13 @@ class WorkerSupervisor:
         if attempt.stopping:
             return
         attempt.stop_deadline = self._clock() + max(0.0, float(deadline_s))
-        if attempt.pull is not None and self._containers is not None:
+        if attempt.preparing and self._containers is not None:
             self._containers.cancel(attempt, -signal.SIGTERM)  # nothing ran: nothing to save
         if attempt.container is not None:
             # The container's init forwards it to the launcher, which forwards it to each rank.
-            attempt.container.signal(signal.SIGTERM)
+            # Off the loop: `podman kill` may take its 30 s, as long as the portal's heartbeat
+            # timeout, and a stop must not read as a lost node.
+            self._calls.signal(attempt.container, signal.SIGTERM)
         for worker in attempt.workers if attempt.container is None else ():
             if worker.alive and worker.popen is not None:
                 # Only the worker itself: the trainer turns SIGTERM into "checkpoint at the next
@@ -431,7 +434,7 @@ class WorkerSupervisor:
         attempt = self._attempts[attempt_id]
         if attempt.dump_sent_at is None:
             attempt.dump_sent_at = self._clock()
-            hang_evidence.ask(attempt, self.live_host_pids(attempt_id), self._log)
+            hang_evidence.ask(attempt, self.live_host_pids(attempt_id), self._log, self._calls)
 
     def refuse(
         self, attempt_id: int, launch: Mapping[str, Any], error: dict[str, str]
@@ -450,7 +453,7 @@ class WorkerSupervisor:
     def rank_pids(self, attempt_id: int) -> dict[int, tuple[int | None, int | None]]:
         """rank -> (its pid as it sees itself, its pid on this host, None once it exited) for
         the attempt's started ranks (nodeagent/stacks.rank_pids)."""
-        return stacks.rank_pids(self._attempts[attempt_id], self.engine, self._log)
+        return stacks.rank_pids(self._attempts[attempt_id], self.engine, self._log, self._calls)
 
     def live_host_pids(self, attempt_id: int) -> dict[int, int]:
         """rank -> host pid of the attempt's live ranks (what py-spy and /proc are given)."""
@@ -468,7 +471,7 @@ class WorkerSupervisor:
         attempt = self._attempts[attempt_id]
         attempt.killed = True
         attempt.stop_deadline = None
-        if attempt.pull is not None and self._containers is not None:
+        if attempt.preparing and self._containers is not None:
             self._containers.cancel(attempt, -signal.SIGKILL)
         if attempt.all_exited:
             return
@@ -487,7 +490,7 @@ class WorkerSupervisor:
             for worker in attempt.workers:
                 if worker.alive:
                     self._signal_group(worker, signal.SIGKILL)
-        attempt.pull = None  # whatever broke is not polled again
+        attempt.pull = attempt.image_check = None  # whatever broke is not polled again
         for worker in attempt.workers:
             _note(worker.log_path, f"lockstep agent: {why}")
         try:

@@ -88,8 +88,12 @@ class AttemptWorkers:
     flight_dump: Any = None  # flight_recorder.FlightRecorderDump: the ranks' recorders
     # The container holding the ranks (container runtime); None for plain processes.
     container: Any = None  # container.ContainerAttempt
+    # The image's inspect (engine_calls.Call) under way before the container can start or be
+    # pulled, or after its pull (container runtime; `pulled`).
+    image_check: Any = None
     # The image pull under way before the container can start (container runtime).
     pull: Pull | None = None
+    pulled: bool = False
     # Why the attempt could not start at all on this node (a missing image): reported to the
     # portal, which fails the job at once instead of restarting it into the same wall.
     error: dict[str, str] | None = None
@@ -97,11 +101,18 @@ class AttemptWorkers:
     pull_s: float = 0.0  # seconds spent pulling its image before the start
     # Container ranks' host pids by the pids the launcher reports (the container's own).
     host_pids: dict[int, int] = field(default_factory=dict)
+    container_init: int | None = None  # the host pid of the container's init, once known
+    init_lookup: Any = None  # engine_calls.Call asking the engine for it, while one runs
     launched_at: float = field(default_factory=time.time)  # epoch seconds
 
     @property
     def all_exited(self) -> bool:
         return all(not w.alive for w in self.workers)
+
+    @property
+    def preparing(self) -> bool:
+        """Its image is still being inspected or pulled: no container yet."""
+        return self.image_check is not None or self.pull is not None
 
     @property
     def stopping(self) -> bool:

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from nodeagent import container as container_module
-from nodeagent import engine_calls, kill_confirm
+from nodeagent import container_launch, engine_calls, kill_confirm
 from nodeagent.container import Engine, EngineError
 from nodeagent.engine_calls import EngineCalls
 from nodeagent.supervisor import WorkerSupervisor
@@ -46,51 +46,65 @@ import signal, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 time.sleep(120)
 """
-# The test's podman: each `rm` is noted in rm.log, waits while `hang` exists, then is real.
+# The test's podman: each call of the verb (`rm`, `kill`, `image inspect`...) is noted in
+# calls.log and waits while `hang` exists, then is real; every other call is real at once.
 FAKE_PODMAN = """#!/bin/sh
-if [ "$1" = rm ]; then
-    echo rm >> "{dir}/rm.log"
-    while [ -e "{dir}/hang" ]; do sleep 0.05; done
-fi
+case "$1 $2" in
+    "{verb} "*|"{verb}")
+        echo "$@" >> "{dir}/calls.log"
+        while [ -e "{dir}/hang" ]; do sleep 0.05; done;;
+esac
 exec {real} "$@"
 """
-
-
-@pytest.mark.skipif(
+NEEDS_IMAGE = pytest.mark.skipif(
     PODMAN is None or not PODMAN.image_present(IMAGE), reason=f"no podman or no {IMAGE}"
 )
+
+
+def _agent_on_a_hanging_engine(verb, tmp_path, portal, clean_env, monkeypatch, name):
+    """An Agent whose `podman` hangs on `verb` while tmp_path/bin/hang exists; returns it and
+    a function counting the verb's calls so far."""
+    from nodeagent.agent import Agent
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "podman").write_text(FAKE_PODMAN.format(dir=fake, real=PODMAN.binary, verb=verb))
+    (fake / "podman").chmod(0o755)
+    for key in list(os.environ):
+        if key not in clean_env:
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    agent = Agent(
+        portal.url,
+        CLUSTER_TOKEN,
+        1,
+        name=name,
+        work_dir=tmp_path / "agent",
+        gpu_kind="cpu",
+        runtime="podman",
+    )
+    assert agent.engine.binary == str(fake / "podman")
+    log = fake / "calls.log"
+
+    def calls() -> int:
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    return agent, calls
+
+
+@NEEDS_IMAGE
 def test_the_agent_beats_on_while_the_engines_rm_hangs_and_reports_the_ranks_gone_once_it_worked(
     tmp_path, portal, clean_env, monkeypatch
 ):
     """The agent fences a container whose `rm --force` hangs: heartbeats keep coming, each with
     the rank running (the kill is not confirmed); a removal past its timeout is tried again;
     once `rm` works the rank is reported exited (-9) and the container is gone."""
-    from nodeagent.agent import Agent
-
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "podman").write_text(FAKE_PODMAN.format(dir=fake, real=PODMAN.binary))
-    (fake / "podman").chmod(0o755)
-    for key in list(os.environ):
-        if key not in clean_env:
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
     # An `rm` past this is killed and counts as failed (60 s in the field).
     monkeypatch.setattr(container_module, "REMOVE_TIMEOUT_S", 3.0)
-    agent = Agent(
-        portal.url,
-        CLUSTER_TOKEN,
-        1,
-        name="hung-rm",
-        work_dir=tmp_path / "agent",
-        gpu_kind="cpu",
-        runtime="podman",
+    agent, rms = _agent_on_a_hanging_engine(
+        "rm", tmp_path, portal, clean_env, monkeypatch, "hung-rm"
     )
-    assert agent.engine.binary == str(fake / "podman")
-    rm_log, hang = fake / "rm.log", fake / "hang"
-
-    def rms() -> int:
-        return len(rm_log.read_text().splitlines()) if rm_log.exists() else 0
+    hang = tmp_path / "bin" / "hang"
 
     ckpt = tmp_path / "ckpt" / "job-5"
     spec = launch_spec(
@@ -129,6 +143,126 @@ def test_the_agent_beats_on_while_the_engines_rm_hangs_and_reports_the_ranks_gon
         exited = [r for r in portal.attempt_in_beats(81) if r["ranks"][0]["state"] == "exited"]
         assert exited[0]["ranks"][0]["exit_code"] == -signal.SIGKILL
         assert PODMAN.stopped(name)
+    finally:
+        hang.unlink(missing_ok=True)
+        agent.request_stop()
+        thread.join(timeout=90)
+        if name is not None:
+            PODMAN.remove(name)
+    assert not thread.is_alive()
+
+
+@NEEDS_IMAGE
+def test_a_stops_sigterm_through_a_hung_engine_neither_silences_the_agent_nor_holds_its_deadline(
+    tmp_path, portal, clean_env, monkeypatch
+):
+    """A stop's SIGTERM goes through the engine (`podman kill --signal TERM`, up to 30 s, as
+    long as the portal's heartbeat timeout): made on the loop, a wedged engine turned a planned
+    stop into a lost node. Here `kill` hangs: heartbeats go on, and the stop's deadline removes
+    the container (a real `rm`) while the SIGTERM is still stuck."""
+    agent, kills = _agent_on_a_hanging_engine(
+        "kill", tmp_path, portal, clean_env, monkeypatch, "hung-kill"
+    )
+    hang = tmp_path / "bin" / "hang"
+    spec = launch_spec(
+        IGNORES_TERM,
+        one_rank(),
+        image=IMAGE,
+        team_id=1,
+        checkpoint_dir=str(tmp_path / "ckpt" / "job-6"),
+        resume_from="",
+    )
+    portal.set_desired([run_item(82, spec)])
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    name = None
+    try:
+        wait_until(
+            lambda: any(r["ranks"][0]["pid"] is not None for r in portal.attempt_in_beats(82)),
+            90,
+            "the rank to run in its container",
+        )
+        name = agent.supervisor.get(82).container.name
+        hang.touch()
+        portal.set_desired([{"attempt_id": 82, "action": "stop", "deadline_s": 3}])
+        wait_until(lambda: kills() >= 1, 30, "the stop's SIGTERM through the engine")
+        first = len(portal.beats_since(0))
+        time.sleep(2.0)
+        during = portal.beats_since(first)
+        assert len(during) >= 5, f"{len(during)} heartbeat(s) in 2 s while `kill` hung"
+        wait_until(
+            lambda: any(r["ranks"][0]["state"] == "exited" for r in portal.attempt_in_beats(82)),
+            60,
+            "the rank ended by the stop's deadline",
+        )
+        exited = [r for r in portal.attempt_in_beats(82) if r["ranks"][0]["state"] == "exited"]
+        assert exited[0]["ranks"][0]["exit_code"] == -signal.SIGKILL  # it ignored SIGTERM
+        assert hang.exists() and PODMAN.stopped(name)  # removed while `kill` still hung
+    finally:
+        hang.unlink(missing_ok=True)
+        agent.request_stop()
+        thread.join(timeout=90)
+        if name is not None:
+            PODMAN.remove(name)
+    assert not thread.is_alive()
+
+
+@NEEDS_IMAGE
+def test_a_launch_waits_for_a_hung_image_inspect_off_the_loop_and_a_timeout_is_the_nodes(
+    tmp_path, portal, clean_env, monkeypatch
+):
+    """Before a container starts, `image inspect` says whether the image is here. A wedged
+    engine took its minute to answer on the loop. Now the heartbeats go on; an inspect past
+    its timeout refuses the attempt as the node's fault (kind "health": the portal starts the
+    job elsewhere, without using a restart), not the image's; and once the engine answers, a
+    launch starts as before."""
+    agent, inspects = _agent_on_a_hanging_engine(
+        "image inspect", tmp_path, portal, clean_env, monkeypatch, "hung-inspect"
+    )
+    agent.supervisor._calls.timeout_s = 6.0  # an engine call's timeout (60 s in the field)
+    hang = tmp_path / "bin" / "hang"
+    hang.touch()
+
+    def spec(job: int) -> dict:
+        ckpt = tmp_path / "ckpt" / f"job-{job}"
+        return launch_spec(
+            IGNORES_TERM, one_rank(), image=IMAGE, team_id=1, checkpoint_dir=str(ckpt),
+            resume_from="", job_id=job,
+        )  # fmt: skip
+
+    portal.set_desired([run_item(83, spec(7))])
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    name = None
+    try:
+        wait_until(lambda: inspects() >= 1, 30, "the launch's image inspect")
+        # The launch itself waits for it this long (its usual 50 ms), then leaves it to polls.
+        time.sleep(container_launch.INSPECT_WAIT_S + 0.5)
+        first = len(portal.beats_since(0))
+        time.sleep(2.0)
+        during = portal.beats_since(first)
+        assert len(during) >= 5, f"{len(during)} heartbeat(s) in 2 s while the inspect hung"
+        assert all(r["ranks"][0]["pid"] is None for r in portal.attempt_in_beats(83))
+        refused = wait_until(
+            lambda: [r for r in portal.attempt_in_beats(83) if r.get("error")],
+            30,
+            "the attempt refused once the inspect timed out",
+        )
+        assert refused[0]["error"]["kind"] == "health", refused[0]["error"]
+        assert "did not answer `image inspect" in refused[0]["error"]["message"]
+        # ... with a failed check, so that the portal cordons the node (not placing the job,
+        # or the next, onto the same wedged engine).
+        health = next(b["health"] for b in portal.beats_since(0) if "health" in b)
+        assert health["ok"] is False and "did not answer `image inspect" in health["reason"]
+
+        hang.unlink()  # the engine answers again: the next launch starts its container
+        portal.set_desired([run_item(84, spec(8))])
+        wait_until(
+            lambda: any(r["ranks"][0]["pid"] is not None for r in portal.attempt_in_beats(84)),
+            90,
+            "the next attempt's rank to run",
+        )
+        name = agent.supervisor.get(84).container.name
     finally:
         hang.unlink(missing_ok=True)
         agent.request_stop()
