@@ -44,6 +44,9 @@ LABEL = "lockstep.attempt"  # every container the agent starts carries it
 EXIT_ENGINE = 125
 ENGINE_TIMEOUT_S = 60.0
 REMOVE_TIMEOUT_S = 60.0
+# A container whose client exited with ranks the launcher never said ended is removed, and this
+# is how often a removal that failed is tried again (ContainerAttempt.confirmed_gone).
+GONE_RETRY_S = 5.0
 # Container states in which nothing of it runs (podman's and Docker's names).
 STOPPED_STATES = ("created", "configured", "exited", "stopped", "dead")
 PULL_POLICIES = ("if-not-present", "always", "never")
@@ -375,12 +378,22 @@ class ContainerAttempt:
     """One running container and what its launcher last said about its ranks."""
 
     def __init__(
-        self, engine: Engine, name: str, status_path: Path, popen: subprocess.Popen
+        self,
+        engine: Engine,
+        name: str,
+        status_path: Path,
+        popen: subprocess.Popen,
+        calls: Any = None,
     ) -> None:
         self.engine = engine
         self.name = name
         self.status_path = status_path
         self.popen = popen
+        # engine_calls.EngineCalls: where an engine call that may block runs, off the loop.
+        self.calls = calls
+        self.removed = False  # the engine confirmed it gone (`remove`)
+        self._removal: Any = None  # the removal `confirmed_gone` started, while it runs
+        self._removal_due = 0.0
         self._status: dict[str, Any] = {}
         self._read_at = -1.0
 
@@ -408,9 +421,29 @@ class ContainerAttempt:
         it (the caller tries again: nodeagent/kill_confirm.py)."""
         if not self.engine.remove(self.name):
             return False
+        self.removed = True
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=30)
         return True
+
+    def confirmed_gone(self) -> bool:
+        """Whether the container is gone, asked once its `podman run` client exited with a rank
+        the launcher never said ended. The client can die alone (killed by hand, by the OOM
+        killer) and leave the container running on its GPUs, so the engine removes it first
+        (`rm --force`, which holds for one already gone), in a thread when `calls` is given
+        (False until it worked; tried again every GONE_RETRY_S)."""
+        if self.removed:
+            return True
+        if self.calls is None:
+            return self.remove()
+        if self._removal is not None and self._removal.done:
+            self._removal = None
+        now = time.monotonic()
+        if self._removal is None and not self.removed and now >= self._removal_due:
+            self._removal_due = now + GONE_RETRY_S
+            what = f"removing {self.name}: its engine client exited"
+            self._removal = self.calls.start(self.name, what, self.remove)
+        return self.removed
 
 
 class ContainerRank:
@@ -452,4 +485,6 @@ class ContainerRank:
             # The launcher never ran: the engine could not create the container (its reason
             # is in the attempt's engine.log); report the engine's own exit code.
             return engine_exit
+        if not self.container.confirmed_gone():
+            return None  # running, as far as anyone can tell, until the engine removed it
         return -signal.SIGKILL

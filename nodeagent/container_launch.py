@@ -301,6 +301,7 @@ class ContainerLaunch:
                 popen,
                 serve_dir=serve_dir,
                 attempt_id=attempt.attempt_id,
+                calls=self.calls,
             )
 
         name = container_name(self.node, self.agent, attempt.attempt_id)
@@ -331,7 +332,9 @@ class ContainerLaunch:
                 start_new_session=True,
             )
         if self.warm is None:
-            attempt.container = ContainerAttempt(self.engine, name, status_path, popen)
+            attempt.container = ContainerAttempt(
+                self.engine, name, status_path, popen, calls=self.calls
+            )
         else:
             attempt.container = warm_attempt(name, popen)
             self.warm.add(int(launch["job_id"]), key, frozenset(gpus), attempt)

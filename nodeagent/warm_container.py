@@ -56,8 +56,10 @@ class WarmAttempt(ContainerAttempt):
     or reach the wrong attempt. A stop that arrives before the server took the attempt up ends
     its ranks before they start."""
 
-    def __init__(self, engine, name, status_path, popen, *, serve_dir: Path, attempt_id: int):
-        super().__init__(engine, name, status_path, popen)
+    def __init__(
+        self, engine, name, status_path, popen, *, serve_dir: Path, attempt_id: int, calls=None
+    ):
+        super().__init__(engine, name, status_path, popen, calls)
         self.serve_dir = serve_dir
         self.attempt_id = attempt_id
         self._sent = 0
@@ -67,12 +69,15 @@ class WarmAttempt(ContainerAttempt):
         for the job's next attempt, unless the server does not answer within KILL_WAIT_S:
         then the container goes, as a cold attempt's does. False unless that worked."""
         if self.engine_exit() is not None:
-            return True
+            # Its client is gone, but it may have died alone: the engine says (`rm --force`).
+            return self.remove()
         self.signal(signal.SIGKILL)
         deadline = time.monotonic() + KILL_WAIT_S
         while time.monotonic() < deadline:
-            if self.status(fresh=True).get("done") or self.engine_exit() is not None:
+            if self.status(fresh=True).get("done"):
                 return True
+            if self.engine_exit() is not None:
+                return self.remove()
             time.sleep(0.05)
         return self.remove()
 

@@ -12,12 +12,14 @@ at start-up are tried again while the agent runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -92,6 +94,24 @@ def _agent_on_a_hanging_engine(verb, tmp_path, portal, clean_env, monkeypatch, n
     return agent, calls
 
 
+@contextlib.contextmanager
+def _agent_running(agent):
+    """Run the agent's loop in a thread; yields a list the test adds its containers' names
+    to. On the way out the engine answers again, the agent stops, and the containers go."""
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    containers: list[str] = []
+    try:
+        yield containers
+    finally:
+        (Path(agent.engine.binary).parent / "hang").unlink(missing_ok=True)
+        agent.request_stop()
+        thread.join(timeout=90)
+        for name in containers:
+            PODMAN.remove(name)
+    assert not thread.is_alive()
+
+
 @NEEDS_IMAGE
 def test_the_agent_beats_on_while_the_engines_rm_hangs_and_reports_the_ranks_gone_once_it_worked(
     tmp_path, portal, clean_env, monkeypatch
@@ -111,10 +131,7 @@ def test_the_agent_beats_on_while_the_engines_rm_hangs_and_reports_the_ranks_gon
         IGNORES_TERM, one_rank(), image=IMAGE, team_id=1, checkpoint_dir=str(ckpt), resume_from=""
     )
     portal.set_desired([run_item(81, spec)])
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    name = None
-    try:
+    with _agent_running(agent) as containers:
 
         def running() -> bool:
             reports = portal.attempt_in_beats(81)
@@ -122,6 +139,7 @@ def test_the_agent_beats_on_while_the_engines_rm_hangs_and_reports_the_ranks_gon
 
         wait_until(running, 90, "the rank to run in its container")
         name = agent.supervisor.get(81).container.name
+        containers.append(name)
         hang.touch()
         portal.set_desired([])  # fencing: the agent kills the attempt
         wait_until(lambda: rms() >= 1, 30, "the fencing's rm")
@@ -143,13 +161,6 @@ def test_the_agent_beats_on_while_the_engines_rm_hangs_and_reports_the_ranks_gon
         exited = [r for r in portal.attempt_in_beats(81) if r["ranks"][0]["state"] == "exited"]
         assert exited[0]["ranks"][0]["exit_code"] == -signal.SIGKILL
         assert PODMAN.stopped(name)
-    finally:
-        hang.unlink(missing_ok=True)
-        agent.request_stop()
-        thread.join(timeout=90)
-        if name is not None:
-            PODMAN.remove(name)
-    assert not thread.is_alive()
 
 
 @NEEDS_IMAGE
@@ -173,16 +184,14 @@ def test_a_stops_sigterm_through_a_hung_engine_neither_silences_the_agent_nor_ho
         resume_from="",
     )
     portal.set_desired([run_item(82, spec)])
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    name = None
-    try:
+    with _agent_running(agent) as containers:
         wait_until(
             lambda: any(r["ranks"][0]["pid"] is not None for r in portal.attempt_in_beats(82)),
             90,
             "the rank to run in its container",
         )
         name = agent.supervisor.get(82).container.name
+        containers.append(name)
         hang.touch()
         portal.set_desired([{"attempt_id": 82, "action": "stop", "deadline_s": 3}])
         wait_until(lambda: kills() >= 1, 30, "the stop's SIGTERM through the engine")
@@ -198,13 +207,6 @@ def test_a_stops_sigterm_through_a_hung_engine_neither_silences_the_agent_nor_ho
         exited = [r for r in portal.attempt_in_beats(82) if r["ranks"][0]["state"] == "exited"]
         assert exited[0]["ranks"][0]["exit_code"] == -signal.SIGKILL  # it ignored SIGTERM
         assert hang.exists() and PODMAN.stopped(name)  # removed while `kill` still hung
-    finally:
-        hang.unlink(missing_ok=True)
-        agent.request_stop()
-        thread.join(timeout=90)
-        if name is not None:
-            PODMAN.remove(name)
-    assert not thread.is_alive()
 
 
 @NEEDS_IMAGE
@@ -231,10 +233,7 @@ def test_a_launch_waits_for_a_hung_image_inspect_off_the_loop_and_a_timeout_is_t
         )  # fmt: skip
 
     portal.set_desired([run_item(83, spec(7))])
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    name = None
-    try:
+    with _agent_running(agent) as containers:
         wait_until(lambda: inspects() >= 1, 30, "the launch's image inspect")
         # The launch itself waits for it this long (its usual 50 ms), then leaves it to polls.
         time.sleep(container_launch.INSPECT_WAIT_S + 0.5)
@@ -263,13 +262,7 @@ def test_a_launch_waits_for_a_hung_image_inspect_off_the_loop_and_a_timeout_is_t
             "the next attempt's rank to run",
         )
         name = agent.supervisor.get(84).container.name
-    finally:
-        hang.unlink(missing_ok=True)
-        agent.request_stop()
-        thread.join(timeout=90)
-        if name is not None:
-            PODMAN.remove(name)
-    assert not thread.is_alive()
+        containers.append(name)
 
 
 class _Container:
@@ -411,3 +404,48 @@ def test_the_engines_calls_are_counted_until_they_return():
     assert again is not call
     wait_until(lambda: again.done, 5)
     assert isinstance(again.error, ZeroDivisionError) and not again.ok
+
+
+@NEEDS_IMAGE
+def test_a_rank_whose_engine_client_died_alone_is_reported_gone_only_once_its_container_is(
+    tmp_path, clean_env, monkeypatch
+):
+    """The `podman run` client can die alone (killed by hand, by the OOM killer) while its
+    container runs on: conmon, not the client, holds it. Its exit used to be read as the
+    container's: the rank was reported killed (-9), the portal freed its GPUs, and the
+    container ran on under the next job. Now the engine removes the container first, and the
+    rank is reported gone once it did."""
+    for key in list(os.environ):
+        if key not in clean_env:
+            monkeypatch.delenv(key)
+    sup = WorkerSupervisor(tmp_path / "sup", engine=PODMAN, node="lone-client", gpu_kind="cpu")
+    ckpt = tmp_path / "ckpt" / "job-9"
+    spec = launch_spec(
+        IGNORES_TERM, one_rank(), image=IMAGE, team_id=1, checkpoint_dir=str(ckpt), resume_from=""
+    )
+    attempt = sup.launch(91, spec)
+    name = attempt.container.name if attempt.container else None
+    try:
+
+        def started() -> bool:
+            sup.poll()
+            return attempt.workers[0].pid is not None
+
+        wait_until(started, 90, "the rank to run in its container")
+        name = attempt.container.name
+        attempt.container.popen.kill()  # the client alone
+        attempt.container.popen.wait(timeout=10)
+        assert not PODMAN.stopped(name), "the container should outlive its client"
+
+        def reported_exited() -> bool:
+            sup.poll()
+            return not attempt.workers[0].alive
+
+        wait_until(reported_exited, 60, "the rank reported exited")
+        assert attempt.workers[0].exit_code == -signal.SIGKILL
+        assert PODMAN.stopped(name)  # gone before it was reported so
+    finally:
+        sup.kill_all()
+        sup.close()
+        if name is not None:
+            PODMAN.remove(name)
