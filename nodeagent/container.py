@@ -394,6 +394,7 @@ class ContainerAttempt:
         self.removed = False  # the engine confirmed it gone (`remove`)
         self._removal: Any = None  # the removal `confirmed_gone` started, while it runs
         self._removal_due = 0.0
+        self._told_gone = False
         self._status: dict[str, Any] = {}
         self._read_at = -1.0
 
@@ -442,6 +443,9 @@ class ContainerAttempt:
         if self._removal is None and not self.removed and now >= self._removal_due:
             self._removal_due = now + GONE_RETRY_S
             what = f"removing {self.name}: its engine client exited"
+            if not self._told_gone:
+                self._told_gone = True
+                logger.warning("%s; its ranks are reported killed once it is gone", what)
             self._removal = self.calls.start(self.name, what, self.remove)
         return self.removed
 
