@@ -485,10 +485,10 @@ class ContainerRank:
         if entry and entry.get("state") == "exited":
             self.exited_at = entry.get("exited_at")
             return int(entry["exit_code"])
+        if not self.container.confirmed_gone():
+            return None  # running, as far as anyone can tell, until the engine removed it
         if entry is None and engine_exit != 0:
             # The launcher never ran: the engine could not create the container (its reason
             # is in the attempt's engine.log); report the engine's own exit code.
             return engine_exit
-        if not self.container.confirmed_gone():
-            return None  # running, as far as anyone can tell, until the engine removed it
         return -signal.SIGKILL
