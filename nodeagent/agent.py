@@ -147,6 +147,7 @@ class Agent(Leaving):
             env={**inheritable_env(os.environ), **(node_env or {})},
             every_s=health_check_s,
             log=self.log,
+            engine=self.engine,
         )
         self._health_asked = False
         self._http = requests.Session()

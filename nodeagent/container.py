@@ -377,6 +377,8 @@ def prepare_dirs(
 class ContainerAttempt:
     """One running container and what its launcher last said about its ranks."""
 
+    signals_by_engine = True  # `podman kill --signal`: may block (engine_calls.EngineCalls)
+
     def __init__(
         self,
         engine: Engine,

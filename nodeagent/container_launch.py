@@ -129,7 +129,7 @@ class ContainerLaunch:
         # takes some 50 ms and the start goes on at once, but a wedged engine would take its
         # minute to time out, which `poll` waits for instead of the loop.
         attempt.image_check = self._inspect(attempt, image)
-        if attempt.image_check.wait(INSPECT_WAIT_S):
+        if self.calls.settle(attempt.image_check, INSPECT_WAIT_S):
             self._checked(attempt)
         return attempt
 
@@ -166,15 +166,19 @@ class ContainerLaunch:
                 self.node_failed(attempt, f"launch failed: {type(exc).__name__}: {exc}")
         else:
             log_path = attempt_dir / "pull.log"
-            auth = self._auth_file(attempt_id, launch.get("registry_auth"))
-            with open(log_path, "wb") as out:
-                popen = subprocess.Popen(
-                    self.engine.pull_argv(image, auth.parent if auth else None),
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            try:
+                auth = self._auth_file(attempt_id, launch.get("registry_auth"))
+                with open(log_path, "wb") as out:
+                    popen = subprocess.Popen(
+                        self.engine.pull_argv(image, auth.parent if auth else None),
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+            except OSError as exc:  # a full disk, no engine binary: the node's, as above
+                self.node_failed(attempt, f"pull failed to start: {type(exc).__name__}: {exc}")
+                return
             attempt.pull = Pull(image, popen, log_path, auth_file=auth)
             self.log.info("attempt %s: pulling %s (policy %s)", attempt_id, image, policy)
 
@@ -214,7 +218,7 @@ class ContainerLaunch:
             )
             attempt.pulled = True
             attempt.image_check = self._inspect(attempt, pull.image)
-            if attempt.image_check.wait(INSPECT_WAIT_S):
+            if self.calls.settle(attempt.image_check, INSPECT_WAIT_S):
                 self._checked(attempt)
 
     def cancel(self, attempt: AttemptWorkers, code: int) -> None:
@@ -239,7 +243,8 @@ class ContainerLaunch:
         self.log.error("attempt %s: %s", attempt.attempt_id, message)
         attempt.error = {"kind": "health", "message": message}
         for worker in attempt.workers:
-            worker.log_path.write_text(f"lockstep agent: {message}\n")
+            with contextlib.suppress(OSError):  # the full disk it may be about
+                worker.log_path.write_text(f"lockstep agent: {message}\n")
             worker.state, worker.exit_code, worker.exited_at = "exited", EXIT_ENGINE, time.time()
 
     def fail(self, attempt: AttemptWorkers, message: str) -> None:

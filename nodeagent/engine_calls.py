@@ -39,6 +39,7 @@ from typing import Any
 from nodeagent.container import REMOVE_TIMEOUT_S, Engine, EngineError
 
 Log = logging.Logger | logging.LoggerAdapter  # type: ignore[type-arg]
+logger = logging.getLogger("nodeagent.engine_calls")
 
 STALE_RETRY_S = 5.0  # a sweep of stale containers that did not finish is tried again this often
 
@@ -106,13 +107,29 @@ class EngineCalls:
         thread.start()
         return call
 
-    def signal(self, container: Any, sig: int) -> Call:
+    def signal(self, container: Any, sig: int) -> None:
         """`sig` to a container (container.ContainerAttempt) off the loop. Nothing waits on it:
-        a stop's deadline kills what the signal did not stop, a dump is read when it comes."""
+        a stop's deadline kills what the signal did not stop, a dump is read when it comes.
+        A warm container's attempt is signalled by a file its server reads, not through the
+        engine (`signals_by_engine` False): that is done here, in order, as before."""
+        if not getattr(container, "signals_by_engine", True):
+            container.signal(sig)
+            return
         name = signal.Signals(sig).name
-        return self.start(
+        self.start(
             f"{container.name} {name}", f"{name} to {container.name}", lambda: container.signal(sig)
         )
+
+    def settle(self, call: Call, wait_s: float) -> bool:
+        """Wait up to `wait_s` for a call that is quick unless the engine is wedged; True once
+        it is done. Not at all while another call has already run longer than that: then the
+        engine is wedged, and waits for each of a heartbeat's launches would add up to the
+        portal's heartbeat timeout."""
+        with self._lock:
+            stalled = any(
+                other is not call and other.elapsed() > wait_s for other in self._running.values()
+            )
+        return call.done if stalled else call.wait(wait_s)
 
     def container_pid(self, engine: Engine, name: str) -> Call:
         """The host pid of the container's init (`inspect`), off the loop; its result is None
@@ -132,6 +149,9 @@ class EngineCalls:
         return True
 
     def _finished(self, call: Call) -> None:
+        if call.error is not None:
+            # Said here once for every call: a signal's caller never looks at its result.
+            logger.warning("engine call failed: %s: %s", call.what, call.error)
         with self._idle:
             if self._running.get(call.key) is call:
                 del self._running[call.key]

@@ -206,6 +206,22 @@ def report(checks: list[dict], kind: str) -> dict[str, Any]:
     }
 
 
+def engine_check(engine: Any) -> dict[str, Any]:
+    """The container engine answers (`info`, up to 30 s). A wedged engine refuses every launch
+    (its `image inspect` times out) while disks, GPUs and the collective are fine; without
+    this check the node's cordon for it would lift at the next full check, and each cycle
+    would cost another job a minute."""
+    started = time.monotonic()
+    ok = engine.works()
+    took = time.monotonic() - started
+    detail = (
+        f"{engine.name} answered in {took:.1f} s"
+        if ok
+        else (f"{engine.name} did not answer `info` ({took:.0f} s)")
+    )
+    return {"name": "engine", "ok": ok, "detail": detail}
+
+
 class HealthChecker:
     """The node's checks, as the agent runs them: quick ones inline, the full one in a thread,
     its report held until the portal acknowledges it."""
@@ -220,8 +236,11 @@ class HealthChecker:
         every_s: float,
         clock: Any = time.monotonic,
         log: Any = None,
+        engine: Any = None,
     ) -> None:
         self.gpus, self.gpu_kind, self.dirs, self.env = gpus, gpu_kind, dirs, dict(env)
+        # The container engine, under the container runtime: the full check asks it too.
+        self.engine = engine
         self.every_s = every_s  # 0: only when the portal asks
         self._clock = clock
         self._log = log or logging.getLogger("nodeagent.health_check")
@@ -254,6 +273,8 @@ class HealthChecker:
         if self.gpu_kind == "cuda":
             checks += gpu_checks(range(self.gpus), own_pids)
         checks.append(collective_check(max(1, self.gpus), self.gpu_kind, self.env))
+        if self.engine is not None:
+            checks.append(engine_check(self.engine))
         self.last = self.pending = report(checks, "full")
         if self.last["ok"]:
             detail = "; ".join(c["detail"] for c in checks if c["name"] == "collective")
@@ -267,8 +288,10 @@ class HealthChecker:
         its last jobs have ended; else at the agent's start and every `every_s`."""
         if self._thread is not None and self._thread.is_alive():
             return False
-        if self.pending is not None and self.pending.get("kind") == "full":
-            return False  # the last full report has not reached the portal yet
+        if self.pending is not None:
+            # The last report has not reached the portal yet: a full one would overwrite it
+            # (a quick check's failure, a launch the node refused, a GPU's Xid).
+            return False
         if asked:
             return idle
         if self._last_started is None:

@@ -171,7 +171,7 @@ def _container_init(attempt: Any, engine: Any, log: Any, calls: Any) -> int | No
         # A fresh lookup is waited for a little: it takes some 50 ms, and a hang's dump that
         # asks now should reach the ranks; a wedged engine costs the loop this much per try.
         lookup = attempt.init_lookup = calls.container_pid(engine, name)
-        lookup.wait(LOOKUP_WAIT_S)
+        calls.settle(lookup, LOOKUP_WAIT_S)
     if not lookup.done:
         return None
     attempt.init_lookup = None  # asked again at the next poll unless it answered

@@ -56,6 +56,8 @@ class WarmAttempt(ContainerAttempt):
     or reach the wrong attempt. A stop that arrives before the server took the attempt up ends
     its ranks before they start."""
 
+    signals_by_engine = False  # a file the server reads: quick, and kept in order on the loop
+
     def __init__(
         self, engine, name, status_path, popen, *, serve_dir: Path, attempt_id: int, calls=None
     ):

@@ -449,3 +449,138 @@ def test_a_rank_whose_engine_client_died_alone_is_reported_gone_only_once_its_co
         sup.close()
         if name is not None:
             PODMAN.remove(name)
+
+
+# -- without an engine: the loop's side of the calls ----------------------------------------
+
+
+class _InspectWaits(Engine):
+    """An engine whose `image inspect` answers only once the test lets it; nothing else of
+    it may be called (a container start would be a bug here)."""
+
+    def __init__(self) -> None:
+        super().__init__("podman", "/nonexistent/podman")
+        self.answer = threading.Event()
+        self.inspects = 0
+
+    def image_digest(self, image: str) -> str:
+        self.inspects += 1
+        assert self.answer.wait(30)
+        return "sha256:" + "0" * 64
+
+    def _run(self, args, timeout=0):
+        raise AssertionError(f"unexpected engine call {args}")
+
+
+def test_an_attempt_stopped_while_its_image_is_inspected_ends_unstarted_and_never_starts(
+    tmp_path, clean_env, monkeypatch
+):
+    """The launch waits for the inspect a little, then the loop's polls carry it on; a stop
+    meanwhile ends the ranks unstarted (nothing ran, nothing to save), and the inspect's late
+    answer starts nothing."""
+    for key in list(os.environ):
+        if key not in clean_env:
+            monkeypatch.delenv(key)
+    monkeypatch.setattr(container_launch, "INSPECT_WAIT_S", 0.2)
+    engine = _InspectWaits()
+    sup = WorkerSupervisor(tmp_path / "sup", engine=engine, node="slow-inspect", gpu_kind="cpu")
+    spec = launch_spec(
+        "", one_rank(), image=IMAGE, team_id=1, checkpoint_dir=str(tmp_path / "ck" / "job-5")
+    )
+    attempt = sup.launch(51, spec)
+    assert attempt.preparing and attempt.container is None and engine.inspects == 1
+    sup.poll()
+    assert attempt.workers[0].alive and attempt.workers[0].pid is None  # still waiting
+    sup.stop(51, deadline_s=30)
+    assert [w.exit_code for w in attempt.workers] == [-signal.SIGTERM]
+    assert not attempt.preparing
+    engine.answer.set()
+    wait_until(lambda: sup._calls.wait(0.05), 5, "the inspect's return")
+    sup.poll()
+    assert attempt.container is None and attempt.error is None
+
+
+def test_a_wedged_engine_stops_the_launches_brief_waits_from_adding_up():
+    """A launch waits up to INSPECT_WAIT_S for its inspect; once some call has run longer
+    than that, the next ones are not waited for at all: a heartbeat carrying 16 launches onto
+    a wedged engine would otherwise hold the loop 32 s, past the portal's timeout."""
+    calls = EngineCalls()
+    release = threading.Event()
+    first = calls.start("a image", "inspect a", lambda: release.wait(30))
+    assert not calls.settle(first, 0.5)  # waited its 0.5 s: no answer, the engine is stuck
+    second = calls.start("b image", "inspect b", lambda: release.wait(30))
+    started = time.monotonic()
+    assert not calls.settle(second, 0.5)
+    assert time.monotonic() - started < 0.25  # not waited for
+    release.set()
+    assert calls.wait(5)
+    quick = calls.start("c image", "inspect c", lambda: time.sleep(0.1) or True)
+    assert calls.settle(quick, 0.5)  # the engine answers again: waited for, and done
+
+
+def test_a_refusal_raises_one_failed_check_to_cordon_the_node_and_a_quick_checks_stays():
+    """A refusal (kind "health") found at the launch or later raises a failed check once,
+    unless the quick check that refused it is already the pending report; and a full check is
+    not due while any report has not reached the portal (it would overwrite it)."""
+    from nodeagent.attempt_report import Tracked
+    from nodeagent.health_check import HealthChecker, engine_check
+    from nodeagent.heartbeat_body import _cordon_for
+
+    health = HealthChecker(gpus=1, gpu_kind="cpu", dirs=[], env={}, every_s=60.0)
+    refused = {"error": {"kind": "health", "message": "podman did not answer"}}
+    remembered = Tracked()
+    _cordon_for(refused, remembered, health)
+    sent = health.pending
+    assert sent["ok"] is False and "launch: podman did not answer" in sent["reason"]
+    assert not health.due(idle=True, asked=True)  # not before the portal has it
+    health.ack(sent)
+    _cordon_for(refused, remembered, health)
+    assert health.pending is None  # once per attempt
+    assert health.due(idle=True, asked=True)
+
+    quick = {"kind": "quick", "ok": False, "reason": "disk: full", "checks": []}
+    health.pending = quick
+    _cordon_for(refused, Tracked(), health)
+    assert health.pending is quick
+    _cordon_for({"error": {"kind": "image", "message": "no such image"}}, Tracked(), health)
+    assert health.pending is quick  # the job's fault, not the node's
+
+    class Wedged:
+        name = "podman"
+
+        def works(self) -> bool:
+            return False
+
+    check = engine_check(Wedged())
+    assert check["ok"] is False and "did not answer `info`" in check["detail"]
+
+
+def test_a_container_whose_client_died_is_removed_off_the_loop_and_tried_again(
+    tmp_path, monkeypatch
+):
+    """`confirmed_gone`: the removal runs in a thread, one at a time; a failed one is tried
+    again GONE_RETRY_S later; the container counts as gone only once a removal worked."""
+    monkeypatch.setattr(container_module, "GONE_RETRY_S", 0.2)
+    answers = [False, True]
+
+    class Removes(Engine):
+        def __init__(self) -> None:
+            super().__init__("podman", "/nonexistent/podman")
+            self.removes = 0
+
+        def remove(self, name: str) -> bool:
+            self.removes += 1
+            time.sleep(0.1)
+            return answers[self.removes - 1]
+
+    engine = Removes()
+    client = subprocess.Popen(["true"])
+    client.wait()
+    container = container_module.ContainerAttempt(
+        engine, "c", tmp_path / "ranks.json", client, calls=EngineCalls()
+    )
+    assert not container.confirmed_gone()
+    assert not container.confirmed_gone() and engine.removes == 1  # one at a time
+    wait_until(lambda: container.confirmed_gone() or engine.removes == 2, 5, "a second try")
+    wait_until(container.confirmed_gone, 5, "the second removal's success")
+    assert engine.removes == 2 and container.removed

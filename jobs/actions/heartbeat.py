@@ -135,6 +135,15 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
             LogChunk.objects.bulk_create(chunks)
             # After the logs: its rollup locks rows every node of the job takes (ingest.py).
             pushed = ingest_records(attempt, report.get("records") or [], now=now)
+            if report.get("error"):
+                # Before the ranks' states: a refused attempt's ranks are reported exited (the
+                # engine's 125) without ever having run, and must not mark it running first.
+                error = report["error"]
+                if error.get("kind") == "health":
+                    requeue_off_unhealthy_node(attempt, node, str(error["message"]), now=now)
+                else:
+                    fail_at_start(attempt, node, error, now=now)
+                continue
             ranks = report.get("ranks") or []
             started = [int(r["rank"]) for r in ranks if r.get("state") in ("running", "exited")]
             if started:
@@ -155,13 +164,6 @@ def do_heartbeat(node: Node, body: dict, *, now: datetime) -> dict:
                 note_pull(attempt, node, report["pull"])
             if report.get("image") and not attempt.image_digest:
                 record_image(attempt, node, report["image"])
-            if report.get("error"):
-                error = report["error"]
-                if error.get("kind") == "health":
-                    requeue_off_unhealthy_node(attempt, node, str(error["message"]), now=now)
-                else:
-                    fail_at_start(attempt, node, error, now=now)
-                continue
             exits = {
                 int(r["rank"]): (int(r["exit_code"]), agent_time(r.get("exited_at"), now))
                 for r in ranks
