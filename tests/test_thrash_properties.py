@@ -89,7 +89,10 @@ def test_over_the_seeds_no_worse_than_easy_backfill(runs):
     # +7 points between seeds. On 1,200-job traces of the same shape, where the tail weighs
     # less, lockstep is 0.8 points below EASY backfill on average (bench/utilization_gap.py,
     # docs/thrash.md "Where the utilization goes, by ablation"): this sum does not show
-    # that the gap is closed, only that it is small.
+    # that the gap is closed, only that it is small. Most of that gap is the restarts stops
+    # cost (at 30 s a restart, -0.2), but even with stops free 11 of 24 traces stay below
+    # EASY's ("What a restart costs decides the gap"): per trace it is not a property of the
+    # policy under any stop cost, so it is not asserted per trace.
     assert total("work_utilization", 4) >= total("work_utilization", 3)
 
 
