@@ -112,6 +112,19 @@ def _agent_running(agent):
     assert not thread.is_alive()
 
 
+def _running_in_a_container(agent, portal, attempt_id: int, containers: list[str]) -> str:
+    """Wait until the attempt's rank runs (a pid in the heartbeats); its container's name,
+    added to `containers` (removed at the end)."""
+    wait_until(
+        lambda: any(r["ranks"][0]["pid"] is not None for r in portal.attempt_in_beats(attempt_id)),
+        90,
+        f"attempt {attempt_id}'s rank to run in its container",
+    )
+    name = agent.supervisor.get(attempt_id).container.name
+    containers.append(name)
+    return name
+
+
 @NEEDS_IMAGE
 def test_the_agent_beats_on_while_the_engines_rm_hangs_and_reports_the_ranks_gone_once_it_worked(
     tmp_path, portal, clean_env, monkeypatch
@@ -132,14 +145,7 @@ def test_the_agent_beats_on_while_the_engines_rm_hangs_and_reports_the_ranks_gon
     )
     portal.set_desired([run_item(81, spec)])
     with _agent_running(agent) as containers:
-
-        def running() -> bool:
-            reports = portal.attempt_in_beats(81)
-            return bool(reports) and reports[-1]["ranks"][0]["pid"] is not None
-
-        wait_until(running, 90, "the rank to run in its container")
-        name = agent.supervisor.get(81).container.name
-        containers.append(name)
+        name = _running_in_a_container(agent, portal, 81, containers)
         hang.touch()
         portal.set_desired([])  # fencing: the agent kills the attempt
         wait_until(lambda: rms() >= 1, 30, "the fencing's rm")
@@ -185,13 +191,7 @@ def test_a_stops_sigterm_through_a_hung_engine_neither_silences_the_agent_nor_ho
     )
     portal.set_desired([run_item(82, spec)])
     with _agent_running(agent) as containers:
-        wait_until(
-            lambda: any(r["ranks"][0]["pid"] is not None for r in portal.attempt_in_beats(82)),
-            90,
-            "the rank to run in its container",
-        )
-        name = agent.supervisor.get(82).container.name
-        containers.append(name)
+        name = _running_in_a_container(agent, portal, 82, containers)
         hang.touch()
         portal.set_desired([{"attempt_id": 82, "action": "stop", "deadline_s": 3}])
         wait_until(lambda: kills() >= 1, 30, "the stop's SIGTERM through the engine")
@@ -256,13 +256,7 @@ def test_a_launch_waits_for_a_hung_image_inspect_off_the_loop_and_a_timeout_is_t
 
         hang.unlink()  # the engine answers again: the next launch starts its container
         portal.set_desired([run_item(84, spec(8))])
-        wait_until(
-            lambda: any(r["ranks"][0]["pid"] is not None for r in portal.attempt_in_beats(84)),
-            90,
-            "the next attempt's rank to run",
-        )
-        name = agent.supervisor.get(84).container.name
-        containers.append(name)
+        _running_in_a_container(agent, portal, 84, containers)
 
 
 class _Container:
