@@ -385,7 +385,7 @@ class ContainerAttempt:
         name: str,
         status_path: Path,
         popen: subprocess.Popen,
-        calls: Any = None,
+        calls: Any,
     ) -> None:
         self.engine = engine
         self.name = name
@@ -395,8 +395,7 @@ class ContainerAttempt:
         self.calls = calls
         self.removed = False  # the engine confirmed it gone (`remove`)
         self._removal: Any = None  # the removal `confirmed_gone` started, while it runs
-        self._removal_due = 0.0
-        self._told_gone = False
+        self._removal_due = 0.0  # when a failed removal may be tried again; 0: none tried
         self._status: dict[str, Any] = {}
         self._read_at = -1.0
 
@@ -433,21 +432,18 @@ class ContainerAttempt:
         """Whether the container is gone, asked once its `podman run` client exited with a rank
         the launcher never said ended. The client can die alone (killed by hand, by the OOM
         killer) and leave the container running on its GPUs, so the engine removes it first
-        (`rm --force`, which holds for one already gone), in a thread when `calls` is given
-        (False until it worked; tried again every GONE_RETRY_S)."""
+        (`rm --force`, which holds for one already gone), in a thread (False until it worked;
+        tried again every GONE_RETRY_S)."""
         if self.removed:
             return True
-        if self.calls is None:
-            return self.remove()
         if self._removal is not None and self._removal.done:
             self._removal = None
         now = time.monotonic()
         if self._removal is None and not self.removed and now >= self._removal_due:
-            self._removal_due = now + GONE_RETRY_S
             what = f"removing {self.name}: its engine client exited"
-            if not self._told_gone:
-                self._told_gone = True
+            if not self._removal_due:  # the first try
                 logger.warning("%s; its ranks are reported killed once it is gone", what)
+            self._removal_due = now + GONE_RETRY_S
             self._removal = self.calls.start(self.name, what, self.remove)
         return self.removed
 

@@ -128,13 +128,12 @@ class ContainerLaunch:
         # One inspect tells both whether the image is here and which one it is. In a thread: it
         # takes some 50 ms and the start goes on at once, but a wedged engine would take its
         # minute to time out, which `poll` waits for instead of the loop.
-        attempt.image_check = self._inspect(attempt, image)
-        if self.calls.settle(attempt.image_check, INSPECT_WAIT_S):
-            self._checked(attempt)
+        self._inspect(attempt, image)
         return attempt
 
-    def _inspect(self, attempt: AttemptWorkers, image: str) -> Any:
-        """Start the image's inspect (and its warm preload label, both kept) in a thread."""
+    def _inspect(self, attempt: AttemptWorkers, image: str) -> None:
+        """Start the image's inspect (and its warm preload label, both kept) in a thread; wait
+        for it up to INSPECT_WAIT_S and go on (`_checked`) if it answered, else `poll` will."""
 
         def inspect() -> str:
             digest = self.engine.image_digest(image)
@@ -143,7 +142,9 @@ class ContainerLaunch:
             return digest
 
         name = container_name(self.node, self.agent, attempt.attempt_id)
-        return self.calls.start(f"{name} image", f"inspect {image}", inspect)
+        attempt.image_check = self.calls.start(f"{name} image", f"inspect {image}", inspect)
+        if self.calls.settle(attempt.image_check, INSPECT_WAIT_S):
+            self._checked(attempt)
 
     def _checked(self, attempt: AttemptWorkers) -> None:
         """The image's inspect answered: start, pull or fail, as the pull policy says."""
@@ -217,23 +218,19 @@ class ContainerLaunch:
                 "attempt %s: pulled %s in %.1f s", attempt.attempt_id, pull.image, attempt.pull_s
             )
             attempt.pulled = True
-            attempt.image_check = self._inspect(attempt, pull.image)
-            if self.calls.settle(attempt.image_check, INSPECT_WAIT_S):
-                self._checked(attempt)
+            self._inspect(attempt, pull.image)
 
     def cancel(self, attempt: AttemptWorkers, code: int) -> None:
         """Stopped or fenced while its image was still being inspected or pulled: nothing ever
         ran. (An inspect still running returns to nothing.)"""
-        if attempt.image_check is not None:
-            attempt.image_check = None
-            for worker in attempt.workers:
-                worker.state, worker.exit_code, worker.exited_at = "exited", code, time.time()
+        if not attempt.preparing:
+            return
         if attempt.pull is not None:
             self._kill_pull(attempt.pull)
             self._forget_auth(attempt.pull)
-            attempt.pull = None
-            for worker in attempt.workers:
-                worker.state, worker.exit_code, worker.exited_at = "exited", code, time.time()
+        attempt.image_check = attempt.pull = None
+        for worker in attempt.workers:
+            worker.state, worker.exit_code, worker.exited_at = "exited", code, time.time()
 
     def node_failed(self, attempt: AttemptWorkers, message: str) -> None:
         """The node could not start it (its engine hung, its disk is full): reported refused by

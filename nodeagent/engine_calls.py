@@ -112,7 +112,7 @@ class EngineCalls:
         a stop's deadline kills what the signal did not stop, a dump is read when it comes.
         A warm container's attempt is signalled by a file its server reads, not through the
         engine (`signals_by_engine` False): that is done here, in order, as before."""
-        if not getattr(container, "signals_by_engine", True):
+        if not container.signals_by_engine:
             container.signal(sig)
             return
         name = signal.Signals(sig).name

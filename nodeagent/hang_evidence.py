@@ -29,10 +29,10 @@ DUMP_SIGNAL = signal.SIGUSR1
 DUMP_SETTLE_S = 1.0
 
 
-def ask(attempt: AttemptWorkers, host_pids: dict[int, int], log: Log, calls: Any = None) -> None:
+def ask(attempt: AttemptWorkers, host_pids: dict[int, int], log: Log, calls: Any) -> None:
     """Start everything at once: the readers run in the background, the signals return.
     `host_pids`: rank -> host pid of the live ranks; `calls` (engine_calls.EngineCalls): a
-    container's signal goes through the engine off the loop (here when None)."""
+    container's signal goes through the engine off the loop."""
     attempt.flight_dump = FlightRecorderDump(targets_of(attempt.workers))
     binary = py_spy()
     targets = [
@@ -46,10 +46,7 @@ def ask(attempt: AttemptWorkers, host_pids: dict[int, int], log: Log, calls: Any
 def _signal(attempt: AttemptWorkers, log: Log, calls: Any) -> None:
     signalled = []
     if attempt.container is not None:
-        if calls is not None:
-            calls.signal(attempt.container, DUMP_SIGNAL)
-        else:
-            attempt.container.signal(DUMP_SIGNAL)
+        calls.signal(attempt.container, DUMP_SIGNAL)
         signalled = [w.rank for w in attempt.workers if w.alive]
     skipped = []
     for worker in attempt.workers if attempt.container is None else ():

@@ -135,13 +135,13 @@ def container_host_pids(init_pid: int, container_pids: set[int]) -> dict[int, in
 
 
 def rank_pids(
-    attempt: Any, engine: Any, log: Any, calls: Any = None
+    attempt: Any, engine: Any, log: Any, calls: Any
 ) -> dict[int, tuple[int | None, int | None]]:
     """rank -> (its pid as it sees itself, its pid on this host, None once it exited or while
     it is not known) for the attempt's (a workers.AttemptWorkers) started ranks. Inside a
     container the two differ; the host pids are found under the container's init, whose pid
     the engine is asked once (off the loop through `calls`, engine_calls.EngineCalls: until
-    it answers the host pids are None; here when None)."""
+    it answers the host pids are None)."""
     started = [w for w in attempt.workers if w.pid is not None]
     if attempt.container is None:
         return {w.rank: (w.pid, w.pid if w.alive else None) for w in started}
@@ -159,18 +159,11 @@ def _container_init(attempt: Any, engine: Any, log: Any, calls: Any) -> int | No
     the first answer is kept (`attempt.container_init`)."""
     if attempt.container_init or engine is None:
         return attempt.container_init
-    name = attempt.container.name
-    if calls is None:
-        try:
-            attempt.container_init = engine.container_pid(name)
-        except (OSError, subprocess.SubprocessError) as exc:  # a hung or absent engine
-            log.warning("attempt %s: no container pid (%s)", attempt.attempt_id, exc)
-        return attempt.container_init
     lookup = attempt.init_lookup
     if lookup is None:
         # A fresh lookup is waited for a little: it takes some 50 ms, and a hang's dump that
         # asks now should reach the ranks; a wedged engine costs the loop this much per try.
-        lookup = attempt.init_lookup = calls.container_pid(engine, name)
+        lookup = attempt.init_lookup = calls.container_pid(engine, attempt.container.name)
         calls.settle(lookup, LOOKUP_WAIT_S)
     if not lookup.done:
         return None

@@ -59,7 +59,7 @@ class WarmAttempt(ContainerAttempt):
     signals_by_engine = False  # a file the server reads: quick, and kept in order on the loop
 
     def __init__(
-        self, engine, name, status_path, popen, *, serve_dir: Path, attempt_id: int, calls=None
+        self, engine, name, status_path, popen, *, serve_dir: Path, attempt_id: int, calls
     ):
         super().__init__(engine, name, status_path, popen, calls)
         self.serve_dir = serve_dir
