@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from nodeagent import exclusive
 from nodeagent.agent import Agent, default_work_dir
 from nodeagent.contract import read_node_env
 
@@ -176,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The exit status of an agent that did not start because another holds its work dir.
+EXIT_WORK_DIR_HELD = 3  # 2 is a usage error (argparse), 1 a refusal by the portal
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -202,6 +207,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     work_dir = args.work_dir or default_work_dir(args.name)
+    try:
+        # Before anything touches the work dir: its start-up sweep would remove the live
+        # agent's containers as stale (nodeagent/exclusive.py).
+        work_lock = exclusive.hold(Path(work_dir) / "agent.lock", f"the agent of {args.name}")
+    except exclusive.HeldElsewhere as exc:
+        print(
+            f"lockstep agent: another agent ({exc.holder.get('what', 'unknown')}, "
+            f"{exc.describe()}) runs on the work dir {work_dir}; not starting a second one "
+            "there, whose start would remove that agent's containers and take its node's "
+            "registration. Stop it first, or give this agent a --work-dir of its own.",
+            file=sys.stderr,
+        )
+        return EXIT_WORK_DIR_HELD
     agent = Agent(
         args.portal,
         args.token,
@@ -221,4 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stack_sample_s=args.stack_sample_s,
     )
     agent.install_signal_handlers()
-    return agent.run()
+    try:
+        return agent.run()
+    finally:
+        os.close(work_lock)

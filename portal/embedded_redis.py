@@ -20,8 +20,17 @@ def start_embedded_redis(socket_path: Path, *, log_path: Path | None = None) -> 
     if len(str(socket_path)) > 100:
         raise RuntimeError(f"unix socket path too long for Redis (>100 bytes): {socket_path}")
     socket_path.parent.mkdir(parents=True, exist_ok=True)
+    import redis
+
     if socket_path.exists():
-        socket_path.unlink()
+        if _answers(socket_path):
+            # Another platform's Redis (a `lockstep up` killed before it could stop its
+            # children): taking its socket would cut that platform off its queue.
+            raise RuntimeError(
+                f"a redis-server already answers on {socket_path}, left running by an earlier "
+                f"start; stop it first (pkill -f 'unixsocket:{socket_path}')"
+            )
+        socket_path.unlink()  # a dead server's: safe to replace
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(
         [
@@ -44,8 +53,6 @@ def start_embedded_redis(socket_path: Path, *, log_path: Path | None = None) -> 
         start_new_session=True,
     )
     deadline = time.monotonic() + 15
-    import redis
-
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"embedded redis-server exited with {proc.returncode}")
@@ -58,6 +65,15 @@ def start_embedded_redis(socket_path: Path, *, log_path: Path | None = None) -> 
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError("embedded redis-server did not start within 15 s")
+
+
+def _answers(socket_path: Path) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis(unix_socket_path=str(socket_path), socket_timeout=2).ping())
+    except (redis.RedisError, OSError):
+        return False
 
 
 def unix_url(socket_path: Path, db: int = 0) -> str:

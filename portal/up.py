@@ -6,7 +6,8 @@ submits a 4-GPU demo job that spans both agents, prints the URL and credentials,
 everything until Ctrl-C, which stops every process it started (a second Ctrl-C kills what is
 left at once). A start clears nothing: it runs over the state `var/` holds, uncordons its own
 demo nodes where the strikes of its earlier runs cordoned them, and when it cannot start it
-says each node's true state.
+says each node's true state. One runs per var dir: a second start over the same state (or on a
+port another program holds) is refused, exit 2, before it starts anything (`_refusal`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import requests
 
+from nodeagent import exclusive
 from portal.embedded_redis import start_embedded_redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +96,10 @@ class Supervisor:
         self.procs.append((name, proc))
         print(f"  started {name} (pid {proc.pid}, log {self.log_dir / (name + '.log')})")
         return proc
+
+    def started(self, prefix: str) -> bool:
+        """Whether a process whose name starts with `prefix` was started here."""
+        return any(name.startswith(prefix) for name, _proc in self.procs)
 
     def adopt(self, name: str, proc: subprocess.Popen) -> None:
         self.procs.append((name, proc))
@@ -177,6 +184,51 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# The exit status of a start refused before anything started (another `lockstep up` over the
+# same var dir, or the port taken).
+EXIT_REFUSED = 2
+_UP_LOCK: list[int] = []  # the var dir's lock, held until this process exits
+
+
+def _refusal(var: Path, port: int, url: str) -> str | None:
+    """Why this start must not go on, or None (and the var dir is this run's from now on).
+    A second `lockstep up` over the same var dir started agents of the same names and work
+    dirs, whose start-up removed the running agents' containers as stale (the demo job was
+    killed three times, its restarts spent, its nodes struck), and replaced the running
+    Redis's socket with its own, then removed it at its stop."""
+    try:
+        _UP_LOCK.append(exclusive.hold(var / "up.lock", "lockstep up", url=url))
+    except exclusive.HeldElsewhere as exc:
+        pid = exc.holder.get("pid")
+        where = exc.holder.get("url", "")
+        how = f"Ctrl-C where it runs, or kill -INT {pid}" if pid else "Ctrl-C where it runs"
+        return (
+            f"lockstep up is already running over {var} ({exc.describe()}"
+            + (f", {where}" if where else "")
+            + f"): use it, or stop it first ({how}). A second one over the same state "
+            "would stop its jobs; for another, set LOCKSTEP_VAR_DIR to a directory of its own."
+        )
+    if not _port_free(port):
+        return (
+            f"port {port} is taken by another program; stop it, or start on another port "
+            f"(PORT={port + 1} make up, or lockstep up --port {port + 1})"
+        )
+    return None
+
+
+def _port_free(port: int) -> bool:
+    """Whether daphne could listen on `port` (as it binds: with SO_REUSEADDR, so the old
+    connections' TIME_WAIT after a stop does not count)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+            probe.listen()
+        except OSError:
+            return False
+    return True
 
 
 def _agent_token_file(var: Path) -> Path:
@@ -451,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     var = Path(os.environ.get("LOCKSTEP_VAR_DIR", ROOT / "var")).resolve()
     var.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{args.port}"
+    # Before anything starts, and outside the stop below: a refused start touches nothing.
+    refused = _refusal(var, args.port, url)
+    if refused:
+        print(f"lockstep up: {refused}", file=sys.stderr)
+        return EXIT_REFUSED
     env = dict(
         os.environ,
         DJANGO_SETTINGS_MODULE="portal.settings",
@@ -464,7 +522,6 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)
     py = sys.executable
-    url = f"http://127.0.0.1:{args.port}"
     try:
         demo = _prepare(py, env, var, sup)
         _start_platform(py, env, args.port, sup)
@@ -505,9 +562,10 @@ Logs in {var / "logs"}. Ctrl-C stops everything.""",
         return 1
     finally:
         sup.stop_all()
-        left = _remove_agent_containers(var, _agent_names(args.agents))
-        if left:
-            print(f"  removed {left} container(s) an agent left behind", flush=True)
+        if sup.started("agent-"):  # only this run's agents' (none if they could not start)
+            left = _remove_agent_containers(var, _agent_names(args.agents))
+            if left:
+                print(f"  removed {left} container(s) an agent left behind", flush=True)
         print("stopped", flush=True)
 
 

@@ -138,3 +138,56 @@ def test_the_agent_cli_refuses_a_bad_node_env_file_with_its_line(tmp_path, clean
         timeout=60,
     )
     assert proc.returncode == 2 and "readable by others: chmod 600" in proc.stderr
+
+
+def test_a_second_agent_on_a_work_dir_in_use_exits_3_and_leaves_the_first_alone(
+    clean_env, tmp_path
+):
+    """Two agents on one work dir share an identity: the second's start-up would remove the
+    first's containers as stale and take turns with it at the node's registration (what a
+    second `make up` did). The second says who holds the work dir and exits 3 before it
+    touches anything; once the first is gone, however it went, an agent starts there."""
+    work_dir = tmp_path / "work"
+
+    def agent(name: str, stderr_path):
+        with open(stderr_path, "w") as stderr:
+            return subprocess.Popen(
+                [sys.executable, "-m", "nodeagent", "--portal", "http://127.0.0.1:9"]
+                + ["--token", "t", "--gpus", "1", "--gpu-kind", "cpu", "--name", name]
+                + ["--work-dir", str(work_dir), "--runtime", "process"],
+                cwd=tmp_path,
+                env=agent_env(clean_env),
+                stderr=stderr,
+                stdout=subprocess.DEVNULL,
+            )
+
+    first = agent("node-x", tmp_path / "first.stderr")
+    later = []
+    try:
+        wait_until(
+            lambda: "retrying in" in (tmp_path / "first.stderr").read_text(),
+            what="the first agent to start",
+        )
+        second = agent("node-y", tmp_path / "second.stderr")
+        later.append(second)
+        assert second.wait(timeout=30) == 3
+        said = (tmp_path / "second.stderr").read_text()
+        assert f"another agent (the agent of node-x, pid {first.pid}" in said, said
+        assert str(work_dir) in said and "--work-dir" in said
+        assert "agent starting" not in said  # it stopped before its start-up sweep
+        assert first.poll() is None
+        # SIGKILL leaves no lock behind: the kernel drops it with its holder.
+        first.kill()
+        first.wait(timeout=10)
+        third = agent("node-x", tmp_path / "third.stderr")
+        later.append(third)
+        wait_until(
+            lambda: "retrying in" in (tmp_path / "third.stderr").read_text(),
+            what="an agent to start on the freed work dir",
+        )
+        third.send_signal(signal.SIGINT)
+        assert third.wait(timeout=20) == 0
+    finally:
+        for proc in [first, *later]:
+            if proc.poll() is None:
+                proc.kill()

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 import requests
 from django.utils import timezone
 
@@ -28,6 +29,8 @@ from jobs import actions
 from jobs.actions.strikes import strike_node
 from jobs.event_kinds import EventKind
 from jobs.models import Event, Node
+from nodeagent import exclusive
+from portal.embedded_redis import start_embedded_redis
 from portal.up import descendants, node_report
 from tests.live import free_port, wait_for
 
@@ -251,6 +254,98 @@ def test_restarted_four_times_while_the_demo_job_runs(tmp_path):
     assert released == 0, "a planned restart gave a node strikes enough to cordon it"
     assert len(handed_out) == 1, handed_out
     assert not resumed, "; ".join(resumed)
+
+
+@pytest.mark.e2e
+def test_a_second_start_over_a_running_platform_is_refused_and_changes_nothing(tmp_path):
+    """`make up` in a second terminal while the first runs. It used to start agents of the
+    same names and work dirs, whose start-up removed the running agents' containers as
+    stale (the demo job killed three times, its restarts spent, its nodes struck), and to
+    replace the running Redis's socket with its own and remove it at its stop. Now it says
+    the platform is running, where, and how to stop it, and exits 2 having started nothing;
+    the running platform's job keeps its attempt and its queue keeps its Redis."""
+    var = tmp_path / "var"
+    up = second = Up(var, free_port())
+    try:
+        api = up.wait_up()
+        wait_for(lambda: _demo_job(up, api)["state"] == "RUNNING", 90, "the demo job to run")
+        before = _demo_job(up, api)
+        # On another port, so that only the var dir's lock can stop it.
+        second = Up(var, free_port())
+        assert second.proc.wait(timeout=60) == 2, second
+        wait_for(lambda: "already running" in second.output, 5, "the refusal's message")
+        assert f"pid {up.proc.pid}" in second.output and up.url in second.output, second.output
+        assert "kill -INT" in second.output
+        # What the old second start broke within seconds: give it the time to show.
+        time.sleep(5)
+        after = _demo_job(up, api)
+        assert after["state"] == "RUNNING", after
+        assert after["restart_count"] == 0, after
+        assert [a["number"] for a in after["attempts"]] == [a["number"] for a in before["attempts"]]
+        assert redis.Redis(unix_socket_path=str(var / "redis.sock")).ping()
+        assert {n["state"] for n in _nodes(up, api).values()} == {"up"}
+        _stop(up)
+    finally:
+        for started in {up, second}:
+            if started.proc.poll() is None:
+                os.killpg(started.proc.pid, signal.SIGKILL)
+
+
+def _refused(up: Up) -> str:
+    """Wait for `up` to exit; assert it was refused before it started anything."""
+    try:
+        assert up.proc.wait(timeout=60) == 2, up.output
+    finally:
+        if up.proc.poll() is None:  # it went on starting: stop all it started
+            os.killpg(up.proc.pid, signal.SIGKILL)
+    wait_for(lambda: "lockstep up:" in up.output, 5, "the refusal's message")
+    assert "started" not in up.output, up.output
+    assert not (up.var / "logs").exists() and not (up.var / "redis.sock").exists()
+    return up.output
+
+
+def test_a_start_over_a_var_dir_in_use_is_refused_before_anything_starts(tmp_path):
+    var = tmp_path / "var"
+    held = exclusive.hold(var / "up.lock", "lockstep up", url="http://127.0.0.1:1234")
+    try:
+        said = _refused(Up(var, free_port()))
+    finally:
+        os.close(held)
+    assert f"already running over {var} (pid {os.getpid()}" in said, said
+    assert "http://127.0.0.1:1234" in said and "LOCKSTEP_VAR_DIR" in said
+
+
+def test_a_start_on_a_taken_port_is_refused_before_anything_starts(tmp_path):
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        said = _refused(Up(tmp_path / "var", port))
+    assert f"port {port} is taken by another program" in said, said
+    assert f"--port {port + 1}" in said
+    # The refused start let go of the var dir: another start may take it.
+    os.close(exclusive.hold(tmp_path / "var" / "up.lock", "a test"))
+
+
+def test_the_embedded_redis_never_takes_a_live_servers_socket(tmp_path):
+    """A Redis left running by a start killed before it could stop its children keeps its
+    socket (its platform keeps its queue); the socket of one that died is replaced."""
+    path = tmp_path / "r.sock"
+    first = start_embedded_redis(path)
+    try:
+        with pytest.raises(RuntimeError, match="already answers on"):
+            start_embedded_redis(path)
+        assert redis.Redis(unix_socket_path=str(path)).ping()
+    finally:
+        first.kill()  # SIGKILL: its socket file stays, with no one behind it
+        first.wait(timeout=10)
+    assert path.exists()
+    again = start_embedded_redis(path)
+    try:
+        assert redis.Redis(unix_socket_path=str(path)).ping()
+    finally:
+        again.kill()
+        again.wait(timeout=10)
 
 
 def _running_again(up: Up, api, job_id: int, cycle: int) -> dict | None:
