@@ -205,7 +205,7 @@ def _refusal(var: Path, port: int, url: str) -> str | None:
         where = exc.holder.get("url", "")
         how = f"Ctrl-C where it runs, or kill -INT {pid}" if pid else "Ctrl-C where it runs"
         return (
-            f"lockstep up is already running over {var} ({exc.describe()}"
+            f"already running over {var} ({exc.describe()}"
             + (f", {where}" if where else "")
             + f"): use it, or stop it first ({how}). A second one over the same state "
             "would stop its jobs; for another, set LOCKSTEP_VAR_DIR to a directory of its own."

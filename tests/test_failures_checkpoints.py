@@ -276,3 +276,47 @@ def test_teams_api_shows_usage_and_goodput_and_only_admins_change_quotas(setup, 
     stranger = APIClient()
     stranger.force_authenticate(make_user("nobody"))
     assert stranger.get(f"/api/v1/teams/{team['id']}/").status_code == 404
+
+
+@pytest.mark.django_db
+def test_goodput_places_every_second_of_the_wall_time(setup, make_recorded_job, client):
+    """Where the time went: training, recomputed steps, each attempt's start-up and end, and
+    the waits between attempts, after a failure or after a stop (a preemption, a planned
+    restart, the platform stopped), which a bare percentage ("16 % of 1,449 s") hid. Three
+    attempts of one step a second: lost at 130 s (20 steps after the checkpoint recomputed),
+    preempted at 265 s, succeeded at 706 s after 335 s queued again."""
+    team, user, _, _ = setup
+    t0 = timezone.now() - timedelta(hours=1)
+    at = lambda s: t0 + timedelta(seconds=s)  # noqa: E731
+    job = make_recorded_job(
+        team, user, submitted=t0, runs=[(at(0), at(130)), (at(150), at(265)), (at(600), at(706))]
+    )
+    # (state, first step, last step record, resumed from, last step) per attempt
+    runs = [
+        ("lost", 20, 119, 0, 100),
+        ("preempted", 160, 259, 80, 180),
+        ("succeeded", 605, 704, 180, 280),
+    ]
+    for attempt, (state, first, last, resumed, step) in zip(
+        job.attempts.order_by("number"), runs, strict=True
+    ):
+        attempt.state, attempt.resumed_from_step, attempt.last_step = state, resumed, step
+        attempt.first_step_at, attempt.last_progress_at = at(first), at(last)
+        attempt.save()
+    figures = job_goodput(job)
+    uses = {use["key"]: use["seconds"] for use in figures["breakdown"]}
+    assert figures["wall_s"] == 706.0
+    assert uses == {
+        "productive_s": 280.0,  # 80 + 100 + 100 steps kept
+        "recomputed_s": 20.0,  # attempt 1's steps 81-100
+        "starting_s": 32.0,  # launch to first step, less that step: 19 + 9 + 4
+        "ending_s": 19.0,  # last step to the end: 11 + 6 + 2
+        "after_failure_s": 20.0,
+        "after_stop_s": 335.0,
+        "other_s": 0.0,
+    }
+    assert sum(uses.values()) == figures["wall_s"]
+    client.force_login(user)
+    page = client.get(f"/jobs/{job.id}/").content.decode()
+    assert 'id="time-uses"' in page and "waiting after stops 335s" in page
+    assert "flex-grow:335.0" in page

@@ -27,11 +27,40 @@ def _step_seconds(attempt: Attempt) -> float | None:
     return (attempt.last_progress_at - attempt.first_step_at).total_seconds() / (steps - 1)
 
 
+# Where a job's wall time went (`breakdown`), in the order the job page stacks it.
+TIME_USES = (
+    ("productive_s", "training", "steps whose results survive"),
+    ("recomputed_s", "recomputed", "steps after the checkpoint the next attempt resumed from"),
+    (
+        "starting_s",
+        "starting",
+        "from an attempt's launch to its first step: image, rendezvous, loading",
+    ),
+    (
+        "ending_s",
+        "ending",
+        "from an attempt's last step to its end: a save at stop, a failure's detection",
+    ),
+    ("after_failure_s", "waiting after failures", "restart backoff, then queued for GPUs"),
+    (
+        "after_stop_s",
+        "waiting after stops",
+        "queued again after a preemption or a planned restart (the platform's downtime too)",
+    ),
+    (
+        "other_s",
+        "other",
+        "what the attempts' records do not place: saves between steps, gaps in reports",
+    ),
+)
+
+
 def job_goodput(job, now=None) -> dict:
     """Effective training time = productive step time / wall time since the first start.
 
     Productive steps are those whose results survive: an attempt's steps up to the checkpoint
-    the next attempt resumed from. Steps after it were recomputed, and count as lost.
+    the next attempt resumed from. Steps after it were recomputed, and count as lost. The rest
+    of the wall time is placed by `breakdown` (TIME_USES).
     """
     now = now or timezone.now()
     attempts = sorted(job.attempts.all(), key=lambda a: a.number)
@@ -41,6 +70,7 @@ def job_goodput(job, now=None) -> dict:
         "effective": None,
         "restarts": job.restart_count,
         "incidents": [],
+        "breakdown": [],  # where the wall time went (TIME_USES), once the job has started
         # Time the nodes spent pulling the job's image before its containers could start.
         "image_pull_s": round(sum(a.pull_s or 0.0 for a in attempts), 1),
     }
@@ -49,6 +79,7 @@ def job_goodput(job, now=None) -> dict:
     end = job.finished_at or now
     wall = max((end - job.first_started_at).total_seconds(), 0.0)
     productive = 0.0
+    uses = dict.fromkeys((key for key, _label, _what in TIME_USES), 0.0)
     for index, attempt in enumerate(attempts):
         following = attempts[index + 1] if index + 1 < len(attempts) else None
         per_step = _step_seconds(attempt)
@@ -56,6 +87,10 @@ def job_goodput(job, now=None) -> dict:
         kept = max(min(kept_until, attempt.last_step) - attempt.resumed_from_step, 0)
         if per_step:
             productive += kept * per_step
+            uses["recomputed_s"] += max(attempt.last_step - attempt.resumed_from_step - kept, 0) * (
+                per_step
+            )
+        _place_attempt(uses, attempt, per_step, following, end)
         if attempt.state in FAILURES and attempt.ended_at:
             lost_steps = max(attempt.last_step - kept_until, 0) if following else None
             recovered_at = following.first_step_at if following else None
@@ -72,12 +107,43 @@ def job_goodput(job, now=None) -> dict:
                 }
             )
     share = effective_share(productive, wall)
+    uses["productive_s"] = productive
+    uses["other_s"] = max(wall - sum(uses.values()), 0.0)
     result.update(
         wall_s=round(wall, 1),
         productive_s=round(productive, 1),
         effective=None if share is None else round(share, 4),
+        breakdown=[
+            {"key": key, "label": label, "what": what, "seconds": round(uses[key], 1)}
+            for key, label, what in TIME_USES
+        ],
     )
     return result
+
+
+def _place_attempt(uses: dict, attempt: Attempt, per_step, following, end) -> None:
+    """Add `attempt`'s time outside its steps to `uses`: its start-up (launch to first step,
+    that step's own time excluded: it is counted with the steps), its end (last step to its
+    end) and, once ended, the wait until the `following` attempt's launch (or until `end`,
+    the job's end or now, while it waits again)."""
+    ended = min(attempt.ended_at, end) if attempt.ended_at else None
+    if attempt.first_step_at is None:
+        uses["starting_s"] += _span(attempt.created_at, ended or end)
+    else:
+        uses["starting_s"] += max(
+            _span(attempt.created_at, attempt.first_step_at) - (per_step or 0.0), 0.0
+        )
+        if ended is not None and attempt.last_progress_at is not None:
+            uses["ending_s"] += _span(attempt.last_progress_at, ended)
+    if ended is None:
+        return
+    waited = _span(ended, following.created_at if following else end)
+    key = "after_failure_s" if attempt.state in FAILURES else "after_stop_s"
+    uses[key] += waited
+
+
+def _span(start, end) -> float:
+    return max((end - start).total_seconds(), 0.0)
 
 
 def _seconds(start, end) -> float | None:
