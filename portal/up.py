@@ -7,7 +7,8 @@ everything until Ctrl-C, which stops every process it started (a second Ctrl-C k
 left at once). A start clears nothing: it runs over the state `var/` holds, uncordons its own
 demo nodes where the strikes of its earlier runs cordoned them, and when it cannot start it
 says each node's true state. One runs per var dir: a second start over the same state (or on a
-port another program holds) is refused, exit 2, before it starts anything (`_refusal`).
+port another program holds) is refused, exit 2, before it starts anything; what a killed one
+left running is stopped first (portal/up_guard.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import requests
 
-from nodeagent import exclusive
 from portal.embedded_redis import start_embedded_redis
+from portal.up_guard import EXIT_REFUSED, refusal
 
 ROOT = Path(__file__).resolve().parent.parent
 # About five minutes on a laptop's CPU with four ranks.
@@ -184,51 +184,6 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-# The exit status of a start refused before anything started (another `lockstep up` over the
-# same var dir, or the port taken).
-EXIT_REFUSED = 2
-_UP_LOCK: list[int] = []  # the var dir's lock, held until this process exits
-
-
-def _refusal(var: Path, port: int, url: str) -> str | None:
-    """Why this start must not go on, or None (and the var dir is this run's from now on).
-    A second `lockstep up` over the same var dir started agents of the same names and work
-    dirs, whose start-up removed the running agents' containers as stale (the demo job was
-    killed three times, its restarts spent, its nodes struck), and replaced the running
-    Redis's socket with its own, then removed it at its stop."""
-    try:
-        _UP_LOCK.append(exclusive.hold(var / "up.lock", "lockstep up", url=url))
-    except exclusive.HeldElsewhere as exc:
-        pid = exc.holder.get("pid")
-        where = exc.holder.get("url", "")
-        how = f"Ctrl-C where it runs, or kill -INT {pid}" if pid else "Ctrl-C where it runs"
-        return (
-            f"already running over {var} ({exc.describe()}"
-            + (f", {where}" if where else "")
-            + f"): use it, or stop it first ({how}). A second one over the same state "
-            "would stop its jobs; for another, set LOCKSTEP_VAR_DIR to a directory of its own."
-        )
-    if not _port_free(port):
-        return (
-            f"port {port} is taken by another program; stop it, or start on another port "
-            f"(PORT={port + 1} make up, or lockstep up --port {port + 1})"
-        )
-    return None
-
-
-def _port_free(port: int) -> bool:
-    """Whether daphne could listen on `port` (as it binds: with SO_REUSEADDR, so the old
-    connections' TIME_WAIT after a stop does not count)."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-            probe.listen()
-        except OSError:
-            return False
-    return True
 
 
 def _agent_token_file(var: Path) -> Path:
@@ -505,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     var.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
     # Before anything starts, and outside the stop below: a refused start touches nothing.
-    refused = _refusal(var, args.port, url)
+    refused = refusal(var, args.port, url)
     if refused:
         print(f"lockstep up: {refused}", file=sys.stderr)
         return EXIT_REFUSED

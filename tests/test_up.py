@@ -291,6 +291,44 @@ def test_a_second_start_over_a_running_platform_is_refused_and_changes_nothing(t
                 os.killpg(started.proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.e2e
+def test_a_start_after_a_killed_up_stops_what_it_left_and_the_job_resumes(tmp_path):
+    """`lockstep up` SIGKILLed (an OOM kill, a closed terminal's kill -9): its children run in
+    sessions of their own and outlive it, the portal holding the port and the agents their
+    jobs. The next start stops them as its Ctrl-C would have (agents first: a planned
+    restart, no strike, no restart used), says so, and comes up on the same port with the
+    job resuming from its checkpoint."""
+    var, port = tmp_path / "var", free_port()
+    first = second = Up(var, port)
+    try:
+        api = first.wait_up()
+        job_id = _demo_job(first, api)["id"]
+        step = wait_for(
+            functools.partial(_checkpoint_step, first, api, job_id), 120, "a checkpoint"
+        )
+        left = descendants(first.proc.pid)
+        first.proc.kill()  # up alone: what it started lives on
+        first.proc.wait(timeout=10)
+        assert _alive(left) and not _port_free(port)
+        second = Up(var, port, env={"LOCKSTEP_STRIKES_TO_CORDON": "1"})
+        api = second.wait_up()
+        assert re.search(r"stopped \d+ process\(es\) that an earlier lockstep up", second.output)
+        assert _alive(left) == [], _alive(left)
+        assert {n["state"] for n in _nodes(second, api).values()} == {"up"}, second
+        job = wait_for(
+            functools.partial(_running_again, second, api, job_id, 1), 90, "the job to resume"
+        )
+        assert job["restart_count"] == 0, job
+        assert job["attempts"][0]["resumed_from_step"] >= step, job["attempts"]
+        _stop(second)
+    finally:
+        for started in {first, second}:
+            if started.proc.poll() is None:
+                os.killpg(started.proc.pid, signal.SIGKILL)
+        for line in _alive(left if "left" in locals() else {}):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
 def _refused(up: Up) -> str:
     """Wait for `up` to exit; assert it was refused before it started anything."""
     try:

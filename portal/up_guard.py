@@ -1,0 +1,160 @@
+"""What `lockstep up` makes sure of before it starts anything: that it is the only one over its
+var dir, that its port is free, and that nothing an earlier, killed `lockstep up` started over
+the same var dir still runs.
+
+A second `lockstep up` over the same var dir started agents of the same names and work dirs,
+whose start-up removed the running agents' containers as stale (the demo job was killed three
+times, its restarts spent, its nodes struck), and replaced the running Redis's socket with its
+own, then removed it at its stop: so one runs per var dir (`refusal`). A `lockstep up` killed
+with SIGKILL (or an OOM kill) cannot stop its children, which run in sessions of their own: the
+portal kept the port, the agents their jobs, and the next start could only say the port was
+taken. Those are stopped first, as its Ctrl-C would have (`stop_leftovers`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from nodeagent import exclusive
+
+# The exit status of a start refused before anything started (another `lockstep up` over the
+# same var dir, or the port taken).
+EXIT_REFUSED = 2
+_UP_LOCK: list[int] = []  # the var dir's lock, held until this process exits
+# A killed `lockstep up`'s leftovers, stopped in its own stop's order and graces (agents first:
+# they checkpoint-stop their jobs and tell the portal they leave; Redis last).
+LEFTOVER_STAGES: tuple[tuple[str, float], ...] = (
+    ("agent", 10.0),
+    ("platform", 5.0),
+    ("redis", 3.0),
+)
+
+
+# How each of up's own children is known by its command line (with LOCKSTEP_VAR_DIR=var in its
+# environment: a user's shell that exports it is none of these).
+ROLES: tuple[tuple[bytes, str], ...] = (
+    (b"-m\0nodeagent\0", "agent"),
+    (b"portal.asgi:application", "platform"),
+    (b"manage.py\0rqworker\0", "platform"),
+    (b"manage.py\0run_scheduler", "platform"),
+)
+
+
+def refusal(var: Path, port: int, url: str, say=print) -> str | None:
+    """Why this start must not go on, or None: then the var dir is this run's from now on,
+    and what a killed `lockstep up` left running over it has been stopped (and said so)."""
+    try:
+        _UP_LOCK.append(exclusive.hold(var / "up.lock", "lockstep up", url=url))
+    except exclusive.HeldElsewhere as exc:
+        pid = exc.holder.get("pid")
+        where = exc.holder.get("url", "")
+        how = f"Ctrl-C where it runs, or kill -INT {pid}" if pid else "Ctrl-C where it runs"
+        return (
+            f"already running over {var} ({exc.describe()}"
+            + (f", {where}" if where else "")
+            + f"): use it, or stop it first ({how}). A second one over the same state "
+            "would stop its jobs; for another, set LOCKSTEP_VAR_DIR to a directory of its own."
+        )
+    stopped = stop_leftovers(var)
+    if stopped:
+        say(
+            f"  stopped {stopped} process(es) that an earlier lockstep up over {var} left "
+            "running when it was killed (its agents first: their jobs checkpoint and requeue)",
+            flush=True,
+        )
+    if not port_free(port):
+        return (
+            f"port {port} is taken by another program; stop it, or start on another port "
+            f"(PORT={port + 1} make up, or lockstep up --port {port + 1})"
+        )
+    return None
+
+
+def port_free(port: int) -> bool:
+    """Whether daphne could listen on `port` (as it binds: with SO_REUSEADDR, so the old
+    connections' TIME_WAIT after a stop does not count)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+            probe.listen()
+        except OSError:
+            return False
+    return True
+
+
+def leftovers(var: Path) -> dict[str, dict[int, int]]:
+    """The processes an earlier `lockstep up` over `var` started and that still run, by stage
+    (LEFTOVER_STAGES): pid -> start time. Called with the var dir's lock held, so that up is
+    gone. Its children carry LOCKSTEP_VAR_DIR=var in their environment; its Redis, which it
+    started with its own, is known by its socket."""
+    marker = f"LOCKSTEP_VAR_DIR={var}".encode()
+    socket_arg = f"unixsocket:{var / 'redis.sock'}".encode()
+    found: dict[str, dict[int, int]] = {stage: {} for stage, _grace in LEFTOVER_STAGES}
+    for pid, start in _processes().items():
+        if pid == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if socket_arg in cmdline:
+            found["redis"][pid] = start
+        elif marker in environ.split(b"\0"):
+            stage = next((role for mark, role in ROLES if mark in cmdline + b"\0"), None)
+            if stage is not None:
+                found[stage][pid] = start
+    return found
+
+
+def stop_leftovers(var: Path) -> int:
+    """Stop what a killed `lockstep up` over `var` left running, stage by stage: SIGTERM, the
+    stage's grace, then SIGKILL. Returns how many processes there were."""
+    found = leftovers(var)
+    for stage, grace in LEFTOVER_STAGES:
+        stage_pids = found[stage]
+        for pid in stage_pids:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while _alive(stage_pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in _alive(stage_pids):
+            _signal(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while _alive(stage_pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return sum(len(pids) for pids in found.values())
+
+
+def _processes() -> dict[int, int]:
+    """pid -> start time (clock ticks) of every live process, zombies left out."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z":
+            table[int(entry.name)] = int(fields[19])
+    return table
+
+
+def _alive(pids: dict[int, int]) -> list[int]:
+    """Those of `pids` still running (same pid and start time: a reused pid is not ours)."""
+    now = _processes()
+    return [pid for pid, start in pids.items() if now.get(pid) == start]
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
