@@ -109,6 +109,12 @@ def main() -> int:
         help="the setting WAIT_FOR_ENDING_JOBS on (SimConfig.wait_for_ending)",
     )
     parser.add_argument(
+        "--quota-promise",
+        action="store_true",
+        help="the admin's quota settings: AGED_BORROWED_FIRST=false, QUOTA_BEFORE_DRAIN=true "
+        "(bench/quota_promise.py)",
+    )
+    parser.add_argument(
         "--events-only",
         action="store_true",
         help="no pass when a job's protection ends (SimConfig.pass_at_protection_end off, "
@@ -132,6 +138,8 @@ def main() -> int:
         checkpoint_on_stop=args.checkpoint_on_stop,
         pass_at_protection_end=not args.events_only,
         wait_for_ending=args.wait_for_ending,
+        aged_borrowed_first=not args.quota_promise,
+        quota_before_drain=args.quota_promise,
     )
     seen: dict[int, dict] = {}  # job id -> its clock, its reasons over time
     engine = None
@@ -224,6 +232,7 @@ def main() -> int:
         "by_last_reason": by_reason,
         "gpus": args.gpus,
         "checkpoint_on_stop": args.checkpoint_on_stop,
+        "quota_promise": args.quota_promise,
         "wall_s": round(time.perf_counter() - began, 1),
         "past": "grace" if args.past_grace else "their own bound",
         "reclaims_over_bound": result.metrics["reclaims_over_bound"],
@@ -242,6 +251,7 @@ def main() -> int:
         + ("-past-grace" if args.past_grace else "")
         + ("-events-only" if args.events_only else "")
         + ("-wait-for-ending" if args.wait_for_ending else "")
+        + ("-quota-promise" if args.quota_promise else "")
     )
     name = args.trace if args.generated else Path(args.trace).stem
     path = RESULTS / f"reclaim-replay-{name}-{args.gpus}{suffix}.json"
