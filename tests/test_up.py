@@ -32,6 +32,7 @@ from jobs.models import Event, Node
 from nodeagent import exclusive
 from portal.embedded_redis import start_embedded_redis
 from portal.up import descendants, node_report
+from portal.up_guard import port_free
 from tests.live import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,19 +138,6 @@ def _alive(processes: dict[int, int]) -> list[str]:
     return left
 
 
-def _port_free(port: int) -> bool:
-    """Whether a new portal could listen on the port (as daphne does, with SO_REUSEADDR: the
-    old connections' TIME_WAIT does not count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen()
-        except OSError:
-            return False
-        return True
-
-
 def _stop(up: Up, *, times: int = 1, within: float = STOP_TIMEOUT_S) -> float:
     """Stop it with `times` SIGINTs; assert everything it ran is gone and its port is free
     within `within` seconds; returns how long it took."""
@@ -164,7 +152,7 @@ def _stop(up: Up, *, times: int = 1, within: float = STOP_TIMEOUT_S) -> float:
         raise AssertionError(message) from exc
     took = time.monotonic() - started
     assert _alive(below) == [], f"left behind after {took:.1f}s:\n{_alive(below)}\n{up}"
-    assert _port_free(up.port), f"port {up.port} still taken after the stop"
+    assert port_free(up.port), f"port {up.port} still taken after the stop"
     assert took < within
     return took
 
@@ -309,7 +297,7 @@ def test_a_start_after_a_killed_up_stops_what_it_left_and_the_job_resumes(tmp_pa
         left = descendants(first.proc.pid)
         first.proc.kill()  # up alone: what it started lives on
         first.proc.wait(timeout=10)
-        assert _alive(left) and not _port_free(port)
+        assert _alive(left) and not port_free(port)
         second = Up(var, port, env={"LOCKSTEP_STRIKES_TO_CORDON": "1"})
         api = second.wait_up()
         assert re.search(r"stopped \d+ process\(es\) that an earlier lockstep up", second.output)
