@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed
 # Where podman is installed, jobs run in the trainer's image (built here, offline, if it is
 # missing or stale); elsewhere as plain processes, which the banner says are not isolated.
 up: $(STAMP)
+	@$(VENV)/bin/lockstep up --check  # a second make up stops here, before any build
 	@if command -v podman >/dev/null 2>&1; then \
 	  PY=$(PY) trainer/image/build.sh podman || echo "make up: the trainer image did not build; jobs will run as plain processes"; \
 	fi

@@ -177,10 +177,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The exit status of an agent that did not start because another holds its work dir.
-EXIT_WORK_DIR_HELD = 3  # 2 is a usage error (argparse), 1 a refusal by the portal
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -219,7 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "registration. Stop it first, or give this agent a --work-dir of its own.",
             file=sys.stderr,
         )
-        return EXIT_WORK_DIR_HELD
+        return exclusive.EXIT_WORK_DIR_HELD
+    except OSError as exc:  # a work dir not ours, or a file system without flock
+        print(f"lockstep agent: cannot lock the work dir {work_dir}: {exc}", file=sys.stderr)
+        return exclusive.EXIT_WORK_DIR_HELD
     agent = Agent(
         args.portal,
         args.token,

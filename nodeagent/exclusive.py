@@ -20,6 +20,10 @@ import os
 import time
 from pathlib import Path
 
+# The exit status of an agent that did not start because another holds its work dir (2 is a
+# usage error, argparse's; 1 a refusal by the portal).
+EXIT_WORK_DIR_HELD = 3
+
 
 class HeldElsewhere(RuntimeError):
     """Another live process holds the lock; `holder` is what it wrote there (pid, what, since),
@@ -32,7 +36,7 @@ class HeldElsewhere(RuntimeError):
         super().__init__(f"{path} is held by pid {pid} ({holder.get('what', 'another process')})")
 
     def describe(self) -> str:
-        """'pid 1234, since 17:09:22' (what the refusal's message names)."""
+        """'pid 1234 since 17:09:22' (what the refusal's message names)."""
         since = self.holder.get("since")
         when = time.strftime(" since %H:%M:%S", time.localtime(since)) if since else ""
         return f"pid {self.holder.get('pid', 'unknown')}{when}"

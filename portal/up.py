@@ -7,7 +7,7 @@ everything until Ctrl-C, which stops every process it started (a second Ctrl-C k
 left at once). A start clears nothing: it runs over the state `var/` holds, uncordons its own
 demo nodes where the strikes of its earlier runs cordoned them, and when it cannot start it
 says each node's true state. One runs per var dir: a second start over the same state (or on a
-port another program holds) is refused, exit 2, before it starts anything; what a killed one
+port another program holds) is refused, exit 3, before it starts anything; what a killed one
 left running is stopped first (portal/up_guard.py).
 """
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import requests
 
+from nodeagent.exclusive import EXIT_WORK_DIR_HELD
 from portal.embedded_redis import start_embedded_redis
 from portal.up_guard import EXIT_REFUSED, refusal
 
@@ -96,6 +97,10 @@ class Supervisor:
         self.procs.append((name, proc))
         print(f"  started {name} (pid {proc.pid}, log {self.log_dir / (name + '.log')})")
         return proc
+
+    def exited_with(self, prefix: str, status: int) -> bool:
+        """Whether a process whose name starts with `prefix` exited with `status`."""
+        return any(name.startswith(prefix) and proc.poll() == status for name, proc in self.procs)
 
     def started(self, prefix: str) -> bool:
         """Whether a process whose name starts with `prefix` was started here."""
@@ -455,15 +460,27 @@ def main(argv: list[str] | None = None) -> int:
         default=int(os.environ.get("LOCKSTEP_UP_DEMO_STEPS", DEMO_STEPS)),
         help="training steps of the demo job (default %(default)s, about five minutes)",
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="only say whether a start would be refused because a lockstep up already runs "
+        "over this var dir (exit 3), and start nothing: `make up` asks before it builds",
+    )
     args = parser.parse_args(argv)
     var = Path(os.environ.get("LOCKSTEP_VAR_DIR", ROOT / "var")).resolve()
     var.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
     # Before anything starts, and outside the stop below: a refused start touches nothing.
-    refused = refusal(var, args.port, url)
+    try:
+        refused = refusal(var, args.port, url, check_only=args.check)
+    except KeyboardInterrupt:  # during the stop of a killed run's leftovers
+        print("\nlockstep up: interrupted before it started anything", file=sys.stderr)
+        return 130
     if refused:
         print(f"lockstep up: {refused}", file=sys.stderr)
         return EXIT_REFUSED
+    if args.check:
+        return 0
     env = dict(
         os.environ,
         DJANGO_SETTINGS_MODULE="portal.settings",
@@ -517,7 +534,9 @@ Logs in {var / "logs"}. Ctrl-C stops everything.""",
         return 1
     finally:
         sup.stop_all()
-        if sup.started("agent-"):  # only this run's agents' (none if they could not start)
+        # Only this run's agents' containers, and none where an agent found its work dir
+        # held: the holder's containers are live (nodeagent/cli.py, EXIT_WORK_DIR_HELD).
+        if sup.started("agent-") and not sup.exited_with("agent-", EXIT_WORK_DIR_HELD):
             left = _remove_agent_containers(var, _agent_names(args.agents))
             if left:
                 print(f"  removed {left} container(s) an agent left behind", flush=True)

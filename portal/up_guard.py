@@ -22,8 +22,8 @@ from pathlib import Path
 from nodeagent import exclusive
 
 # The exit status of a start refused before anything started (another `lockstep up` over the
-# same var dir, or the port taken).
-EXIT_REFUSED = 2
+# same var dir, or the port taken); 2 is a usage error (argparse), as for the agent.
+EXIT_REFUSED = 3
 _UP_LOCK: list[int] = []  # the var dir's lock, held until this process exits
 # A killed `lockstep up`'s leftovers, stopped in its own stop's order and graces (agents first:
 # they checkpoint-stop their jobs and tell the portal they leave; Redis last).
@@ -44,11 +44,15 @@ ROLES: tuple[tuple[bytes, str], ...] = (
 )
 
 
-def refusal(var: Path, port: int, url: str, say=print) -> str | None:
+def refusal(var: Path, port: int, url: str, say=print, check_only: bool = False) -> str | None:
     """Why this start must not go on, or None: then the var dir is this run's from now on,
-    and what a killed `lockstep up` left running over it has been stopped (and said so)."""
+    and what a killed `lockstep up` left running over it has been stopped (and said so).
+    `check_only`: the lock alone, let go at once (`lockstep up --check`, which `make up` runs
+    before it builds anything)."""
     try:
-        _UP_LOCK.append(exclusive.hold(var / "up.lock", "lockstep up", url=url))
+        held = exclusive.hold(var / "up.lock", "lockstep up", url=url)
+    except OSError as exc:  # a var dir not ours, or a file system without flock
+        return f"cannot lock {var / 'up.lock'}: {exc.strerror or exc}"
     except exclusive.HeldElsewhere as exc:
         pid = exc.holder.get("pid")
         where = exc.holder.get("url", "")
@@ -59,13 +63,19 @@ def refusal(var: Path, port: int, url: str, say=print) -> str | None:
             + f"): use it, or stop it first ({how}). A second one over the same state "
             "would stop its jobs; for another, set LOCKSTEP_VAR_DIR to a directory of its own."
         )
-    stopped = stop_leftovers(var)
-    if stopped:
+    if check_only:
+        os.close(held)
+        return None
+    _UP_LOCK.append(held)
+    found = leftovers(var)
+    count = sum(len(pids) for pids in found.values())
+    if count:
         say(
-            f"  stopped {stopped} process(es) that an earlier lockstep up over {var} left "
+            f"  stopping {count} process(es) that an earlier lockstep up over {var} left "
             "running when it was killed (its agents first: their jobs checkpoint and requeue)",
             flush=True,
         )
+        stop_leftovers(found)
     if not port_free(port):
         return (
             f"port {port} is taken by another program; stop it, or start on another port "
@@ -95,7 +105,7 @@ def leftovers(var: Path) -> dict[str, dict[int, int]]:
     marker = f"LOCKSTEP_VAR_DIR={var}".encode()
     socket_arg = f"unixsocket:{var / 'redis.sock'}".encode()
     found: dict[str, dict[int, int]] = {stage: {} for stage, _grace in LEFTOVER_STAGES}
-    for pid, start in _processes().items():
+    for pid, (_ppid, start) in _processes().items():
         if pid == os.getpid():
             continue
         try:
@@ -112,27 +122,31 @@ def leftovers(var: Path) -> dict[str, dict[int, int]]:
     return found
 
 
-def stop_leftovers(var: Path) -> int:
-    """Stop what a killed `lockstep up` over `var` left running, stage by stage: SIGTERM, the
-    stage's grace, then SIGKILL. Returns how many processes there were."""
-    found = leftovers(var)
+def stop_leftovers(found: dict[str, dict[int, int]]) -> None:
+    """Stop `found` (`leftovers`), stage by stage as up's own stop does: SIGTERM, the stage's
+    grace, then SIGKILL for what is left with its process group; last, SIGKILL for every
+    process that was below them (an agent's workers and podman clients, a work horse)."""
+    below: dict[int, int] = {}
     for stage, grace in LEFTOVER_STAGES:
         stage_pids = found[stage]
+        below.update(_below(stage_pids))
         for pid in stage_pids:
             _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while _alive(stage_pids) and time.monotonic() < deadline:
             time.sleep(0.1)
+        below.update(_below(stage_pids))
         for pid in _alive(stage_pids):
-            _signal(pid, signal.SIGKILL)
+            _signal(pid, signal.SIGKILL, group=True)
         deadline = time.monotonic() + 5
         while _alive(stage_pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-    return sum(len(pids) for pids in found.values())
+    for pid in _alive(below):
+        _signal(pid, signal.SIGKILL)
 
 
-def _processes() -> dict[int, int]:
-    """pid -> start time (clock ticks) of every live process, zombies left out."""
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time in clock ticks) of every live process, zombies left out."""
     table = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -143,18 +157,37 @@ def _processes() -> dict[int, int]:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
         if fields[0] != "Z":
-            table[int(entry.name)] = int(fields[19])
+            table[int(entry.name)] = (int(fields[1]), int(fields[19]))
     return table
 
 
-def _alive(pids: dict[int, int]) -> list[int]:
+def _below(pids: dict[int, int]) -> dict[int, int]:
+    """Every live process below `pids` (the live ones of them): pid -> start time."""
+    table = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _start) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, list(_alive(pids, table))
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = table[child][1]
+            todo.append(child)
+    return found
+
+
+def _alive(pids: dict[int, int], table: dict[int, tuple[int, int]] | None = None) -> list[int]:
     """Those of `pids` still running (same pid and start time: a reused pid is not ours)."""
-    now = _processes()
-    return [pid for pid, start in pids.items() if now.get(pid) == start]
+    table = _processes() if table is None else table
+    return [pid for pid, start in pids.items() if table.get(pid, (0, None))[1] == start]
 
 
-def _signal(pid: int, sig: int) -> None:
+def _signal(pid: int, sig: int, group: bool = False) -> None:
+    """`sig` to `pid`, and with `group` to its process group too where it leads one (each of
+    up's children was started in a session of its own)."""
     try:
-        os.kill(pid, sig)
+        if group and os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass

@@ -320,3 +320,26 @@ def test_goodput_places_every_second_of_the_wall_time(setup, make_recorded_job, 
     page = client.get(f"/jobs/{job.id}/").content.decode()
     assert 'id="time-uses"' in page and "waiting after stops 335s" in page
     assert "flex-grow:335.0" in page
+
+
+@pytest.mark.django_db
+def test_goodput_of_a_live_attempt_whose_first_progress_came_with_ten_steps(
+    setup, make_recorded_job
+):
+    """The first progress arrives with a batch (ingest keeps its latest step as `first_step`):
+    the steps before it took time that is training, not start-up. Launched at 0, first
+    progress at 30 s with 10 steps done, 110 steps by 130 s (a step a second), asked at 131 s:
+    20 s starting, 110 s training, the last second since the latest step."""
+    team, user, _, _ = setup
+    t0 = timezone.now() - timedelta(hours=1)
+    at = lambda s: t0 + timedelta(seconds=s)  # noqa: E731
+    job = make_recorded_job(team, user, submitted=t0, runs=[(at(0), None)])
+    (attempt,) = job.attempts.all()
+    attempt.first_step, attempt.first_step_at = 10, at(30)
+    attempt.last_step, attempt.last_progress_at = 110, at(130)
+    attempt.save()
+    figures = job_goodput(job, now=at(131))
+    uses = {use["key"]: use["seconds"] for use in figures["breakdown"]}
+    assert figures["productive_s"] == 110.0 and figures["wall_s"] == 131.0
+    assert uses["starting_s"] == 20.0 and uses["other_s"] == 1.0
+    assert uses["ending_s"] == uses["after_stop_s"] == uses["after_failure_s"] == 0.0

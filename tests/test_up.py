@@ -32,7 +32,7 @@ from jobs.models import Event, Node
 from nodeagent import exclusive
 from portal.embedded_redis import start_embedded_redis
 from portal.up import descendants, node_report
-from portal.up_guard import port_free
+from portal.up_guard import leftovers, port_free, stop_leftovers
 from tests.live import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -260,7 +260,7 @@ def test_a_second_start_over_a_running_platform_is_refused_and_changes_nothing(t
         before = _demo_job(up, api)
         # On another port, so that only the var dir's lock can stop it.
         second = Up(var, free_port())
-        assert second.proc.wait(timeout=60) == 2, second
+        assert second.proc.wait(timeout=60) == 3, second
         wait_for(lambda: "already running" in second.output, 5, "the refusal's message")
         assert f"pid {up.proc.pid}" in second.output and up.url in second.output, second.output
         assert "kill -INT" in second.output
@@ -320,7 +320,7 @@ def test_a_start_after_a_killed_up_stops_what_it_left_and_the_job_resumes(tmp_pa
 def _refused(up: Up) -> str:
     """Wait for `up` to exit; assert it was refused before it started anything."""
     try:
-        assert up.proc.wait(timeout=60) == 2, up.output
+        assert up.proc.wait(timeout=60) == 3, up.output
     finally:
         if up.proc.poll() is None:  # it went on starting: stop all it started
             os.killpg(up.proc.pid, signal.SIGKILL)
@@ -337,8 +337,59 @@ def test_a_start_over_a_var_dir_in_use_is_refused_before_anything_starts(tmp_pat
         said = _refused(Up(var, free_port()))
     finally:
         os.close(held)
-    assert f"already running over {var} (pid {os.getpid()}" in said, said
+    assert f"already running over {var.resolve()} (pid {os.getpid()}" in said, said
     assert "http://127.0.0.1:1234" in said and "LOCKSTEP_VAR_DIR" in said
+
+
+def test_check_says_whether_a_start_would_be_refused_and_starts_nothing(tmp_path):
+    """`lockstep up --check`, which `make up` runs before it builds anything."""
+    var = tmp_path / "var"
+    check = [sys.executable, "-m", "portal.up", "--check"]
+    env = dict(os.environ, LOCKSTEP_VAR_DIR=str(var))
+    held = exclusive.hold(var / "up.lock", "lockstep up", url="http://127.0.0.1:1234")
+    try:
+        done = subprocess.run(check, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        os.close(held)
+    assert done.returncode == 3 and "already running over" in done.stderr, done
+    done = subprocess.run(check, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "", done
+    assert not (var / "logs").exists()
+    os.close(exclusive.hold(var / "up.lock", "a test"))  # --check let go of the lock
+
+
+def test_leftovers_are_up_s_own_children_only(tmp_path):
+    """What a killed `lockstep up` left: a process with the var dir in its environment *and*
+    one of up's command lines. A shell that exports the var dir, or an agent of another var
+    dir, is not touched."""
+    var = (tmp_path / "var").resolve()
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    mine = dict(os.environ, LOCKSTEP_VAR_DIR=str(var))
+    other = dict(os.environ, LOCKSTEP_VAR_DIR=str(tmp_path / "elsewhere"))
+    started = {
+        "agent": subprocess.Popen([*sleep, "-m", "nodeagent", "--name", "x"], env=mine),
+        "shell": subprocess.Popen(sleep, env=mine),
+        "other agent": subprocess.Popen([*sleep, "-m", "nodeagent"], env=other),
+        "platform": subprocess.Popen([*sleep, "manage.py", "run_scheduler"], env=mine),
+    }
+    try:
+        wait_for(
+            lambda: all(Path(f"/proc/{p.pid}/environ").exists() for p in started.values()),
+            10,
+            "the processes to start",
+        )
+        found = leftovers(var)
+        assert set(found["agent"]) == {started["agent"].pid}, found
+        assert set(found["platform"]) == {started["platform"].pid}, found
+        assert found["redis"] == {}
+        stop_leftovers(found)
+        assert started["agent"].wait(timeout=10) == -signal.SIGTERM
+        assert started["platform"].wait(timeout=10) == -signal.SIGTERM
+        assert started["shell"].poll() is None and started["other agent"].poll() is None
+    finally:
+        for proc in started.values():
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def test_a_start_on_a_taken_port_is_refused_before_anything_starts(tmp_path):

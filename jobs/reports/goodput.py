@@ -20,11 +20,23 @@ def effective_share(productive_s: float, wall_s: float) -> float | None:
 
 
 def _step_seconds(attempt: Attempt) -> float | None:
-    """Mean seconds per step of an attempt, from its first and last progress."""
-    steps = attempt.last_step - attempt.resumed_from_step
-    if steps < 2 or not attempt.first_step_at or not attempt.last_progress_at:
+    """Mean seconds per step of an attempt, from its first and last progress. The first
+    progress came with a batch of steps (`first_step`, its latest: ingest._note_progress), so
+    the pace is over the steps after it; without `first_step`, over those after the first."""
+    if not attempt.first_step_at or not attempt.last_progress_at:
         return None
-    return (attempt.last_progress_at - attempt.first_step_at).total_seconds() / (steps - 1)
+    first = attempt.resumed_from_step + 1 if attempt.first_step is None else attempt.first_step
+    steps = attempt.last_step - first
+    if steps < 1:
+        return None
+    return (attempt.last_progress_at - attempt.first_step_at).total_seconds() / steps
+
+
+def _steps_by_first_progress(attempt: Attempt) -> int:
+    """How many steps the attempt had done when its first progress came."""
+    if attempt.first_step is None:
+        return 1
+    return max(attempt.first_step - attempt.resumed_from_step, 0)
 
 
 # Where a job's wall time went (`breakdown`), in the order the job page stacks it.
@@ -108,6 +120,11 @@ def job_goodput(job, now=None) -> dict:
             )
     share = effective_share(productive, wall)
     uses["productive_s"] = productive
+    # Start-up is the one estimated part (its first steps' time taken out at the pace of the
+    # rest): where the parts overrun the wall time, by a step or two, start-up gives it back.
+    overrun = sum(uses.values()) - wall
+    if overrun > 0:
+        uses["starting_s"] = max(uses["starting_s"] - overrun, 0.0)
     uses["other_s"] = max(wall - sum(uses.values()), 0.0)
     result.update(
         wall_s=round(wall, 1),
@@ -122,17 +139,16 @@ def job_goodput(job, now=None) -> dict:
 
 
 def _place_attempt(uses: dict, attempt: Attempt, per_step, following, end) -> None:
-    """Add `attempt`'s time outside its steps to `uses`: its start-up (launch to first step,
-    that step's own time excluded: it is counted with the steps), its end (last step to its
-    end) and, once ended, the wait until the `following` attempt's launch (or until `end`,
-    the job's end or now, while it waits again)."""
+    """Add `attempt`'s time outside its steps to `uses`: its start-up (launch to first
+    progress, less the steps done by then, at the attempt's pace: those count with the
+    steps), its end (last step to its end) and, once ended, the wait until the `following`
+    attempt's launch (or until `end`, the job's end or now, while it waits again)."""
     ended = min(attempt.ended_at, end) if attempt.ended_at else None
     if attempt.first_step_at is None:
         uses["starting_s"] += _span(attempt.created_at, ended or end)
     else:
-        uses["starting_s"] += max(
-            _span(attempt.created_at, attempt.first_step_at) - (per_step or 0.0), 0.0
-        )
+        early = _steps_by_first_progress(attempt) * (per_step or 0.0)
+        uses["starting_s"] += max(_span(attempt.created_at, attempt.first_step_at) - early, 0.0)
         if ended is not None and attempt.last_progress_at is not None:
             uses["ending_s"] += _span(attempt.last_progress_at, ended)
     if ended is None:
