@@ -157,6 +157,21 @@ def _stop(up: Up, *, times: int = 1, within: float = STOP_TIMEOUT_S) -> float:
     return took
 
 
+def _cleanup(up: Up) -> None:
+    """After a test, pass or fail: stop `up` as Ctrl-C does, and kill whatever was below it
+    that is still there (its children run in sessions of their own and outlive a SIGKILL)."""
+    if up.proc.poll() is not None:
+        return
+    below = descendants(up.proc.pid)
+    up.proc.send_signal(signal.SIGINT)
+    try:
+        up.proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(up.proc.pid, signal.SIGKILL)
+    for line in _alive(below):
+        os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
 def _demo_job(up: Up, api, job_id: int | None = None) -> dict:
     """The demo job (the first one up submitted, unless `job_id` names it)."""
     if job_id is None:
@@ -275,8 +290,7 @@ def test_a_second_start_over_a_running_platform_is_refused_and_changes_nothing(t
         _stop(up)
     finally:
         for started in {up, second}:
-            if started.proc.poll() is None:
-                os.killpg(started.proc.pid, signal.SIGKILL)
+            _cleanup(started)
 
 
 @pytest.mark.e2e
@@ -300,7 +314,7 @@ def test_a_start_after_a_killed_up_stops_what_it_left_and_the_job_resumes(tmp_pa
         assert _alive(left) and not port_free(port)
         second = Up(var, port, env={"LOCKSTEP_STRIKES_TO_CORDON": "1"})
         api = second.wait_up()
-        assert re.search(r"stopped \d+ process\(es\) that an earlier lockstep up", second.output)
+        assert re.search(r"stopping \d+ process\(es\) that an earlier lockstep up", second.output)
         assert _alive(left) == [], _alive(left)
         assert {n["state"] for n in _nodes(second, api).values()} == {"up"}, second
         job = wait_for(
@@ -311,8 +325,7 @@ def test_a_start_after_a_killed_up_stops_what_it_left_and_the_job_resumes(tmp_pa
         _stop(second)
     finally:
         for started in {first, second}:
-            if started.proc.poll() is None:
-                os.killpg(started.proc.pid, signal.SIGKILL)
+            _cleanup(started)
         for line in _alive(left if "left" in locals() else {}):
             os.kill(int(line.split()[0]), signal.SIGKILL)
 
