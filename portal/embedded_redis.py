@@ -21,8 +21,6 @@ def start_embedded_redis(socket_path: Path, *, log_path: Path | None = None) -> 
     if len(str(socket_path)) > 100:
         raise RuntimeError(f"unix socket path too long for Redis (>100 bytes): {socket_path}")
     socket_path.parent.mkdir(parents=True, exist_ok=True)
-    import redis
-
     if socket_path.exists():
         if _answers(socket_path):
             # Another platform's Redis (a `lockstep up` killed before it could stop its
@@ -54,6 +52,8 @@ def start_embedded_redis(socket_path: Path, *, log_path: Path | None = None) -> 
         start_new_session=True,
     )
     deadline = time.monotonic() + 15
+    import redis
+
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"embedded redis-server exited with {proc.returncode}")

@@ -29,7 +29,7 @@ import requests
 
 from nodeagent.exclusive import EXIT_WORK_DIR_HELD
 from portal.embedded_redis import start_embedded_redis
-from portal.up_guard import EXIT_REFUSED, refusal
+from portal.up_guard import EXIT_REFUSED, alive, descendants, refusal
 
 ROOT = Path(__file__).resolve().parent.parent
 # About five minutes on a laptop's CPU with four ranks.
@@ -47,38 +47,6 @@ def demo_command(steps: int) -> list[str]:
 # was in flight (its worker threads wait on the stopped event loop), hence the SIGKILL after
 # the timeout. A second Ctrl-C (or SIGTERM) during the stop kills what is left at once.
 STOP_STAGES: tuple[tuple[str, float], ...] = (("agent-", 10.0), ("", 5.0), ("redis", 3.0))
-
-
-def _process_table() -> dict[int, tuple[int, str, int]]:
-    """pid -> (parent pid, state, start time in clock ticks), from /proc."""
-    table = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        table[int(entry.name)] = (int(fields[1]), fields[0], int(fields[19]))
-    return table
-
-
-def descendants(root: int) -> dict[int, int]:
-    """Every live process below `root` (children in sessions of their own included): pid ->
-    start time, so a pid reused later is told apart."""
-    table = _process_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _state, _start) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = {}, list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        if table[pid][1] != "Z":
-            found[pid] = table[pid][2]
-        todo.extend(children.get(pid, []))
-    return found
 
 
 class Supervisor:
@@ -168,15 +136,10 @@ class Supervisor:
         workers in sessions of their own, an rq work horse), then wait for them briefly."""
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            table = _process_table()
-            alive = [
-                pid
-                for pid, start in seen.items()
-                if pid in table and table[pid][2] == start and table[pid][1] != "Z"
-            ]
-            if not alive:
+            left = alive(seen)
+            if not left:
                 return
-            for pid in alive:
+            for pid in left:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -105,7 +105,7 @@ def leftovers(var: Path) -> dict[str, dict[int, int]]:
     marker = f"LOCKSTEP_VAR_DIR={var}".encode()
     socket_arg = f"unixsocket:{var / 'redis.sock'}".encode()
     found: dict[str, dict[int, int]] = {stage: {} for stage, _grace in LEFTOVER_STAGES}
-    for pid, (_ppid, start) in _processes().items():
+    for pid, (_ppid, start) in process_table().items():
         if pid == os.getpid():
             continue
         try:
@@ -133,19 +133,19 @@ def stop_leftovers(found: dict[str, dict[int, int]]) -> None:
         for pid in stage_pids:
             _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while _alive(stage_pids) and time.monotonic() < deadline:
+        while alive(stage_pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         below.update(_below(stage_pids))
-        for pid in _alive(stage_pids):
+        for pid in alive(stage_pids):
             _signal(pid, signal.SIGKILL, group=True)
         deadline = time.monotonic() + 5
-        while _alive(stage_pids) and time.monotonic() < deadline:
+        while alive(stage_pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-    for pid in _alive(below):
+    for pid in alive(below):
         _signal(pid, signal.SIGKILL)
 
 
-def _processes() -> dict[int, tuple[int, int]]:
+def process_table() -> dict[int, tuple[int, int]]:
     """pid -> (parent pid, start time in clock ticks) of every live process, zombies left out."""
     table = {}
     for entry in os.scandir("/proc"):
@@ -161,13 +161,23 @@ def _processes() -> dict[int, tuple[int, int]]:
     return table
 
 
+def descendants(root: int) -> dict[int, int]:
+    """Every live process below `root` (children in sessions of their own included): pid ->
+    start time, so a pid reused later is told apart."""
+    return _walk([root], process_table())
+
+
 def _below(pids: dict[int, int]) -> dict[int, int]:
     """Every live process below `pids` (the live ones of them): pid -> start time."""
-    table = _processes()
+    table = process_table()
+    return _walk(alive(pids, table), table)
+
+
+def _walk(roots: list[int], table: dict[int, tuple[int, int]]) -> dict[int, int]:
     children: dict[int, list[int]] = {}
     for pid, (ppid, _start) in table.items():
         children.setdefault(ppid, []).append(pid)
-    found, todo = {}, list(_alive(pids, table))
+    found, todo = {}, list(roots)
     while todo:
         for child in children.get(todo.pop(), []):
             found[child] = table[child][1]
@@ -175,9 +185,9 @@ def _below(pids: dict[int, int]) -> dict[int, int]:
     return found
 
 
-def _alive(pids: dict[int, int], table: dict[int, tuple[int, int]] | None = None) -> list[int]:
+def alive(pids: dict[int, int], table: dict[int, tuple[int, int]] | None = None) -> list[int]:
     """Those of `pids` still running (same pid and start time: a reused pid is not ours)."""
-    table = _processes() if table is None else table
+    table = process_table() if table is None else table
     return [pid for pid, start in pids.items() if table.get(pid, (0, None))[1] == start]
 
 

@@ -31,8 +31,8 @@ from jobs.event_kinds import EventKind
 from jobs.models import Event, Node
 from nodeagent import exclusive
 from portal.embedded_redis import start_embedded_redis
-from portal.up import descendants, node_report
-from portal.up_guard import leftovers, port_free, stop_leftovers
+from portal.up import node_report
+from portal.up_guard import descendants, leftovers, port_free, stop_leftovers
 from tests.live import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -99,9 +99,8 @@ def job_goodput(job, now=None) -> dict:
         kept = max(min(kept_until, attempt.last_step) - attempt.resumed_from_step, 0)
         if per_step:
             productive += kept * per_step
-            uses["recomputed_s"] += max(attempt.last_step - attempt.resumed_from_step - kept, 0) * (
-                per_step
-            )
+            recomputed = max(attempt.last_step - attempt.resumed_from_step - kept, 0)
+            uses["recomputed_s"] += recomputed * per_step
         _place_attempt(uses, attempt, per_step, following, end)
         if attempt.state in FAILURES and attempt.ended_at:
             lost_steps = max(attempt.last_step - kept_until, 0) if following else None
